@@ -1,0 +1,77 @@
+"""Small configuration dataclasses shared by every layer of the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
+
+    architecture: str  # registry key: "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: Optional[dict[str, Any]] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: Optional[str] = None  # checkpoint dtype name, e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size, how many blocks, prefix caching."""
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024 ** 2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step and tokens per step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to be built."""
+
+    model_path: str
+    arch: ModelArchConfig
+    dtype: Any  # torch.dtype
+    device: str
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0

@@ -1,0 +1,40 @@
+"""Plain-Python messages from the runner to the scheduler and from the core to the output processor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Union
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs at one position: the chosen token first, then the top-k alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token, 1 = most likely
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one forward pass produced, keyed by request id."""
+
+    sampled: dict[str, int]  # only requests whose scheduled tokens reached their end
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once the request will produce nothing more."""
+        return self.finish_reason is not None

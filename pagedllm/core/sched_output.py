@@ -1,0 +1,47 @@
+"""SchedulerOutput: the one message from the scheduler to the model runner; it carries only what changed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen yet (or one resumed after preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + any output produced before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: new blocks and the computed count."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What to compute this step: per request, how many tokens from num_computed_tokens on."""
+
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step, in batch order
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens in this step's forward pass."""
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.num_scheduled_tokens

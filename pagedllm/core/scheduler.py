@@ -1,0 +1,170 @@
+"""Continuous batching over a token budget.
+
+There is no prefill phase and no decode phase: each request has num_computed_tokens catching up
+with num_tokens, and every step gives each running request (then waiting ones) as many tokens
+as the budget allows. A long prompt is therefore prefilled in chunks, and new requests join a
+running batch at any step. When blocks run out, the most recently admitted running request is
+preempted: its blocks are freed and it is recomputed from scratch later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Optional
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides, step by step, which requests compute how many tokens."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._known_to_runner: set[str] = set()
+        self._finished_ids: set[str] = set()  # to tell the runner next step
+
+    # ---- queue management -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests early (client gone, stop string seen) and free their blocks."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        """Anything left to do."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running (preempted ones included)."""
+        return len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then waiting ones while room remains."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            old_num_blocks = len(self.kv.block_ids(request.request_id))
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                new_ids = self.kv.block_ids(request.request_id)[old_num_blocks:]
+                cached_reqs.append(CachedRequestData(request.request_id, new_ids,
+                                                     request.num_computed_tokens))
+                i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hit.blocks):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(NewRequestData(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens,
+                request.sampling_params, self.kv.block_ids(request.request_id),
+                request.num_computed_tokens))
+            self._known_to_runner.add(request.request_id)
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished)
+
+    def update_from_output(self, sched: SchedulerOutput,
+                           out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, finish requests that stopped."""
+        outputs = []
+        for req_id, n in sched.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += n
+            core_out = EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens)
+            if req_id in out.prompt_logprobs:
+                core_out.new_prompt_logprobs = out.prompt_logprobs[req_id]
+            token = out.sampled.get(req_id)
+            if token is not None:
+                request.append_output_token(token)
+                core_out.new_token_ids.append(token)
+                if req_id in out.logprobs:
+                    core_out.new_logprobs.append(out.logprobs[req_id])
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    core_out.finish_reason = status.finish_reason
+                    core_out.stop_reason = request.stop_reason
+            if core_out.new_token_ids or core_out.new_prompt_logprobs or core_out.finished:
+                outputs.append(core_out)
+        return outputs
+
+    # ---- helpers ------------------------------------------------------------
+    def _check_stop(self, request: Request, token: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)  # the runner keeps its state (e.g. the RNG) until finish
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self._forget_in_runner(request.request_id)
+        del self.requests[request.request_id]
+
+    def _forget_in_runner(self, req_id: str) -> None:
+        if req_id in self._known_to_runner:
+            self._known_to_runner.discard(req_id)
+            self._finished_ids.add(req_id)

@@ -1,0 +1,69 @@
+"""EngineArgs: the user-facing engine options, with vLLM's names."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+# vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
+GPU_ONLY_ARGS = frozenset({
+    "gpu_memory_utilization", "enforce_eager", "swap_space", "cpu_offload_gb",
+    "tensor_parallel_size", "pipeline_parallel_size", "disable_custom_all_reduce",
+    "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
+    "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
+    "load_format", "download_dir", "revision", "tokenizer_revision", "max_logprobs",
+    "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
+    "mm_processor_kwargs", "limit_mm_per_prompt", "task", "quantization", "num_scheduler_steps",
+})
+
+
+@dataclass
+class EngineArgs:
+    """Options for building an engine; LLM(...) keyword arguments map onto these fields."""
+
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: Union[str, torch.dtype] = "auto"
+    device: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None  # vLLM's name; here: number of KV blocks
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        """Split keyword arguments into ours, GPU-only ones (warned and dropped) and unknown ones."""
+        known = {f.name for f in fields(cls)}
+        ours = {}
+        for key, value in kwargs.items():
+            if key in known:
+                ours[key] = value
+            elif key in GPU_ONLY_ARGS:
+                logger.warning("%s=%r has no effect on this engine/device and is ignored", key, value)
+            else:
+                raise TypeError(f"unexpected keyword argument {key!r}; supported: "
+                                f"{', '.join(sorted(known - {'model'}))}")
+        return cls(model=model, **ours)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")

@@ -1,0 +1,48 @@
+"""Incremental detokenization and stop-string detection for one sequence."""
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenizers.decoders import DecodeStream
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns tokens into text as they arrive (whole UTF-8 characters only) and finds stop strings."""
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self._backend = tokenizer.backend_tokenizer  # tokenizers.Tokenizer of a fast HF tokenizer
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._stops = params.stop or []
+        self._include_stop = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> Optional[str]:
+        """Append tokens' text; return the stop string if one now appears (text is cut there)."""
+        for token_id in token_ids:
+            piece = self._stream.step(self._backend, token_id)
+            if not piece:
+                continue
+            self.text += piece
+            stop = self._find_stop(len(piece))
+            if stop is not None:
+                return stop
+        return None
+
+    def _find_stop(self, new_chars: int) -> Optional[str]:
+        if not self._stops:
+            return None
+        # a stop string can only end inside the new text, so only its neighbourhood is searched
+        search_from = max(0, len(self.text) - new_chars - self._max_stop_len + 1)
+        best: Optional[tuple[int, str]] = None
+        for stop in self._stops:
+            idx = self.text.find(stop, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self.text = self.text[:idx + len(stop)] if self._include_stop else self.text[:idx]
+        return stop

@@ -1,0 +1,87 @@
+"""Prompt (text, token ids or a dict of either) + SamplingParams -> engine-core Requests."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+from pagedllm.engine.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A validated prompt and the child requests (one per sample) made from it."""
+
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    requests: list[Request]
+
+
+class InputProcessor:
+    """Tokenizes prompts and checks them against the model's limits."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
+                 eos_token_ids: frozenset[int], block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
+
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams) -> ProcessedPrompt:
+        """Validate and tokenize; n > 1 becomes n child requests with distinct seeds."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        self._check_length(ids)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        now = time.monotonic()
+        requests = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            requests.append(Request(child_id, list(ids), child_params, max_tokens,
+                                    self.eos_token_ids, self.block_size, now))
+        return ProcessedPrompt(text, ids, requests)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict must have a 'prompt' (text) or 'prompt_token_ids' key, "
+                                 f"got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of ints")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
+                                 f"got {t!r}")
+        return list(ids)
+
+    def _check_length(self, ids: list[int]) -> None:
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
+                "the prompt plus at least one generated token must fit; shorten the prompt or "
+                "raise max_model_len")

@@ -1,0 +1,152 @@
+"""LLMEngine: builds the engine from EngineArgs and turns steps into RequestOutputs."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
+from pagedllm.loader.model_store import resolve_model
+from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.models.registry import build_model
+from pagedllm.outputs import RequestOutput
+from pagedllm.platforms import resolve_device, resolve_dtype
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.model_runner import ModelRunner, allocate_kv_cache
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim
+            * itemsize)
+
+
+def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
+    """Resolve device, dtype, KV blocks and max_model_len for a checkpoint."""
+    arch = ckpt.arch
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, arch.torch_dtype, device)
+    bs = args.block_size
+    num_blocks = args.num_gpu_blocks_override or max(
+        1, (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // kv_bytes_per_block(arch, bs, dtype))
+    cache_tokens = num_blocks * bs
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = min(arch.max_position_embeddings, cache_tokens)
+    elif max_len > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} is larger than the model supports "
+                         f"({arch.max_position_embeddings} positions)")
+    elif max_len > cache_tokens:
+        raise ValueError(f"max_model_len={max_len} does not fit the KV cache ({num_blocks} blocks "
+                         f"of {bs} = {cache_tokens} tokens); lower max_model_len or raise "
+                         "kv_cache_memory_bytes")
+    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return EngineConfig(
+        model_path=str(ckpt.path), arch=arch, dtype=dtype, device=str(device),
+        cache=CacheConfig(block_size=bs, num_blocks=num_blocks,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=batched, max_model_len=max_len),
+        seed=args.seed)
+
+
+class LLMEngine:
+    """Synchronous engine: add requests, call step() until nothing is left."""
+
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        arch, device = config.arch, torch.device(config.device)
+        torch.manual_seed(config.seed)
+        started = time.monotonic()
+        model = build_model(arch, config.scheduler.max_model_len, config.dtype, device)
+        with torch.no_grad():
+            load_weights(ckpt, dict(model.named_parameters()))
+        logger.info("loaded %s (%s, %s) in %.1f s", ckpt.path, arch.architecture, config.dtype,
+                    time.monotonic() - started)
+        self.generation_config = generation_config(ckpt)
+        self.eos_token_ids = _eos_ids(arch, self.generation_config, tokenizer)
+        cache = config.cache
+        kv = allocate_kv_cache(arch.num_hidden_layers, cache.num_blocks, cache.block_size,
+                               arch.num_key_value_heads, arch.head_dim, config.dtype, device)
+        self.kv_manager = KVCacheManager(cache.num_blocks, cache.block_size,
+                                         cache.enable_prefix_caching)
+        runner = ModelRunner(model, kv, cache.block_size, sorted(self.eos_token_ids), device)
+        self.core = EngineCore(Scheduler(config.scheduler, self.kv_manager), runner)
+        self.input_processor = InputProcessor(tokenizer, config.scheduler.max_model_len,
+                                              arch.vocab_size, frozenset(self.eos_token_ids),
+                                              cache.block_size)
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Find the checkpoint, size the engine, load the weights."""
+        ckpt = resolve_checkpoint(resolve_model(args.model))
+        config = make_engine_config(args, ckpt)
+        tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
+                                   trust_remote_code=args.trust_remote_code)
+        return cls(config, ckpt, tokenizer)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model."""
+        return self.core.runner.model
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Validate, tokenize and queue a request (n samples become n sequences)."""
+        processed = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids,
+            [(r.request_id, r.sampling_params) for r in processed.requests])
+        for request in processed.requests:
+            self.core.add_request(request)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Stop requests and free their KV blocks at once."""
+        for request_id in list(request_ids):
+            self.core.abort_requests(self.output_processor.child_ids(request_id))
+            self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request still producing."""
+        return self.core.has_unfinished_requests() or self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass; RequestOutputs of the requests that progressed."""
+        outputs, to_abort = self.output_processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (as vLLM does)."""
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        return SamplingParams(**{k: self.generation_config[k] for k in keys
+                                 if self.generation_config.get(k) is not None})
+
+
+def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:
+    ids = set(arch.eos_token_ids)
+    extra = gen_cfg.get("eos_token_id")
+    ids.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+

@@ -1,0 +1,145 @@
+"""Turns engine-core progress into RequestOutput objects: text, logprobs, stop strings, n samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _SampleState:
+    """One child sequence of a request."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: Optional[IncrementalDetokenizer]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[dict[int, Logprob]]] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: object = None
+
+
+@dataclass
+class _ParentState:
+    """A user request: its prompt and its n samples."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    samples: list[_SampleState]
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Keeps per-request output state; one process() call per engine step."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentState] = {}
+        self._children: dict[str, tuple[_ParentState, _SampleState]] = {}
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    children: list[tuple[str, SamplingParams]]) -> None:
+        """Register a user request and the ids of its child sequences (one per sample)."""
+        samples = [self._new_sample(i, params) for i, (_, params) in enumerate(children)]
+        parent = _ParentState(request_id, prompt, list(prompt_token_ids), samples)
+        if children[0][1].prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self._parents[request_id] = parent
+        for (child_id, _), sample in zip(children, samples):
+            self._children[child_id] = (parent, sample)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """Engine-core ids of a user request's samples that are still tracked."""
+        return [cid for cid, (p, _) in self._children.items() if p.request_id == request_id]
+
+    def has_unfinished(self) -> bool:
+        """Any request still producing."""
+        return bool(self._parents)
+
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step; returns updated RequestOutputs and child ids to abort (stop strings)."""
+        touched: dict[str, _ParentState] = {}
+        to_abort: list[str] = []
+        for out in core_outputs:
+            entry = self._children.get(out.req_id)
+            if entry is None:
+                continue
+            parent, sample = entry
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._logprob_dict(lp) for lp in out.new_prompt_logprobs)
+            stop = self._apply_tokens(sample, out)
+            if stop is not None and out.finish_reason is None:
+                to_abort.append(out.req_id)
+            if stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+            elif out.finish_reason is not None:
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            if sample.finish_reason is not None:
+                del self._children[out.req_id]
+            touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            results.append(self._make_output(parent))
+            if parent.finished:
+                del self._parents[parent.request_id]
+        return results, to_abort
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Forget a user request; returns its last state marked aborted."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        for sample in parent.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "abort"
+        for cid in [c for c, (p, _) in self._children.items() if p is parent]:
+            del self._children[cid]
+        return self._make_output(parent)
+
+    # ---- helpers ------------------------------------------------------------
+    def _new_sample(self, index: int, params: SamplingParams) -> _SampleState:
+        detok = IncrementalDetokenizer(self.tokenizer, params) if params.detokenize else None
+        sample = _SampleState(index, params, detok)
+        if params.logprobs is not None:
+            sample.logprobs, sample.cumulative_logprob = [], 0.0
+        return sample
+
+    def _apply_tokens(self, sample: _SampleState, out: EngineCoreOutput) -> Optional[str]:
+        if sample.finish_reason is not None:
+            return None
+        sample.token_ids.extend(out.new_token_ids)
+        if sample.logprobs is not None:
+            for lp in out.new_logprobs:
+                sample.logprobs.append(self._logprob_dict(lp))
+                sample.cumulative_logprob += lp.logprobs[0]
+        if sample.detokenizer is None:
+            return None
+        return sample.detokenizer.update(out.new_token_ids)
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for col, (tok, val) in enumerate(zip(lp.token_ids, lp.logprobs)):
+            if tok in d:
+                continue
+            rank = lp.rank if col == 0 else col
+            d[tok] = Logprob(val, rank, self.tokenizer.decode([tok]))
+        return d
+
+    def _make_output(self, parent: _ParentState) -> RequestOutput:
+        outputs = [CompletionOutput(
+            index=s.index, text=s.detokenizer.text if s.detokenizer else "",
+            token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.samples]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             parent.prompt_logprobs, outputs, parent.finished)

@@ -1,0 +1,105 @@
+"""Rotary position embeddings (NeoX / HF rotate_half layout) with the scaling schemes configs use."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(base: float, dim: int, s: dict[str, Any],
+                   max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_len = s.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    attn_factor = s.get("attention_factor")
+    if attn_factor is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attn_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attn_factor = _yarn_mscale(factor)
+
+    def correction_dim(num_rot: float) -> float:
+        return (dim * math.log(old_len / (num_rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extra_factor = 1 - ramp
+    return interpolation * (1 - extra_factor) + extrapolation * extra_factor, attn_factor
+
+
+def rope_inv_freq(base: float, dim: int, scaling: Optional[dict[str, Any]],
+                  max_pos: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the attention scale factor for a rope_scaling config."""
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return _default_inv_freq(base, dim), 1.0
+    if kind == "linear":
+        return _default_inv_freq(base, dim) / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_inv_freq(_default_inv_freq(base, dim), scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(base, dim, scaling, max_pos)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: "
+                     "none (default), linear, llama3, yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float,
+                 scaling: Optional[dict[str, Any]] = None, model_max_positions: int = 0) -> None:
+        super().__init__()
+        self._args = (head_dim, max_positions, base, scaling, model_max_positions or max_positions)
+        self.reset_tables(None)
+
+    def reset_tables(self, device: Optional[torch.device]) -> None:
+        """(Re)compute the float32 cos/sin tables on device (after building on the meta device)."""
+        head_dim, max_positions, base, scaling, model_max = self._args
+        inv_freq, attn_scale = rope_inv_freq(base, head_dim, scaling, model_max)
+        pos = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, inv_freq.to(device))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

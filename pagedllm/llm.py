@@ -1,0 +1,125 @@
+"""LLM: vLLM's offline API (generate, chat) over the engine."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline engine: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+    def __init__(self, model: str, tokenizer: Optional[str] = None, dtype: Any = "auto",
+                 device: str = "auto", max_model_len: Optional[int] = None, seed: int = 0,
+                 max_num_seqs: int = 64, trust_remote_code: bool = False, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(model, tokenizer=tokenizer, dtype=dtype, device=device,
+                                      max_model_len=max_model_len, seed=seed,
+                                      max_num_seqs=max_num_seqs,
+                                      trust_remote_code=trust_remote_code, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        """The tokenizer the engine uses (a transformers tokenizer)."""
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Sampling defaults from the model's generation_config.json, else vLLM's defaults."""
+        return self.llm_engine.default_sampling_params()
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this model has no chat template; pass chat_template=... to chat()")
+        prompts = []
+        for conv in conversations:
+            _check_conversation(conv)
+            ids = tokenizer.apply_chat_template(
+                conv, chat_template=template, tokenize=True,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, return_dict=False,
+                **(chat_template_kwargs or {}))
+            if hasattr(ids, "input_ids"):  # some transformers versions return a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- helpers ------------------------------------------------------------
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts; "
+                             "pass one SamplingParams or one per prompt")
+        return params
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
+        added: list[str] = []
+        finished: dict[str, RequestOutput] = {}
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+                added.append(request_id)
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while len(finished) < len(ids):
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        finally:  # an error or Ctrl-C leaves no request (or KV block) behind
+            leftover = [r for r in added if r not in finished]
+            if leftover:
+                engine.abort_request(leftover)
+        return [finished[r] for r in ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _check_conversation(conv: Any) -> None:
+    if not isinstance(conv, list) or not conv:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
+            raise ValueError(f"messages[{i}].role must be one of system, user, assistant, tool, "
+                             f"got {m['role']!r}")

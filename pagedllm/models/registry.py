@@ -1,0 +1,38 @@
+"""Maps an architecture name (HF `architectures` entry or GGUF `general.architecture`) to a model class."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.config import ModelArchConfig
+from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture keys that have a model class."""
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The model class for an architecture, or a ValueError listing the supported ones."""
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported "
+                         f"architectures: {', '.join(supported_architectures())}") from None
+
+
+def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> nn.Module:
+    """The model for cfg with parameters allocated in dtype on device but not initialised."""
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg, max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope.reset_tables(device)
+    return model.eval()

@@ -1,0 +1,65 @@
+"""Results handed back to the user: RequestOutput holding one CompletionOutput per sample."""
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """Log probability of one token, its rank in the vocabulary (1 = most likely), its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None because nothing predicts it.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None
+    # The stop string or stop token id that ended the sequence; None for EOS or length.
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        """True once a finish reason ("stop", "length", "abort") is set."""
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={self.logprobs}, finish_reason={self.finish_reason}, "
+            f"stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """Everything produced so far for one request: prompt and its completions."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
+            f"finished={self.finished})"
+        )

@@ -1,0 +1,108 @@
+"""Pure tensor operations of the sampler: bans, penalties, filters, sampling, logprob gathering."""
+
+from typing import Optional
+
+import torch
+
+
+def ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tensor:
+    """Set the banned ids of each row to -inf, in place; logits [N, V]."""
+    if not banned:
+        return logits
+    rows = [row for row, ids in banned.items() for _ in ids]
+    cols = [tok for ids in banned.values() for tok in ids]
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    cols_t = torch.tensor(cols, dtype=torch.int64, device=logits.device)
+    logits[rows_t, cols_t] = float("-inf")
+    return logits
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Occurrences of each id per row: [N, V] int64."""
+    n = len(token_ids)
+    width = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an extra id V that lands in a scratch column dropped at the end.
+    padded = torch.full((n, width), vocab_size, dtype=torch.int64)  # [N, L]
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros((n, vocab_size + 1), dtype=torch.int64, device=device)  # [N, V+1]
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM/HF penalties: repetition over prompt+output, presence/frequency over output only."""
+    vocab = logits.shape[1]
+    output_counts = token_counts(output_token_ids, vocab, logits.device)  # [N, V]
+    seen = (token_counts(prompt_token_ids, vocab, logits.device) > 0) | (output_counts > 0)
+    rep = repetition.to(logits.device).unsqueeze(1)  # [N, 1]
+    # Shrinking a logit toward zero lowers its probability whatever its sign.
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency.to(logits.device).unsqueeze(1) * output_counts
+    logits = logits - presence.to(logits.device).unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)  # [N, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """Keep each row's k most likely tokens, then its smallest nucleus of mass >= p."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [N, V] ascending
+    if top_k is not None:
+        # The k-th largest value sits at index V - k of the ascending sort; ties with it stay.
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [N, V]
+        drop = cum <= 1.0 - top_p.unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def random_sample(
+    probs: torch.Tensor, generators: dict[int, torch.Generator], seeded_rows: list[int]
+) -> torch.Tensor:
+    """Gumbel-style sampling: argmax(p / q) with q ~ Exp(1) is a draw from p; probs [N, V]."""
+    q = torch.empty_like(probs)  # [N, V]
+    if len(seeded_rows) < probs.shape[0]:
+        q.exponential_()
+    # Each seeded row draws only from its own generator, so other rows cannot shift it.
+    for row in seeded_rows:
+        q[row].exponential_(generator=generators[row])
+    # A zero draw would make 0/0 = nan for an impossible token, and argmax favours nan.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div(q).argmax(dim=-1)  # [N]
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chosen token's logprob and rank plus the top-k; logprobs [N, V], token_ids [N]."""
+    k = min(num_logprobs, logprobs.shape[1])
+    top_vals, top_ids = logprobs.topk(k, dim=-1)  # [N, K] sorted descending
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)  # [N, 1]
+    token_lp = logprobs.gather(1, token_ids)  # [N, 1]
+    ranks = (logprobs >= token_lp).sum(dim=-1)  # [N]; 1 = most likely
+    ids = torch.cat([token_ids, top_ids], dim=1)  # [N, K+1]
+    vals = torch.cat([token_lp, top_vals], dim=1)  # [N, K+1]
+    return ids, vals, ranks

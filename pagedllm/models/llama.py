@@ -97,7 +97,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, H] for flattened tokens input_ids [T] at positions [T]."""
-        h = self.model.embed_tokens(input_ids)
+        # the residual stream stays in float32 whatever the weights' dtype: in bf16 its rounding
+        # error would otherwise flip near-tied greedy choices
+        h = self.model.embed_tokens(input_ids).float()
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, positions, self.rope, kv_cache, meta)
         return self.model.norm(h)

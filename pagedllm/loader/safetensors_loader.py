@@ -1,0 +1,76 @@
+"""Copy a Hugging Face safetensors checkpoint (one file or shards) into pre-allocated params."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors import safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Copy at most this many elements per slice (32 MiB of float32).
+CHUNK_ELEMENTS = 8 * 1024 * 1024
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file that holds it."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = [model_dir / SINGLE_FILE] if (model_dir / SINGLE_FILE).is_file() else sorted(
+        model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    sources: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            sources.update({name: file for name in f.keys()})
+    return sources
+
+
+def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Destination name -> checkpoint name, or ValueError naming missing/unexpected tensors."""
+    skipped = {n for n in sources if n.endswith("rotary_emb.inv_freq")}
+    if _LM_HEAD not in params:
+        skipped.add(_LM_HEAD)  # tied model: lm_head shares embed_tokens
+    plan = {name: name for name in params if name in sources}
+    if _LM_HEAD in params and _LM_HEAD not in sources and _EMBED in sources:
+        plan[_LM_HEAD] = _EMBED  # tied checkpoint loaded into a model with its own lm_head
+    missing = sorted(set(params) - set(plan))
+    unexpected = sorted(set(sources) - set(params) - skipped)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the model: missing tensors {missing}, "
+                         f"unexpected tensors {unexpected}")
+    return plan
+
+
+def _copy(f, src: str, dst: str, dest: torch.Tensor) -> None:
+    """Copy one tensor from an open file into dest in row slices, casting to dest's dtype."""
+    sl = f.get_slice(src)
+    shape = tuple(sl.get_shape())
+    if shape != tuple(dest.shape):
+        raise ValueError(f"{dst!r} has shape {tuple(dest.shape)} but checkpoint tensor {src!r} "
+                         f"has shape {shape}")
+    if len(shape) < 2 or dest.numel() <= CHUNK_ELEMENTS:
+        dest.copy_(sl[:])
+        return
+    step = max(1, CHUNK_ELEMENTS // (dest.numel() // shape[0]))
+    for r0 in range(0, shape[0], step):
+        dest[r0:r0 + step].copy_(sl[r0:r0 + step])
+
+
+def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.Tensor]) -> None:
+    """Fill pre-allocated params (HF names) from an HF checkpoint directory, tensor by tensor."""
+    sources = _tensor_files(Path(model_dir))
+    plan = _plan(sources, params)
+    with torch.no_grad():
+        for dst, src in sorted(plan.items(), key=lambda item: str(sources[item[1]])):
+            # One open per tensor: closing unmaps the file, so touched pages of
+            # already-copied tensors stop counting towards resident memory.
+            with safe_open(str(sources[src]), framework="pt") as f:
+                _copy(f, src, dst, params[dst])

@@ -1,0 +1,95 @@
+"""Shared fixtures: real GGUF models and HF checkpoint directories built from them."""
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from pagedllm.loader.model_store import cache_dir, ensure_gguf
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+SMOLLM = "smollm2-135m-instruct"
+# Shard size per model: SmolLM is saved sharded (index.json), Qwen as one file.
+_MAX_SHARD_SIZE = {QWEN: "5GB", SMOLLM: "200MB"}
+_DONE = ".pagedllm-hf-done"
+
+
+def _short_sha(path: Path) -> str:
+    """First 12 hex digits of the file's sha256 (streamed)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:12]
+
+
+def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
+    """Dequantize a GGUF with transformers and save it as a float32 HF checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True)
+    # A GGUF-loaded model refuses save_pretrained while its quantizer is attached;
+    # its weights are already plain float32, so detach it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)  # also writes generation_config.json
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tok.save_pretrained(str(out))
+    del model
+    gc.collect()
+
+
+def build_hf_dir(name: str) -> Path:
+    """Cached HF checkpoint dir for a known model: cache_dir()/hf/<name>-<sha>/, built once."""
+    gguf_path = ensure_gguf(name)
+    final = cache_dir() / "hf" / f"{name}-{_short_sha(gguf_path)}"
+    if (final / _DONE).is_file():
+        return final
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _export_hf_dir(gguf_path, tmp, _MAX_SHARD_SIZE.get(name, "5GB"))
+    (tmp / _DONE).write_text("ok\n")
+    shutil.rmtree(final, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2 arch, K-quants, separate output.weight)."""
+    return ensure_gguf(QWEN)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """SmolLM2-135M-Instruct GGUF (llama arch, Q4_1, tied embeddings)."""
+    return ensure_gguf(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def hf_dir_factory() -> Callable[[str], Path]:
+    """Returns name -> HF checkpoint dir exported by transformers from that GGUF."""
+    return build_hf_dir
+
+
+@pytest.fixture(scope="session")
+def qwen_hf_dir(hf_dir_factory: Callable[[str], Path]) -> Path:
+    """Qwen HF checkpoint dir (single model.safetensors, float32)."""
+    return hf_dir_factory(QWEN)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_dir(hf_dir_factory: Callable[[str], Path]) -> Path:
+    """SmolLM2 HF checkpoint dir (sharded, with model.safetensors.index.json, float32)."""
+    return hf_dir_factory(SMOLLM)

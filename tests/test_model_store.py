@@ -161,7 +161,10 @@ def test_smol_model_dir_holds_gguf_and_tokenizer(cache):
     assert ms.resolve_model("smollm2-135m") == str(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == EXPECTED_CHAT
-    assert tok.chat_template == ms._gguf_chat_template(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from gguf import GGUFReader  # llama.cpp's reader as the independent reference
+
+    reader = GGUFReader(str(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert tok.chat_template == str(reader.fields["tokenizer.chat_template"].contents())
 
 
 def _corrupt(path: pathlib.Path, keep_mtime: bool) -> None:

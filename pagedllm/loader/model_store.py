@@ -303,33 +303,23 @@ def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path
     return path
 
 
-def _gguf_chat_template(path: pathlib.Path) -> Optional[str]:
-    """The `tokenizer.chat_template` string stored in a GGUF's metadata."""
-    import gguf
-
-    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-    return None if field is None else str(field.contents())
-
-
 def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
     """Export HF tokenizer files from the GGUF into model_dir; return their names."""
     from transformers import AutoTokenizer
 
+    from pagedllm.loader.tokenizer import load_tokenizer
+
     gguf_path = model_dir / spec.filename
-    template = _gguf_chat_template(gguf_path)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=_tmp_root(), prefix=f"{spec.name}-tok-"))
     try:
         # Load through a dir holding only the GGUF, so stale exports can't leak in.
         (tmp / "src").mkdir()
         (tmp / "src" / spec.filename).symlink_to(gguf_path.resolve())
-        tok = AutoTokenizer.from_pretrained(str(tmp / "src"), gguf_file=spec.filename)
-        if template is not None and tok.chat_template != template:
-            _say(f"transformers did not carry over the GGUF chat template of {spec.name}; setting it")
-            tok.chat_template = template
+        tok = load_tokenizer(tmp / "src" / spec.filename)  # template, bos, eos from the metadata
         out = tmp / "out"
         tok.save_pretrained(str(out))
-        saved = AutoTokenizer.from_pretrained(str(out))
-        if template is not None and saved.chat_template != template:
+        saved = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+        if saved.chat_template != tok.chat_template:
             raise RuntimeError(f"saved tokenizer of {spec.name} lost the GGUF chat template")
         names = sorted(p.name for p in out.iterdir() if p.name not in _FORBIDDEN_EXPORTS)
         for n in names:

@@ -21,6 +21,7 @@ class CachedRequestState:
     generator: Optional[torch.Generator]
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
 
     @property
     def prompt_token_ids(self) -> list[int]:

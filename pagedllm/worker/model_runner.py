@@ -56,11 +56,13 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in sched.new_reqs:
-            old = self.requests.get(new.req_id)  # a request resumed after preemption keeps its RNG
+            # a request resumed after preemption keeps its RNG and what it already returned
+            old = self.requests.get(new.req_id)
             generator = old.generator if old else self._make_generator(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                generator, list(new.block_ids), new.num_computed_tokens)
+                generator, list(new.block_ids), new.num_computed_tokens,
+                old.num_prompt_logprobs if old else 0)
         for cached in sched.cached_reqs:
             st = self.requests[cached.req_id]
             st.block_ids.extend(cached.new_block_ids)
@@ -98,16 +100,18 @@ class ModelRunner:
             k = seq.state.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            first = seq.state.num_computed_tokens
-            last = min(first + seq.num_tokens, seq.state.num_prompt_tokens - 1)  # exclusive
+            st = seq.state
+            # position p predicts prompt token p + 1; a recompute skips positions already returned
+            first = max(st.num_computed_tokens, st.num_prompt_logprobs)
+            last = min(st.num_computed_tokens + seq.num_tokens, st.num_prompt_tokens - 1)
             if last <= first:
                 continue
-            rows = slice(seq.start, seq.start + last - first)
-            logits = self.model.compute_logits(hidden[rows])  # [S, V]
-            targets = torch.tensor(seq.state.token_ids[first + 1:last + 1], device=self.device)
+            row0 = seq.start + first - st.num_computed_tokens
+            logits = self.model.compute_logits(hidden[row0:row0 + last - first])  # [S, V]
+            targets = torch.tensor(st.token_ids[first + 1:last + 1], device=self.device)
             lp = compute_prompt_logprobs(logits, targets, k)
-            out.prompt_logprobs[seq.state.req_id] = [
-                _row_logprobs(lp, i, k) for i in range(last - first)]
+            out.prompt_logprobs[st.req_id] = [_row_logprobs(lp, i, k) for i in range(last - first)]
+            st.num_prompt_logprobs = last
 
 
 def _row_logprobs(lp: LogprobsTensors, row: int, k: int) -> TokenLogprobs:

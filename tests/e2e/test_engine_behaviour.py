@@ -67,6 +67,16 @@ def test_chunked_prefill_and_preemption_keep_outputs(smollm_gguf, llm, alone):
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
     assert (_tokens(small.generate(PROMPTS, seeded, use_tqdm=False))
             == _tokens(llm.generate(PROMPTS, seeded, use_tqdm=False)))
+    # prompt logprobs come back once per prompt position even when chunked and recomputed
+    with_lp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    before = small.llm_engine.core.scheduler.num_preemptions
+    chunked = small.generate(PROMPTS, with_lp, use_tqdm=False)
+    assert small.llm_engine.core.scheduler.num_preemptions > before
+    for got, ref in zip(chunked, llm.generate(PROMPTS, with_lp, use_tqdm=False)):
+        assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
+        for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):

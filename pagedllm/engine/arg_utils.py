@@ -15,7 +15,7 @@ GPU_ONLY_ARGS = frozenset({
     "tensor_parallel_size", "pipeline_parallel_size", "disable_custom_all_reduce",
     "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
     "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
-    "load_format", "download_dir", "revision", "tokenizer_revision", "max_logprobs",
+    "load_format", "download_dir", "revision", "tokenizer_revision",
     "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
     "mm_processor_kwargs", "limit_mm_per_prompt", "task", "quantization", "num_scheduler_steps",
 })
@@ -37,6 +37,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None  # vLLM's name; here: number of KV blocks
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     trust_remote_code: bool = False
 
     @classmethod
@@ -55,7 +56,7 @@ class EngineArgs:
         return cls(model=model, **ours)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -24,8 +24,9 @@ class InputProcessor:
     """Tokenizes prompts and checks them against the model's limits."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: frozenset[int], block_size: int) -> None:
+                 eos_token_ids: frozenset[int], block_size: int, max_logprobs: int = 20) -> None:
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -36,6 +37,11 @@ class InputProcessor:
         """Validate and tokenize; n > 1 becomes n child requests with distinct seeds."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.max_logprobs} (the engine's max_logprobs), "
+                                 f"got {value}")
         text, ids = self._tokenize(prompt)
         self._check_length(ids)
         max_tokens = self.max_model_len - len(ids)

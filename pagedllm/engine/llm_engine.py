@@ -62,7 +62,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_len),
-        seed=args.seed)
+        seed=args.seed, max_logprobs=args.max_logprobs)
 
 
 class LLMEngine:
@@ -90,7 +90,7 @@ class LLMEngine:
         self.core = EngineCore(Scheduler(config.scheduler, self.kv_manager), runner)
         self.input_processor = InputProcessor(tokenizer, config.scheduler.max_model_len,
                                               arch.vocab_size, frozenset(self.eos_token_ids),
-                                              cache.block_size)
+                                              cache.block_size, config.max_logprobs)
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod

@@ -35,7 +35,12 @@ def alone(llm):
 
 
 def test_batch_equals_alone(llm, alone):
-    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == alone
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == alone
+    tok = llm.get_tokenizer()
+    for out in outs:  # incremental detokenization ends at the same text as a full decode
+        comp = out.outputs[0]
+        assert comp.text == tok.decode(comp.token_ids, skip_special_tokens=True)
     assert _all_blocks_free(llm)
 
 
@@ -161,6 +166,8 @@ def test_bad_input_is_a_clear_error(llm):
         llm.generate({"prompt_token_ids": [10 ** 9]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params has 2 entries"):
         llm.generate(["a"], [GREEDY, GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be <= 20"):
+        llm.generate(["a"], SamplingParams(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"role": "wizard", "content": "x"}], use_tqdm=False)
     assert _all_blocks_free(llm) and not llm.llm_engine.has_unfinished_requests()

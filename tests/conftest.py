@@ -16,7 +16,7 @@ QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
 # Shard size per model: SmolLM is saved sharded (index.json), Qwen as one file.
 _MAX_SHARD_SIZE = {QWEN: "5GB", SMOLLM: "200MB"}
-_DONE = ".pagedllm-hf-done"
+_DONE = ".pagedllm-hf-done-v2"  # bump when the export changes, so stale exports are rebuilt
 
 
 def _short_sha(path: Path) -> str:
@@ -31,7 +31,9 @@ def _short_sha(path: Path) -> str:
 def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     """Dequantize a GGUF with transformers and save it as a float32 HF checkpoint."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.loader.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True)
@@ -41,8 +43,9 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(out), max_shard_size=max_shard_size)  # also writes generation_config.json
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
-    tok.save_pretrained(str(out))
+    # transformers' own GGUF tokenizer conversion does not always carry the chat template and
+    # bos/eos over; load_tokenizer sets them from the GGUF metadata
+    load_tokenizer(gguf_path).save_pretrained(str(out))
     del model
     gc.collect()
 

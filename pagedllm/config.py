@@ -39,8 +39,7 @@ class CacheConfig:
     """Paged KV cache: block size, how many blocks, prefix caching."""
 
     block_size: int = 16
-    num_blocks: Optional[int] = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024 ** 2
+    num_blocks: Optional[int] = None  # chosen by the memory planner (worker/memory.py)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -7,10 +7,11 @@ from typing import Iterable
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
+from pagedllm.config import EngineConfig, ModelArchConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
@@ -19,51 +20,11 @@ from pagedllm.loader.model_store import resolve_model
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.models.registry import build_model
 from pagedllm.outputs import RequestOutput
-from pagedllm.platforms import resolve_device, resolve_dtype
+from pagedllm.platforms import cpu_platform
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.model_runner import ModelRunner, allocate_kv_cache
 
 logger = logging.getLogger("pagedllm")
-
-DEFAULT_KV_CACHE_BYTES = 512 * 1024 ** 2
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return (arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim
-            * itemsize)
-
-
-def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
-    """Resolve device, dtype, KV blocks and max_model_len for a checkpoint."""
-    arch = ckpt.arch
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, arch.torch_dtype, device)
-    bs = args.block_size
-    num_blocks = args.num_gpu_blocks_override or max(
-        1, (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES) // kv_bytes_per_block(arch, bs, dtype))
-    cache_tokens = num_blocks * bs
-    max_len = args.max_model_len
-    if max_len is None:
-        max_len = min(arch.max_position_embeddings, cache_tokens)
-    elif max_len > arch.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_len} is larger than the model supports "
-                         f"({arch.max_position_embeddings} positions)")
-    elif max_len > cache_tokens:
-        raise ValueError(f"max_model_len={max_len} does not fit the KV cache ({num_blocks} blocks "
-                         f"of {bs} = {cache_tokens} tokens); lower max_model_len or raise "
-                         "kv_cache_memory_bytes")
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return EngineConfig(
-        model_path=str(ckpt.path), arch=arch, dtype=dtype, device=str(device),
-        cache=CacheConfig(block_size=bs, num_blocks=num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=batched, max_model_len=max_len),
-        seed=args.seed, max_logprobs=args.max_logprobs)
-
 
 class LLMEngine:
     """Synchronous engine: add requests, call step() until nothing is left."""
@@ -73,6 +34,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         arch, device = config.arch, torch.device(config.device)
         torch.manual_seed(config.seed)
+        if device.type == "cpu":
+            cpu_platform().apply_threads()
         started = time.monotonic()
         model = build_model(arch, config.scheduler.max_model_len, config.dtype, device)
         with torch.no_grad():

@@ -40,7 +40,8 @@ def _gguf_checkpoint(gguf: Path) -> Checkpoint:
 
 def _resolve_dir(root: Path) -> Checkpoint:
     """Checkpoint for a directory: HF safetensors layout, or exactly one .gguf."""
-    safetensors = sorted(root.glob("*.safetensors"))
+    # an index alone (weights not fetched yet) is enough to plan memory before downloading
+    safetensors = sorted(root.glob("*.safetensors")) or sorted(root.glob("*.safetensors.index.json"))
     ggufs = sorted(root.glob("*.gguf"))
     if safetensors:
         config = root / "config.json"

@@ -1,0 +1,116 @@
+"""`pagedllm doctor [MODEL]`: what this machine is, and whether and how a model fits — metadata only."""
+from __future__ import annotations
+
+import json
+import platform as _platform
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.platforms import cpu_platform, resolve_dtype, resolve_platform
+from pagedllm.platforms.interface import fmt_bytes
+
+
+def platform_report(device: Optional[str] = None) -> dict[str, Any]:
+    """Probes, torch build, CPU, memory and the chosen platform."""
+    choice = resolve_platform(device)
+    cpu = cpu_platform()
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append({"index": i, "name": torch.cuda.get_device_name(i),
+                         "free_bytes": free, "total_bytes": total})
+    return {
+        "python": sys.version.split()[0], "os": _platform.platform(),
+        "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
+                  "hip": getattr(torch.version, "hip", None)},
+        "probes": [{"platform": p.platform, "usable": p.usable, "detail": p.detail}
+                   for p in choice.probes],
+        "chosen": {"platform": choice.platform.name, "requested": choice.requested,
+                   "source": choice.source},
+        "cpu": cpu.describe()["cpu"], "memory": cpu.describe()["memory"],
+        "platform": choice.platform.describe(), "gpus": gpus,
+    }
+
+
+def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
+                 max_model_len: Optional[int] = None) -> dict[str, Any]:
+    """Whether MODEL fits here and with which sizes, from its metadata."""
+    from pagedllm.engine.config_builder import plan_engine_memory
+    from pagedllm.loader.checkpoint import resolve_checkpoint
+    from pagedllm.loader.metadata import checkpoint_num_params
+    from pagedllm.loader.model_store import resolve_model
+    from pagedllm.worker.memory import InsufficientMemoryError, kv_bytes_per_token
+
+    ckpt = resolve_checkpoint(resolve_model(model))
+    choice = resolve_platform(device)
+    args = EngineArgs(model=model, dtype=dtype, device=device or "auto",
+                      max_model_len=max_model_len)
+    chosen = resolve_dtype(dtype, ckpt.arch.torch_dtype, choice.platform)
+    num_params, source = checkpoint_num_params(ckpt)
+    out: dict[str, Any] = {"model": model, "path": str(ckpt.path), "format": ckpt.kind,
+                           "architecture": ckpt.arch.architecture, "parameters": num_params,
+                           "parameters_source": source,
+                           "max_position_embeddings": ckpt.arch.max_position_embeddings}
+    try:
+        plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen)
+    except InsufficientMemoryError as err:
+        out.update(fits=False, dtype=str(chosen).removeprefix("torch."), reason=str(err))
+        return out
+    itemsize = torch.empty((), dtype=chosen).element_size()
+    per_token = kv_bytes_per_token(ckpt.arch, itemsize)
+    out.update(fits=True, dtype=str(chosen).removeprefix("torch."),
+               weight_bytes=plan.weight_bytes, kv_bytes_per_token=per_token,
+               kv_cache_bytes=plan.kv_cache_bytes, max_model_len=plan.max_model_len,
+               sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
+               plan=plan.summary())
+    return out
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The human-readable doctor report."""
+    lines = [f"pagedllm doctor — Python {report['python']}, {report['os']}",
+             f"torch {report['torch']['version']} (CUDA build: {report['torch']['cuda'] or 'no'}"
+             f", HIP build: {report['torch']['hip'] or 'no'})", "device probes:"]
+    for p in report["probes"]:
+        lines.append(f"  {p['platform']:5} {'usable    ' if p['usable'] else 'not usable'}  "
+                     f"{p['detail']}")
+    ch = report["chosen"]
+    lines.append(f"chosen device: {ch['platform']} ({ch['source']}: {ch['requested']})")
+    cpu = report["cpu"]
+    lines += [f"CPU: {cpu['model']}; ISA: {', '.join(cpu['features']) or 'baseline'}; "
+              f"native bf16: {'yes' if cpu['native_bf16'] else 'no'}",
+              f"threads: {cpu['threads']} ({cpu['threads_source']})",
+              f"memory: {fmt_bytes(report['memory']['available_bytes'])} usable "
+              f"({report['memory']['source']})"]
+    for g in report["gpus"]:
+        lines.append(f"GPU {g['index']}: {g['name']}, {fmt_bytes(g['free_bytes'])} free of "
+                     f"{fmt_bytes(g['total_bytes'])}")
+    m = report.get("model_report")
+    if m:
+        lines.append(f"model {m['model']}: {m['architecture']}, {m['format']}, "
+                     f"{m['parameters'] / 1e9:.2f} B parameters ({m['parameters_source']})")
+        if m["fits"]:
+            lines += [f"  fits: yes, dtype {m['dtype']}: weights {fmt_bytes(m['weight_bytes'])}, "
+                      f"KV {fmt_bytes(m['kv_bytes_per_token'])} per token",
+                      f"  {m['sequences_at_max_model_len']} sequence(s) of max_model_len "
+                      f"{m['max_model_len']} fit in a {fmt_bytes(m['kv_cache_bytes'])} KV cache"]
+        else:
+            lines.append("  fits: no — " + m["reason"].replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def run(model: Optional[str], as_json: bool, device: Optional[str], dtype: str,
+        max_model_len: Optional[int]) -> int:
+    """Print the report; exit status 0 when the model (if any) fits, 1 when it does not."""
+    started = time.monotonic()
+    report = platform_report(device)
+    if model:
+        report["model_report"] = model_report(model, device, dtype, max_model_len)
+    report["seconds"] = round(time.monotonic() - started, 3)
+    print(json.dumps(report, indent=2) if as_json else format_text(report))
+    return 0 if not model or report["model_report"]["fits"] else 1

@@ -1,0 +1,41 @@
+"""Parameter counts from checkpoint metadata only: GGUF tensor table, safetensors headers, config."""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from pagedllm.loader.checkpoint import Checkpoint
+from pagedllm.loader.gguf_loader import read_gguf_header
+from pagedllm.worker.memory import count_params
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _safetensors_header_params(path: Path) -> int:
+    """Elements in one .safetensors file, from its JSON header (the first 8 + N bytes)."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return sum(math.prod(t["shape"]) for name, t in header.items()
+               if name != "__metadata__" and not name.endswith("rotary_emb.inv_freq"))
+
+
+def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
+    """(parameters, where the number came from), reading no weight data."""
+    if ckpt.kind == "gguf":
+        with open(ckpt.path, "rb") as fh:
+            tensors = read_gguf_header(fh)[1]
+        return sum(math.prod(t.shape) for t in tensors), "GGUF tensor table"
+    files = sorted(ckpt.path.glob("*.safetensors"))
+    if files:
+        return sum(_safetensors_header_params(f) for f in files), "safetensors headers"
+    index = ckpt.path / INDEX_FILE
+    if index.is_file():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        itemsize = _DTYPE_BYTES.get(ckpt.arch.torch_dtype or "", 0)
+        if total and itemsize:
+            return int(total) // itemsize, "safetensors index total_size"
+    return count_params(ckpt.arch), "config.json shapes"

@@ -1,0 +1,83 @@
+"""Memory planning from metadata: what fits, what is chosen, and the advice when nothing fits."""
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.platforms.interface import MemoryInfo
+from pagedllm.worker.memory import (InsufficientMemoryError, count_params, footprint,
+                                    kv_bytes_per_token, plan_memory)
+
+GiB = 1024 ** 3
+QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
+SMALL_VM = MemoryInfo(int(3.49 * GiB), int(3.10 * GiB), "cgroup v1 limit 3.49 GiB, 3.10 GiB free")
+
+
+def qwen7b_footprint(itemsize=2, name="bfloat16"):
+    ckpt = resolve_checkpoint(QWEN7B)
+    n, source = checkpoint_num_params(ckpt)
+    return footprint(ckpt.arch, n, itemsize, name, source)
+
+
+def test_parameter_count_from_config_matches_the_real_shapes():
+    ckpt = resolve_checkpoint(QWEN7B)
+    shapes = json.loads((QWEN7B / "shapes.json").read_text())["shapes"]
+    assert count_params(ckpt.arch) == sum(math.prod(s) for s in shapes.values()) == 7_615_616_512
+    assert checkpoint_num_params(ckpt) == (7_615_616_512, "safetensors index total_size")
+    index = json.loads((QWEN7B / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(shapes)
+
+
+def test_kv_bytes_per_token():
+    arch = resolve_checkpoint(QWEN7B).arch
+    assert kv_bytes_per_token(arch, 2) == 28 * 2 * 4 * 128 * 2  # 57344
+
+
+def test_qwen7b_on_a_3_5_gib_machine_gets_advice():
+    with pytest.raises(InsufficientMemoryError) as err:
+        plan_memory(qwen7b_footprint(), SMALL_VM, block_size=16, max_model_len=None,
+                    max_num_seqs=64, max_num_batched_tokens=2048)
+    msg = str(err.value)
+    assert "needs" in msg and "weights 14.19 GiB" in msg and "7.62 B parameters" in msg
+    assert "KV cache" in msg and "2048 tokens" in msg
+    assert "cgroup v1 limit 3.49 GiB, 3.10 GiB free" in msg
+    assert "4-bit GGUF" in msg and "~4.30 GiB" in msg and "int8" in msg
+    assert "smaller model of the same family: Qwen2.5-0.5B-Instruct" in msg
+
+
+def test_a_fitting_model_gets_a_cache_and_the_full_length():
+    fp = qwen7b_footprint()
+    plan = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"), block_size=16,
+                       max_model_len=None, max_num_seqs=8, max_num_batched_tokens=2048)
+    assert plan.max_model_len == 32768 and plan.num_blocks * 16 >= 32768
+    explicit = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"), block_size=16,
+                           max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=2048)
+    assert explicit.max_model_len == 4096
+
+
+def test_limits_are_checked():
+    fp = qwen7b_footprint()
+    big = MemoryInfo(64 * GiB, 60 * GiB, "test")
+    with pytest.raises(ValueError, match="max_model_len=65536 is larger than the model supports"):
+        plan_memory(fp, big, block_size=16, max_model_len=65536, max_num_seqs=8,
+                    max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        plan_memory(fp, big, block_size=16, max_model_len=4096, max_num_seqs=8,
+                    max_num_batched_tokens=2048, num_blocks=8)
+    with pytest.raises(InsufficientMemoryError):
+        plan_memory(fp, big, block_size=16, max_model_len=None, max_num_seqs=8,
+                    max_num_batched_tokens=2048, kv_cache_bytes=100 * GiB)
+
+
+def test_llm_refuses_qwen7b_fast_before_loading(monkeypatch):
+    monkeypatch.setattr(CpuPlatform, "memory", lambda self: SMALL_VM)
+    started = time.monotonic()
+    with pytest.raises(InsufficientMemoryError, match="does not fit in memory"):
+        LLM(model=str(QWEN7B), device="cpu")
+    assert time.monotonic() - started < 2.0

@@ -11,7 +11,7 @@ logger = logging.getLogger("pagedllm")
 
 # vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
 GPU_ONLY_ARGS = frozenset({
-    "gpu_memory_utilization", "enforce_eager", "swap_space", "cpu_offload_gb",
+    "enforce_eager", "swap_space", "cpu_offload_gb",
     "tensor_parallel_size", "pipeline_parallel_size", "disable_custom_all_reduce",
     "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
     "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
@@ -19,6 +19,12 @@ GPU_ONLY_ARGS = frozenset({
     "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
     "mm_processor_kwargs", "limit_mm_per_prompt", "task", "quantization", "num_scheduler_steps",
 })
+
+_IGNORED_WHY = {
+    "swap_space": "preempted requests are recomputed, so no CPU swap space is reserved",
+    "enforce_eager": "the engine always runs eagerly",
+    "tensor_parallel_size": "this engine runs on one device",
+}
 
 
 @dataclass
@@ -37,6 +43,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None  # vLLM's name; here: number of KV blocks
+    gpu_memory_utilization: Optional[float] = None  # GPU only: share of free device memory to use
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     trust_remote_code: bool = False
 
@@ -49,7 +56,8 @@ class EngineArgs:
             if key in known:
                 ours[key] = value
             elif key in GPU_ONLY_ARGS:
-                logger.warning("%s=%r has no effect on this engine/device and is ignored", key, value)
+                logger.warning("%s=%r is ignored: %s", key, value, _IGNORED_WHY.get(
+                    key, "it has no effect on this engine"))
             else:
                 raise TypeError(f"unexpected keyword argument {key!r}; supported: "
                                 f"{', '.join(sorted(known - {'model'}))}")
@@ -66,5 +74,9 @@ class EngineArgs:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value <= 0):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        gmu = self.gpu_memory_utilization
+        if gmu is not None and (isinstance(gmu, bool) or not isinstance(gmu, (int, float))
+                                or not 0 < gmu <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

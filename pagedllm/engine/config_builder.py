@@ -10,6 +10,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.platforms import Platform, resolve_dtype, resolve_platform
+from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.worker.memory import InsufficientMemoryError, MemoryPlan, footprint, plan_memory
 
@@ -64,6 +65,13 @@ def _no_fit_message(plan, dtype: torch.dtype) -> str:
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     """Resolve the platform and dtype, and plan memory, for a checkpoint."""
     choice = resolve_platform(args.device)
+    if args.gpu_memory_utilization is not None:
+        if isinstance(choice.platform, TorchGpuPlatform):
+            choice.platform.utilization = args.gpu_memory_utilization
+        else:
+            logger.warning("gpu_memory_utilization=%s has no effect on the %s: memory is planned "
+                           "from what the OS and cgroup allow", args.gpu_memory_utilization,
+                           choice.platform.name)
     dtype = resolve_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype)
     logger.info("%s", mem_plan.summary())

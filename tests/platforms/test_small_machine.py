@@ -1,0 +1,98 @@
+"""A real 3.5 GiB machine, made with a cgroup v1 memory limit: the default model loads and
+generates with a KV cache sized to fit; a Qwen2-7B-shaped checkpoint is refused fast with advice."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+LIMIT = int(3.5 * 1024 ** 3)
+QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
+
+
+@pytest.fixture
+def small_machine():
+    """A fresh cgroup limited to 3.5 GiB (needs root and cgroup v1's memory controller)."""
+    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    cg = CGROUP_V1_MEMORY / f"pagedllm-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(LIMIT))
+        yield cg
+    finally:
+        cg.rmdir()
+
+
+def run_inside(cg: Path, script: str, tmp_path: Path, timeout: int = 600):
+    """Run a Python script as a process inside the cgroup."""
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    return subprocess.run(
+        ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "{sys.executable}" "{path}"'],
+        capture_output=True, text=True, timeout=timeout)
+
+
+DEFAULT_MODEL_JOB = """
+import json
+from pagedllm import LLM, SamplingParams
+llm = LLM(model="qwen2.5-coder-0.5b-instruct")
+out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24),
+                   use_tqdm=False)[0]
+cfg = llm.llm_engine.config
+print(json.dumps({"dtype": str(cfg.dtype), "num_blocks": cfg.cache.num_blocks,
+                  "max_model_len": cfg.scheduler.max_model_len, "text": out.outputs[0].text}))
+"""
+
+
+def test_default_model_runs_in_3_5_gib(small_machine, tmp_path, qwen_gguf):
+    proc = run_inside(small_machine, DEFAULT_MODEL_JOB, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["num_blocks"] > 0 and result["max_model_len"] >= 2048
+    assert "return" in result["text"] or "fib" in result["text"], result["text"]
+    peak = int((small_machine / "memory.max_usage_in_bytes").read_text())
+    assert peak <= LIMIT
+    oom = (small_machine / "memory.oom_control").read_text()
+    assert "oom_kill 0" in oom or "oom_kill" not in oom
+
+
+QWEN7B_JOB = f"""
+import time
+from pagedllm import LLM
+started = time.monotonic()
+try:
+    LLM(model={str(QWEN7B)!r})
+except ValueError as err:
+    print(f"{{time.monotonic() - started:.3f}}")
+    print(err)
+else:
+    print("loaded?!")
+"""
+
+
+def test_qwen7b_is_refused_fast_with_advice(small_machine, tmp_path):
+    proc = run_inside(small_machine, QWEN7B_JOB, tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seconds, *message = proc.stdout.strip().splitlines()
+    text = "\n".join(message)
+    assert float(seconds) < 2.0
+    assert "does not fit in memory" in text and "cgroup v1 limit 3.50 GiB" in text
+    assert "4-bit GGUF" in text and "smaller model of the same family" in text
+
+
+def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
+    job = ("import sys; from pagedllm.entrypoints.cli import main; "
+           f"sys.exit(main(['doctor', {str(QWEN7B)!r}, '--json']))")
+    proc = run_inside(small_machine, job, tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # 1: the model does not fit
+    report = json.loads(proc.stdout)
+    assert report["memory"]["source"].startswith("cgroup v1 limit 3.50 GiB")
+    assert report["model_report"]["fits"] is False
+    assert report["seconds"] < 3.0

@@ -47,19 +47,12 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
             raise
         try:
             result = plan(half)
-        except InsufficientMemoryError:
-            raise InsufficientMemoryError(_no_fit_message(plan, dtype)) from None
+        except InsufficientMemoryError as err:
+            raise InsufficientMemoryError(
+                f"{err}\n  (float32, this device's default, needs twice the weights)") from None
         logger.warning("float32 weights do not fit in %s; using %s (dtype='auto')",
                        fmt_bytes(mem.available_bytes), _dtype_name(half))
         return result, half
-
-
-def _no_fit_message(plan, dtype: torch.dtype) -> str:
-    try:
-        plan(dtype)
-    except InsufficientMemoryError as err:
-        return str(err) + "\n  - (bfloat16 weights were tried too and do not fit either)"
-    return ""
 
 
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:

@@ -156,9 +156,12 @@ def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act
         "ways out:",
     ]
     n = fp.num_params
+    rest = one_seq + overhead + act
     for label, bits in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85),
                         ("an 8-bit quantization (int8 / Q8_0)", 8.5)):
-        lines.append(f"  - {label}: weights ~{fmt_bytes(n * bits / 8)}")
+        size = n * bits / 8
+        verdict = "would fit here" if size + rest <= budget else "still too large here"
+        lines.append(f"  - {label}: weights ~{fmt_bytes(size)} ({verdict})")
     if fp.weight_bytes < budget - overhead - act:
         fit_len = max(0, (budget - overhead - act - fp.weight_bytes) // fp.kv_bytes_per_token)
         fit_len = fit_len // block_size * block_size

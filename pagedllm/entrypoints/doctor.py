@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.platforms import cpu_platform, resolve_dtype, resolve_platform
+from pagedllm.platforms.gpu import list_gpus
 from pagedllm.platforms.interface import fmt_bytes
 
 
@@ -18,12 +19,6 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
     """Probes, torch build, CPU, memory and the chosen platform."""
     choice = resolve_platform(device)
     cpu = cpu_platform()
-    gpus = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(i)
-            gpus.append({"index": i, "name": torch.cuda.get_device_name(i),
-                         "free_bytes": free, "total_bytes": total})
     return {
         "python": sys.version.split()[0], "os": _platform.platform(),
         "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
@@ -33,7 +28,7 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
         "chosen": {"platform": choice.platform.name, "requested": choice.requested,
                    "source": choice.source},
         "cpu": cpu.describe()["cpu"], "memory": cpu.describe()["memory"],
-        "platform": choice.platform.describe(), "gpus": gpus,
+        "platform": choice.platform.describe(), "gpus": list_gpus(),
     }
 
 

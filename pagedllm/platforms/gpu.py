@@ -96,5 +96,17 @@ class TorchGpuPlatform(Platform):
         self._module().synchronize()
 
 
+def list_gpus() -> list[dict[str, Any]]:
+    """Each visible CUDA/ROCm GPU with its free and total memory (empty without one)."""
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "free_bytes": free,
+                     "total_bytes": total})
+    return gpus
+
+
 PROBES = (("cuda", probe_cuda), ("rocm", probe_rocm), ("xpu", probe_xpu), ("mps", probe_mps))
 GPU_DEVICE_TYPES = {"cuda": "cuda", "rocm": "cuda", "xpu": "xpu", "mps": "mps"}

@@ -67,6 +67,7 @@ class MemoryPlan:
                 f" = {self.num_blocks * self.block_size} tokens), activations "
                 f"{fmt_bytes(self.activation_bytes)}, runtime {fmt_bytes(self.overhead_bytes)}; "
                 f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}; "
+                "preemption recomputes (no swap space); "
                 f"available {fmt_bytes(self.available.available_bytes)} ({self.available.source})")
 
 

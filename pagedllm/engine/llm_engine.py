@@ -13,7 +13,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.engine.engine_core import EngineCore
-from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
 from pagedllm.loader.model_store import resolve_model
@@ -72,7 +72,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         """Validate, tokenize and queue a request (n samples become n sequences)."""
-        processed = self.input_processor.process(request_id, prompt, params)
+        self.add_processed(request_id, self.input_processor.process(request_id, prompt, params))
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
+        """Queue a prompt already validated by input_processor (e.g. on another thread)."""
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [(r.request_id, r.sampling_params) for r in processed.requests])
@@ -84,6 +87,16 @@ class LLMEngine:
         for request_id in list(request_ids):
             self.core.abort_requests(self.output_processor.child_ids(request_id))
             self.output_processor.abort(request_id)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences being computed."""
+        return len(self.core.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued or preempted."""
+        return self.core.scheduler.num_waiting
 
     def has_unfinished_requests(self) -> bool:
         """Any request still producing."""

@@ -7,6 +7,8 @@ import sys
 from typing import Optional
 
 import pagedllm
+from pagedllm.entrypoints.chat_cli import add_client_parsers, run_chat, run_complete
+from pagedllm.entrypoints.serve import add_serve_parser, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "LLM engine for the device this machine has")
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    add_client_parsers(sub)
     doctor = sub.add_parser("doctor", help="report this machine and whether MODEL fits",
                             description="Report device probes, CPU, memory and, for MODEL, "
                             "whether and how it fits. Reads metadata only.")
@@ -30,6 +34,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `pagedllm` script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        logging.getLogger("pagedllm").setLevel(logging.INFO)
+        return run_serve(args)
+    if args.command == "chat":
+        return run_chat(args)
+    if args.command == "complete":
+        return run_complete(args)
     if args.command == "doctor":
         from pagedllm.entrypoints.doctor import run
 

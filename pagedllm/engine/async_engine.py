@@ -1,0 +1,176 @@
+"""AsyncLLM: one engine thread keeps stepping while asyncio callers add, stream and abort requests.
+
+    event loop (HTTP handlers)                engine thread
+    generate() --validate--> inbox  ------->  add_processed, step(), step(), ...
+               <---- RequestOutput via call_soon_threadsafe ----  (one queue per request)
+    abort()    ---------------> inbox  ------>  abort_request (frees KV blocks at once)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Protocol
+
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class OutputListener(Protocol):
+    """Receives per-request timing as outputs reach callers (e.g. Prometheus metrics)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def next_tokens(self, num_tokens: int, seconds: float) -> None: ...
+
+    def finished(self, prompt_tokens: int, generation_tokens: int) -> None: ...
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already waiting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an internal error."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLM:
+    """Thread-backed asynchronous front of an LLMEngine; requests share batches."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending = 0  # requests accepted but not yet handed to the engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: Optional[BaseException] = None
+        self.listener: Optional[OutputListener] = None
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer."""
+        return self.engine.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Validate and queue now (ValueError, EngineOverloadedError); return the output stream.
+
+        Iterate the stream to the end or close it: closing it early aborts the request.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        with self._lock:
+            if self.engine.num_waiting + self._pending >= self.max_waiting:
+                raise EngineOverloadedError(
+                    f"server busy: {self.max_waiting} requests are already waiting; retry later")
+            self._pending += 1
+        try:
+            processed = self.engine.input_processor.process(request_id, prompt, params)
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+            raise
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(request_id, processed))
+        return self._outputs(request_id, stream, time.monotonic())
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (add_request + iterate)."""
+        async for out in self.add_request(request_id, prompt, params):
+            yield out
+
+    async def _outputs(self, request_id: str, stream: _Stream,
+                       started: float) -> AsyncIterator[RequestOutput]:
+        finished = False
+        last, tokens = started, 0
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {item!r}")
+                finished = item.finished
+                last, tokens = self._observe(item, last, tokens)
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the caller went away (client disconnect): free its blocks now
+                self.abort(request_id)
+
+    def _observe(self, out: RequestOutput, last: float, tokens: int) -> tuple[float, int]:
+        """Report timing to the listener; returns (time of this output, tokens so far)."""
+        now, total = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
+        if self.listener is not None and total > tokens:
+            if tokens == 0:
+                self.listener.first_token(now - last)
+            else:
+                self.listener.next_tokens(total - tokens, now - last)
+        if self.listener is not None and out.finished:
+            self.listener.finished(len(out.prompt_token_ids), total)
+        return (now, total) if total > tokens else (last, tokens)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV blocks return to the pool on the engine thread's next turn."""
+        self._streams.pop(request_id, None)
+        self._submit(lambda: self.engine.abort_request([request_id]))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _add(self, request_id: str, processed) -> None:
+        with self._lock:
+            self._pending -= 1
+        if request_id in self._streams:  # not aborted while queued
+            self.engine.add_processed(request_id, processed)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                while True:
+                    try:
+                        self._inbox.get_nowait()()
+                    except queue.Empty:
+                        break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out)
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as err:  # fail every open stream instead of hanging it
+            logger.exception("engine thread stopped")
+            self.error = err
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)

@@ -1,0 +1,106 @@
+"""Where `pagedllm chat` and `pagedllm complete` get tokens: a running server, or an in-process engine."""
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Iterator, Optional
+
+import httpx
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class ServerBackend:
+    """Streams from an OpenAI-compatible server (pagedllm, vLLM, llama.cpp, ...)."""
+
+    def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None) -> None:
+        self.base = url.rstrip("/")
+        if not self.base.endswith("/v1"):
+            self.base += "/v1"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        try:
+            r = httpx.get(f"{self.base}/models", headers=self.headers, timeout=10)
+        except httpx.HTTPError as err:
+            raise ConnectionError(f"cannot reach {self.base}: {err}") from None
+        if r.status_code != 200:
+            raise ConnectionError(f"{self.base}/models answered {r.status_code}: {r.text[:200]}")
+        return r.json()["data"][0]["id"]
+
+    def _stream(self, path: str, body: dict[str, Any], pick) -> Iterator[str]:
+        body = {**body, "model": self.model, "stream": True}
+        with httpx.stream("POST", f"{self.base}{path}", json=body, headers=self.headers,
+                          timeout=None) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                raise RuntimeError(f"server answered {resp.status_code}: {resp.text[:500]}")
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(data["error"].get("message", str(data["error"])))
+                for choice in data.get("choices", []):
+                    text = pick(choice)
+                    if text:
+                        yield text
+
+    def complete(self, prompt: str, max_tokens: int, temperature: float) -> Iterator[str]:
+        """Stream a completion's text."""
+        return self._stream("/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                             "temperature": temperature},
+                            lambda c: c.get("text"))
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: Optional[int],
+             temperature: float) -> Iterator[str]:
+        """Stream a chat reply's text."""
+        return self._stream("/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                                  "temperature": temperature},
+                            lambda c: (c.get("delta") or {}).get("content"))
+
+
+class LocalBackend:
+    """Streams from an engine in this process."""
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        from pagedllm.engine.arg_utils import EngineArgs
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def _stream(self, prompt, params: SamplingParams) -> Iterator[str]:
+        rid = f"cli-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params)
+        sent, finished = 0, False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    finished = out.finished
+        finally:
+            if not finished:  # Ctrl-C or the caller stopped reading
+                self.engine.abort_request([rid])
+
+    def complete(self, prompt: str, max_tokens: int, temperature: float) -> Iterator[str]:
+        """Stream a completion's text."""
+        return self._stream(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: Optional[int],
+             temperature: float) -> Iterator[str]:
+        """Stream a chat reply's text."""
+        tok = self.engine.tokenizer
+        if not tok.chat_template:
+            raise RuntimeError("this model has no chat template; use `pagedllm complete`")
+        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                      return_dict=False)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self._stream({"prompt_token_ids": ids},
+                            SamplingParams(max_tokens=max_tokens, temperature=temperature))

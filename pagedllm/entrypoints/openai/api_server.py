@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM."""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import pagedllm
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest)
+from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
+from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, now
+from pagedllm.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger("pagedllm")
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]]:
+    first = err.errors()[0] if err.errors() else {}
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    field = ".".join(loc) or None
+    return f"{field or 'body'}: {first.get('msg', 'invalid value')}", field
+
+
+def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
+    """The FastAPI application."""
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    metrics = ServerMetrics(ctx.engine, ctx.served_model_names[0])
+    ctx.engine.listener = metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, field = _validation_message(err)
+        return JSONResponse(OpenAIError(message, 400, field).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                err = OpenAIError("invalid or missing API key: send 'Authorization: Bearer KEY'",
+                                  401)
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if ctx.engine.error else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm",
+             "root": name, "max_model_len": ctx.max_model_len}
+            for name in ctx.served_model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return _respond(await create_completion(ctx, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return _respond(await create_chat_completion(ctx, req))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(req.model)
+        tok = ctx.engine.tokenizer
+        if req.messages is not None:
+            template = ctx.chat_template or tok.chat_template
+            if not template:
+                raise OpenAIError("this model has no chat template", 400, "messages")
+            ids = tok.apply_chat_template(conversation(req.messages), chat_template=template,
+                                          tokenize=True, return_dict=False,
+                                          add_generation_prompt=req.add_generation_prompt)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        elif req.prompt is not None:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise OpenAIError("send 'prompt' or 'messages'", 400, "prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        ctx.check_model(req.model)
+        vocab = ctx.engine.engine.config.arch.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"tokens must be ids in [0, {vocab}), got {bad[0]}", 400, "tokens")
+        return {"prompt": ctx.engine.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+def _respond(result: Any):
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def load_chat_template(path: Optional[str]) -> Optional[str]:
+    """--chat-template: a file with a Jinja template (or the template text itself)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        if "{%" in path or "{{" in path:
+            return path
+        raise ValueError(f"--chat-template {path!r}: no such file") from None
+
+
+__all__ = ["build_app", "load_chat_template"]

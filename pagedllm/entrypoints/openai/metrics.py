@@ -1,0 +1,56 @@
+"""GET /metrics: Prometheus text with vLLM's metric names."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine.async_engine import AsyncLLM
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    """Request gauges read from the engine at scrape time; token counters and latency histograms
+    fed by AsyncLLM as outputs reach the clients."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        core = engine.engine
+
+        def gauge(name: str, doc: str, fn) -> None:
+            g = Gauge(name, doc, list(labels), registry=self.registry)
+            g.labels(**labels).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Sequences being computed.", lambda: core.num_running)
+        gauge("vllm:num_requests_waiting", "Sequences waiting or preempted.",
+              lambda: core.num_waiting)
+        gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+              lambda: core.kv_manager.usage)
+        self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens processed.", list(labels),
+                               registry=self.registry).labels(**labels)
+        self._gen = Counter("vllm:generation_tokens", "Tokens generated.", list(labels),
+                            registry=self.registry).labels(**labels)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                               list(labels), buckets=_LATENCY_BUCKETS,
+                               registry=self.registry).labels(**labels)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                              list(labels), buckets=_LATENCY_BUCKETS,
+                              registry=self.registry).labels(**labels)
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first output token reached its client."""
+        self._ttft.observe(seconds)
+
+    def next_tokens(self, num_tokens: int, seconds: float) -> None:
+        """num_tokens more tokens arrived, seconds after the previous ones."""
+        for _ in range(num_tokens):
+            self._itl.observe(seconds / num_tokens)
+
+    def finished(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """A request ended."""
+        self._prompt.inc(prompt_tokens)
+        self._gen.inc(generation_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text page."""
+        return generate_latest(self.registry)

@@ -1,0 +1,121 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their SamplingParams."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown fields are accepted and ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    """stream_options of a streaming request."""
+
+    include_usage: Optional[bool] = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: Optional[str] = None
+    # vLLM extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
+
+    def sampling_params(self, max_tokens: Optional[int], defaults: SamplingParams,
+                        logprobs: Optional[int]) -> SamplingParams:
+        """SamplingParams for this request; SamplingParams validates every value (400 on error)."""
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
+        return SamplingParams(
+            n=self.n, best_of=self.best_of, temperature=pick("temperature"), top_p=pick("top_p"),
+            top_k=pick("top_k"), min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            max_tokens=max_tokens,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    logprobs: Optional[int] = None
+
+
+class TextPart(OpenAIBaseModel):
+    """A text part of message content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One message of a conversation."""
+
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: a prompt or chat messages."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: Optional[str] = None
+    tokens: list[int] = Field(default_factory=list)

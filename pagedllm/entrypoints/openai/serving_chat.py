@@ -1,0 +1,138 @@
+"""POST /v1/chat/completions: the model's chat template, then generation, streaming or not."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
+                                                        bad_request, check_n, new_id, now,
+                                                        sse, start_prompts, usage)
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as template input: known roles, text content (string or text parts)."""
+    if not messages:
+        raise OpenAIError("messages must not be empty", 400, "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                              f"{m.role!r}", 400, f"messages[{i}].role")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(f"messages[{i}].content[{j}] must be a text part "
+                                      "({'type': 'text', 'text': ...}); other parts are not "
+                                      "supported", 400, f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the templated conversation."""
+    tokenizer = ctx.engine.tokenizer
+    template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise OpenAIError("this model has no chat template; start the server with "
+                          "--chat-template FILE or use /v1/completions", 400, "messages")
+    conv = conversation(req.messages)
+    try:
+        ids = tokenizer.apply_chat_template(
+            conv, chat_template=template, tokenize=True, return_dict=False,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+    except Exception as err:  # a template that raises on this conversation
+        raise OpenAIError(f"the chat template failed on these messages: {err}", 400,
+                          "messages") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
+    check_n(req.n, req.best_of)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)  # None: until max_model_len
+    try:
+        return req.sampling_params(max_tokens, ctx.engine.engine.default_sampling_params(),
+                                   logprobs)
+    except ValueError as err:
+        raise bad_request(err) from None
+
+
+def _token_info(tokenizer, tok: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([tok])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _logprobs(tokenizer, comp: CompletionOutput, k: int) -> Optional[dict[str, Any]]:
+    if comp.logprobs is None:
+        return None
+    content = []
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        entry = _token_info(tokenizer, tok, lp[tok].logprob)
+        ranked = sorted(lp.items(), key=lambda kv: kv[1].rank or 0)[:k]
+        entry["top_logprobs"] = [_token_info(tokenizer, t, v.logprob) for t, v in ranked]
+        content.append(entry)
+    return {"content": content}
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
+    """The JSON response, or an async iterator of SSE lines when req.stream."""
+    model = ctx.check_model(req.model)
+    ids = chat_prompt_ids(ctx, req)
+    params = _params(ctx, req)
+    rid = new_id("chatcmpl")
+    (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
+    if req.stream:
+        return _stream(ctx, req, model, rid, gen)
+    final: Optional[RequestOutput] = None
+    async for final in gen:
+        pass
+    tok = ctx.engine.tokenizer
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(tok, c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason} for c in final.outputs]
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
+            "choices": choices, "usage": usage(len(final.prompt_token_ids),
+                                               sum(len(c.token_ids) for c in final.outputs))}
+
+
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
+                  gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    created = now()
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    sent: dict[int, int] = {}
+    final: Optional[RequestOutput] = None
+    try:
+        for i in range(req.n):
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for final in gen:
+            for comp in final.outputs:
+                text = comp.text[sent.get(comp.index, 0):]
+                if not text and comp.finish_reason is None:
+                    continue
+                sent[comp.index] = len(comp.text)
+                yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
+                                                "logprobs": None,
+                                                "finish_reason": comp.finish_reason}]})
+    except OpenAIError as err:
+        yield sse(err.body())
+    except Exception as err:  # the engine failed mid-stream
+        yield sse(OpenAIError(str(err), 500).body())
+    else:
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": usage(
+                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
+    yield SSE_DONE

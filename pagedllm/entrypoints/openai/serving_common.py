@@ -1,0 +1,110 @@
+"""Pieces shared by the completion and chat handlers: errors, usage, SSE framing, sub-requests."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+MAX_N = 16  # most samples per request (n and best_of)
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 err_type: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.err_type = err_type or {400: "invalid_request_error", 401: "authentication_error",
+                                     404: "not_found_error", 503: "service_unavailable"}.get(
+                                         status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param,
+                          "code": self.status}}
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs: the engine and the names it answers to."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    max_model_len: int
+    chat_template: Optional[str]
+
+    def check_model(self, model: Optional[str]) -> str:
+        """The served name for a request's `model`; 404 for an unknown one."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist; this server serves "
+                              f"{', '.join(self.served_model_names)}", 404, "model")
+        return model
+
+
+def bad_request(err: ValueError) -> OpenAIError:
+    """A 400 for a ValueError whose message starts with the offending field's name."""
+    message = str(err)
+    param = message.split(" ", 1)[0] if message and message[0].isalpha() else None
+    return OpenAIError(message, 400, param)
+
+
+def check_n(n: int, best_of: Optional[int]) -> None:
+    """n and best_of within the server's limit."""
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is not None and value > MAX_N:
+            raise OpenAIError(f"{name} must be <= {MAX_N}, got {value}", 400, name)
+
+
+def new_id(prefix: str) -> str:
+    """A request id like cmpl-3f2a..."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """`created` timestamp."""
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(data: Any) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def start_prompts(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
+                  request_id: str) -> list[AsyncIterator[RequestOutput]]:
+    """Queue every prompt (sub-request ids request_id-0, -1, ...) or none: a bad prompt is a
+    400 and the ones already queued are aborted."""
+    streams: list[AsyncIterator[RequestOutput]] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params))
+    except BaseException as err:
+        for i in range(len(streams)):
+            engine.abort(f"{request_id}-{i}")
+        if isinstance(err, ValueError):
+            raise bad_request(err) from None
+        if isinstance(err, EngineOverloadedError):
+            raise OpenAIError(str(err), 503) from None
+        if isinstance(err, EngineDeadError):
+            raise OpenAIError(str(err), 500) from None
+        raise
+    return streams

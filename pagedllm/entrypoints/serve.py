@@ -1,0 +1,66 @@
+"""`pagedllm serve`: load the model, start the OpenAI-compatible server, say how to call it."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pagedllm.loader.model_store import DEFAULT_MODEL
+
+logger = logging.getLogger("pagedllm")
+
+
+def add_serve_parser(sub) -> None:
+    """The `serve` sub-command's flags (vLLM's names)."""
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"a .gguf file, an HF directory, or a known name (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model`")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                   "(or set PAGEDLLM_API_KEY)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests beyond this get HTTP 503")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine and run uvicorn until interrupted."""
+    import uvicorn
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
+    from pagedllm.entrypoints.openai.serving_common import ServerContext
+
+    chat_template = load_chat_template(args.chat_template)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
+    name = args.served_model_name or args.model
+    ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
+                        engine.config.scheduler.max_model_len, chat_template)
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
+    base = f"http://{args.host}:{args.port}/v1"
+    print(f"pagedllm serving {name!r} at {base}\n"
+          f"  curl {base}/chat/completions -H 'Content-Type: application/json'"
+          + (" -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if api_key else "")
+          + f" -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+          "\"content\": \"Hello!\"}]}'\n"
+          f"  or: OpenAI(base_url=\"{base}\", api_key=\"{'KEY' if api_key else 'EMPTY'}\")",
+          file=sys.stderr, flush=True)
+    uvicorn.run(build_app(ctx, api_key), host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    ctx.engine.shutdown()
+    return 0

@@ -1,0 +1,60 @@
+"""AsyncLLM: concurrent streams share the engine, early close aborts, a bounded waiting queue."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLM, EngineOverloadedError
+from pagedllm.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_gguf):
+    return LLMEngine.from_engine_args(EngineArgs(model=str(smollm_gguf), dtype="float32",
+                                                 max_num_seqs=1, max_model_len=512))
+
+
+def test_streams_and_overload(engine):
+    async def main():
+        llm = AsyncLLM(engine, max_waiting=2)
+        try:
+            # a long request holds the only sequence slot, so the next ones wait
+            hog = llm.add_request("hog", "Hello there", SamplingParams(max_tokens=2000,
+                                                                     ignore_eos=True))
+            await hog.__anext__()
+            streams = [llm.add_request(f"r{i}", "Hello there", GREEDY) for i in range(2)]
+            with pytest.raises(EngineOverloadedError, match="2 requests are already waiting"):
+                llm.add_request("r2", "Hello there", GREEDY)
+            await hog.aclose()  # closing a stream early aborts its request
+            await streams[0].__anext__()  # r0 now runs: one slot in the queue again
+            streams.append(llm.add_request("r2", "Hello there", GREEDY))
+            outs = []
+            for s in streams:
+                async for out in s:
+                    pass
+                outs.append(out.outputs[0].token_ids)
+            assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
+            # an aborted request's blocks go back to the pool
+            s = llm.add_request("early", "Hello there", SamplingParams(max_tokens=500,
+                                                                       ignore_eos=True))
+            async for _ in s:
+                break
+            await s.aclose()
+            for _ in range(100):
+                if not engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
+            assert not engine.has_unfinished_requests()
+            assert engine.kv_manager.usage == 0
+            with pytest.raises(ValueError, match="max_model_len is 512"):
+                llm.add_request("bad", "hello " * 2000, GREEDY)
+            assert llm._pending == 0
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,159 @@
+"""The OpenAI-compatible server against the official openai client, on the real SmolLM2 weights."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError, OpenAI
+
+from conftest import API_KEY, MODEL
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_:]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def test_models_and_completion(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                    max_tokens=8, temperature=0)
+    assert out.choices[0].text.startswith(" Paris")
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt=["def add(a, b):", "Water boils at"], max_tokens=12,
+              temperature=0)
+    full = client.completions.create(**kw)
+    texts = {}
+    usage = None
+    for chunk in client.completions.create(**kw, stream=True,
+                                           stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(2)] == [c.text for c in full.choices]
+    assert usage.completion_tokens == full.usage.completion_tokens == 24
+
+
+def test_chat_stream_and_non_stream(client):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
+                                          temperature=0, seed=1)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=16, temperature=0, seed=1, stream=True)
+        if c.choices)
+    assert streamed == full.choices[0].message.content and streamed.strip()
+    assert full.choices[0].message.role == "assistant"
+    lp = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=3,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_sixteen_concurrent_streams_equal_sequential(server, client):
+    prompts = [f"Write a short sentence about the number {i}." for i in range(16)]
+    sequential = [client.completions.create(
+        model=MODEL, prompt=p, max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+    async def one(aclient, p):
+        text = ""
+        async for chunk in await aclient.completions.create(
+                model=MODEL, prompt=p, max_tokens=16, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].text if chunk.choices else ""
+        return text
+
+    async def all_at_once():
+        async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                               max_retries=0, timeout=300) as aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == sequential
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers,
+                      timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i >= 6:
+                break
+        assert _metrics(server)["vllm:num_requests_running"] == 1
+    for _ in range(100):  # the abort happens on the engine thread's next turn
+        m = _metrics(server)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_page(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    m = _metrics(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count"):
+        assert name in m, name
+    assert m["vllm:generation_tokens_total"] >= 4
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(BadRequestError, match=r"prompt is \d+ tokens long but max_model_len is 8192"):
+        client.completions.create(model=MODEL, prompt="hello " * 9000)
+    with pytest.raises(BadRequestError, match="temperature must be >= 0") as err:
+        client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(BadRequestError, match="top_p"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       top_p=7)
+    with pytest.raises(BadRequestError, match="n must be <= 16"):
+        client.completions.create(model=MODEL, prompt="x", n=100)
+    with pytest.raises(BadRequestError, match="messages must not be empty"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(BadRequestError, match="role must be one of"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
+    with pytest.raises(BadRequestError, match="suffix is not supported"):
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_api_key_is_required(server):
+    bad = OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # outside /v1: open
+
+
+def test_tokenize_detokenize_version(server):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"] == \
+        "Hello world"
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert httpx.get(f"{server.url}/version").json()["version"]

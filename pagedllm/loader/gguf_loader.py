@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuant
 from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.loader.progress import load_progress
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
@@ -315,7 +316,7 @@ def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> N
     plan = _plan(header, params)
     permuted = header.arch.architecture == "llama"  # convert_hf_to_gguf permutes Q/K for llama only
     with open(path, "rb", buffering=0) as fh:
-        for info, name in plan:
+        for info, name in load_progress(plan, path):
             is_qk = ".attn_q." in info.name or ".attn_k." in info.name
             with torch.no_grad():
                 _copy_tensor(fh, info, params[name], header.arch.head_dim if permuted and is_qk else None)

@@ -8,6 +8,8 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
+from pagedllm.loader.progress import load_progress
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Copy at most this many elements per slice (32 MiB of float32).
@@ -69,7 +71,8 @@ def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.T
     sources = _tensor_files(Path(model_dir))
     plan = _plan(sources, params)
     with torch.no_grad():
-        for dst, src in sorted(plan.items(), key=lambda item: str(sources[item[1]])):
+        ordered = sorted(plan.items(), key=lambda item: str(sources[item[1]]))
+        for dst, src in load_progress(ordered, model_dir):
             # One open per tensor: closing unmaps the file, so touched pages of
             # already-copied tensors stop counting towards resident memory.
             with safe_open(str(sources[src]), framework="pt") as f:

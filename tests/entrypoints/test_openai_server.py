@@ -64,6 +64,20 @@ def test_chat_stream_and_non_stream(client):
                                         temperature=0, logprobs=True, top_logprobs=2)
     content = lp.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    streamed_lp = [t for c in client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True) if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed_lp] == \
+        [(t.token, round(t.logprob, 4)) for t in content]
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=3, temperature=0, logprobs=2)
+    streamed = [lp for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0,
+        logprobs=2, stream=True) for lp in (c.choices[0].logprobs.token_logprobs
+                                            if c.choices and c.choices[0].logprobs else [])]
+    assert [round(x, 4) for x in streamed] == \
+        [round(x, 4) for x in comp.choices[0].logprobs.token_logprobs]
 
 
 def test_sixteen_concurrent_streams_equal_sequential(server, client):

@@ -74,11 +74,13 @@ def _token_info(tokenizer, tok: int, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def _logprobs(tokenizer, comp: CompletionOutput, k: int) -> Optional[dict[str, Any]]:
+def _logprobs(tokenizer, comp: CompletionOutput, k: int,
+              first_token: int = 0) -> Optional[dict[str, Any]]:
+    """OpenAI's chat logprobs for the tokens from first_token on."""
     if comp.logprobs is None:
         return None
     content = []
-    for tok, lp in zip(comp.token_ids, comp.logprobs):
+    for tok, lp in zip(comp.token_ids[first_token:], comp.logprobs[first_token:]):
         entry = _token_info(tokenizer, tok, lp[tok].logprob)
         ranked = sorted(lp.items(), key=lambda kv: kv[1].rank or 0)[:k]
         entry["top_logprobs"] = [_token_info(tokenizer, t, v.logprob) for t, v in ranked]
@@ -112,6 +114,8 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
     created = now()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     sent: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    tok = ctx.engine.tokenizer
     final: Optional[RequestOutput] = None
     try:
         for i in range(req.n):
@@ -123,9 +127,11 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                 text = comp.text[sent.get(comp.index, 0):]
                 if not text and comp.finish_reason is None:
                     continue
-                sent[comp.index] = len(comp.text)
+                logprobs = _logprobs(tok, comp, req.top_logprobs or 0,
+                                     sent_tokens.get(comp.index, 0))
+                sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
                 yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
-                                                "logprobs": None,
+                                                "logprobs": logprobs,
                                                 "finish_reason": comp.finish_reason}]})
     except OpenAIError as err:
         yield sse(err.body())

@@ -37,11 +37,13 @@ def _params(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
         raise bad_request(err) from None
 
 
-def _logprobs(tokenizer, comp: CompletionOutput, offset: int) -> Optional[dict[str, Any]]:
+def _logprobs(tokenizer, comp: CompletionOutput, offset: int,
+              first_token: int = 0) -> Optional[dict[str, Any]]:
+    """OpenAI's completion logprobs for the tokens from first_token on."""
     if comp.logprobs is None:
         return None
     tokens, token_lp, top, offsets = [], [], [], []
-    for tok, lp in zip(comp.token_ids, comp.logprobs):
+    for tok, lp in zip(comp.token_ids[first_token:], comp.logprobs[first_token:]):
         text = tokenizer.decode([tok])
         tokens.append(text)
         token_lp.append(lp[tok].logprob)
@@ -93,6 +95,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
     created = now()
     queue: asyncio.Queue = asyncio.Queue()
     sent: dict[int, int] = {}  # choice index -> characters sent
+    sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
     tok = ctx.engine.tokenizer
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
@@ -124,11 +127,12 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                     text = (item.prompt or tok.decode(item.prompt_token_ids)) + text
                 if not text and comp.finish_reason is None:
                     continue
-                sent[idx] = len(comp.text)
+                logprobs = _logprobs(tok, comp, sent.get(idx, 0), sent_tokens.get(idx, 0))
+                sent[idx], sent_tokens[idx] = len(comp.text), len(comp.token_ids)
                 completion_tokens[idx] = len(comp.token_ids)
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": model, "choices": [{
-                               "index": idx, "text": text, "logprobs": None,
+                               "index": idx, "text": text, "logprobs": logprobs,
                                "finish_reason": comp.finish_reason,
                                "stop_reason": comp.stop_reason}]})
             if item.finished:

@@ -89,14 +89,6 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; only possible while no block is in use."""
-        if len(self._free) != self.num_blocks:
-            return False
-        for block in self.blocks:
-            self._evict(block)
-        return True
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

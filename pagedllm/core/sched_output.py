@@ -37,11 +37,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        """Tokens in this step's forward pass."""
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
     def is_empty(self) -> bool:
         """Nothing to compute."""
         return not self.num_scheduled_tokens

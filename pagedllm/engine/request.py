@@ -20,12 +20,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
 
     @property
-    def is_finished(self) -> bool:
-        """True for every terminal state."""
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
-
-    @property
     def finish_reason(self) -> Optional[str]:
         """OpenAI/vLLM finish reason for a terminal state."""
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",

@@ -5,8 +5,6 @@ from typing import Any, Mapping, Optional
 
 from pagedllm.config import ModelArchConfig
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"llama", "qwen2"})
-
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",

@@ -21,7 +21,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 __all__ = ["Platform", "ProbeResult", "MemoryInfo", "PlatformChoice", "resolve_platform",
-           "resolve_device", "resolve_dtype", "cpu_has_native_bf16", "DEVICE_ENV_VARS"]
+           "resolve_dtype", "cpu_has_native_bf16", "DEVICE_ENV_VARS"]
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,13 @@ def cpu_platform() -> CpuPlatform:
     return CpuPlatform()
 
 
-def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
-    """The torch device for a device name (see resolve_platform)."""
-    return resolve_platform(device).platform.device()
-
-
 def cpu_has_native_bf16() -> bool:
     """True when this CPU runs bf16 matmuls natively (AVX512-BF16 / AMX)."""
     return cpu_platform().info.native_bf16
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None], checkpoint_dtype: Optional[str],
-                  platform: Union[Platform, torch.device]) -> torch.dtype:
+                  platform: Platform) -> torch.dtype:
     """An explicit dtype, or the platform's choice for 'auto'."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -109,7 +104,4 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], checkpoint_dtype: Option
         if name not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
         return _DTYPES[name]
-    if isinstance(platform, torch.device):
-        platform = cpu_platform() if platform.type == "cpu" else TorchGpuPlatform(
-            platform.type, str(platform))
     return platform.default_dtype(checkpoint_dtype)

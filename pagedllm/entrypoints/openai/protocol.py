@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their SamplingParams."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,13 +75,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     logprobs: Optional[int] = None
-
-
-class TextPart(OpenAIBaseModel):
-    """A text part of message content."""
-
-    type: Literal["text"]
-    text: str
 
 
 class ChatMessage(OpenAIBaseModel):

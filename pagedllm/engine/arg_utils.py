@@ -15,7 +15,7 @@ GPU_ONLY_ARGS = frozenset({
     "tensor_parallel_size", "pipeline_parallel_size", "disable_custom_all_reduce",
     "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
     "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
-    "load_format", "download_dir", "revision", "tokenizer_revision",
+    "load_format", "download_dir", "tokenizer_revision",
     "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
     "mm_processor_kwargs", "limit_mm_per_prompt", "task", "quantization", "num_scheduler_steps",
 })
@@ -46,6 +46,9 @@ class EngineArgs:
     gpu_memory_utilization: Optional[float] = None  # GPU only: share of free device memory to use
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     trust_remote_code: bool = False
+    revision: Optional[str] = None  # Hub branch, tag or commit
+    gguf_file: Optional[str] = None  # a .gguf file inside a Hub repo
+    model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -78,5 +81,8 @@ class EngineArgs:
         if gmu is not None and (isinstance(gmu, bool) or not isinstance(gmu, (int, float))
                                 or not 0 < gmu <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+        if self.model_source not in (None, "huggingface", "modelscope"):
+            raise ValueError("model_source must be 'huggingface' or 'modelscope', got "
+                             f"{self.model_source!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

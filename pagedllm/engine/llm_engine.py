@@ -16,7 +16,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
-from pagedllm.loader.model_store import resolve_model
+from pagedllm.loader.sources import locate_model
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.models.registry import build_model
 from pagedllm.outputs import RequestOutput
@@ -59,8 +59,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         """Find the checkpoint, size the engine, load the weights."""
-        ckpt = resolve_checkpoint(resolve_model(args.model))
-        config = make_engine_config(args, ckpt)
+        located = locate_model(args.model, args.revision, args.gguf_file, args.model_source)
+        # plan memory on metadata before any weight byte is downloaded (fit before fetch)
+        meta = resolve_checkpoint(located.metadata_path)
+        config = make_engine_config(args, meta)
+        ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path())
         tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
                                    trust_remote_code=args.trust_remote_code)
         return cls(config, ckpt, tokenizer)

@@ -38,10 +38,10 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     from pagedllm.engine.config_builder import plan_engine_memory
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
-    from pagedllm.loader.model_store import resolve_model
+    from pagedllm.loader.sources import locate_model
     from pagedllm.worker.memory import InsufficientMemoryError, kv_bytes_per_token
 
-    ckpt = resolve_checkpoint(resolve_model(model))
+    ckpt = resolve_checkpoint(locate_model(model).metadata_path)  # metadata only, no weights
     choice = resolve_platform(device)
     args = EngineArgs(model=model, dtype=dtype, device=device or "auto",
                       max_model_len=max_model_len)

@@ -17,6 +17,11 @@ def add_serve_parser(sub) -> None:
                        description="Serve MODEL over an OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"a .gguf file, an HF directory, or a known name (default {DEFAULT_MODEL})")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit")
+    p.add_argument("--gguf-file", default=None, help="a .gguf file inside a Hub repo")
+    p.add_argument("--model-source", default=None, choices=["huggingface", "modelscope"],
+                   help="where Hub ids are fetched from (PAGEDLLM_USE_MODELSCOPE=1 also selects "
+                   "ModelScope)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="name clients send as `model`")
@@ -47,7 +52,8 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source))
     name = args.served_model_name or args.model
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
                         engine.config.scheduler.max_model_len, chat_template)

@@ -79,8 +79,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def _stream_reply(backend, history: list[dict[str, str]], args: argparse.Namespace) -> str:
     pieces: list[str] = []
-    stream = backend.chat(history, args.max_tokens, args.temperature)
+    stream = None
     try:
+        stream = backend.chat(history, args.max_tokens, args.temperature)
         for piece in stream:
             pieces.append(piece)
             sys.stdout.write(piece)

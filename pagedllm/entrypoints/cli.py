@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 import pagedllm
+from pagedllm.entrypoints.bench import add_bench_parser, run_bench
 from pagedllm.entrypoints.chat_cli import add_client_parsers, run_chat, run_complete
 from pagedllm.entrypoints.serve import add_serve_parser, run_serve
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_client_parsers(sub)
+    add_bench_parser(sub)
     doctor = sub.add_parser("doctor", help="report this machine and whether MODEL fits",
                             description="Report device probes, CPU, memory and, for MODEL, "
                             "whether and how it fits. Reads metadata only.")
@@ -37,6 +39,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "serve":
         logging.getLogger("pagedllm").setLevel(logging.INFO)
         return run_serve(args)
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "chat":
         return run_chat(args)
     if args.command == "complete":

@@ -12,24 +12,45 @@ from conftest import API_KEY
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 
 
-def test_chat_two_turns_and_ctrl_c_in_a_terminal(server):
+def _chat(server, max_tokens: int) -> pexpect.spawn:
     child = pexpect.spawn(CLI[0], CLI[1:] + ["chat", "--url", server.url, "--api-key", API_KEY,
-                                             "--temperature", "0", "--max-tokens", "24"],
+                                             "--temperature", "0", "--max-tokens",
+                                             str(max_tokens)],
                           encoding="utf-8", timeout=120)
+    child.expect("chat ready")
+    child.expect("\n> ")
+    return child
+
+
+def _say(child: pexpect.spawn, line: str) -> None:
+    child.sendline(line)
+    child.expect_exact(line + "\r\n")  # the terminal's echo of what was typed
+
+
+def test_chat_two_turns_in_a_terminal(server):
+    child = _chat(server, 24)
     try:
-        child.expect("chat ready")
-        child.expect("> ")
-        child.sendline("What is the capital of France? Answer in one word.")
+        _say(child, "What is the capital of France? Answer in one word.")
         child.expect("Paris")
-        child.expect("> ")
-        child.sendline("And of Japan?")  # the second turn sees the first (history is sent)
+        child.expect("\n> ")
+        _say(child, "And of Japan?")  # the second turn sees the first (history is sent)
         child.expect("Tokyo")
-        child.expect("> ")
-        child.sendline("Count from 1 to 100, one number per line.")
-        child.expect("1")
-        child.sendintr()  # Ctrl-C stops the reply, not the program
+        child.expect("\n> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_stops_a_reply_not_the_chat(server):
+    child = _chat(server, 1500)
+    try:
+        _say(child, "Tell me a very long story about a dragon and a knight.")
+        child.expect(r"\w+ \w+")  # the reply is streaming
+        child.sendintr()
         child.expect(r"\[stopped\]")
-        child.expect("> ")
+        child.expect("\n> ")  # the chat goes on: a new prompt, history kept
         child.sendeof()
         child.expect(pexpect.EOF)
     finally:

@@ -1,0 +1,180 @@
+"""`pagedllm bench latency|throughput|serve`, like `vllm bench`: a table on stdout, JSON on request.
+
+`serve` measures any OpenAI-compatible server (pagedllm, vLLM, llama.cpp's llama-server), so
+the same client compares them side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import resource
+import statistics
+import time
+from typing import Any
+
+from pagedllm.loader.model_store import DEFAULT_MODEL
+
+
+def add_bench_parser(sub) -> None:
+    """`bench` with its three modes."""
+    bench = sub.add_parser("bench", help="measure latency, offline throughput, or a server")
+    modes = bench.add_subparsers(dest="mode", required=True)
+    for name, text in (("latency", "one stream: time to first token, prefill and decode tok/s"),
+                       ("throughput", "N prompts offline: output and total tok/s"),
+                       ("serve", "an OpenAI-compatible server under concurrency")):
+        p = modes.add_parser(name, help=text, description=text)
+        p.add_argument("--model", default=None if name == "serve" else DEFAULT_MODEL)
+        p.add_argument("--input-len", type=int, default=100)
+        p.add_argument("--output-len", type=int, default=128)
+        p.add_argument("--num-prompts", type=int, default=1 if name == "latency" else 32)
+        p.add_argument("--output-json", default=None, metavar="PATH")
+        if name == "serve":
+            p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+            p.add_argument("--max-concurrency", type=int, default=16)
+            p.add_argument("--api-key", default=None)
+        else:
+            p.add_argument("--dtype", default="auto")
+            p.add_argument("--device", default="auto")
+            p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were taken."""
+    from pagedllm.platforms import cpu_platform
+
+    info = cpu_platform().info
+    return {"cpu": info.model_name, "isa": list(info.features), "threads": info.threads,
+            "python": platform.python_version(), "os": platform.platform()}
+
+
+def _token_prompts(tokenizer, n: int, length: int) -> list[dict]:
+    vocab = tokenizer.vocab_size
+    return [{"prompt_token_ids": [(1000 + 37 * i + 13 * j) % vocab for j in range(length)]}
+            for i in range(n)]
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """One stream, in-process."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs)
+    tok = llm.get_tokenizer()
+    greedy = dict(temperature=0, ignore_eos=True)
+    llm.generate(_token_prompts(tok, 1, 8), SamplingParams(max_tokens=2, **greedy), use_tqdm=False)
+    prompt = _token_prompts(tok, 1, args.input_len)
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(max_tokens=args.output_len, **greedy), use_tqdm=False)
+    total = time.perf_counter() - t
+    return {"ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
+            "decode_tok_per_s": (args.output_len - 1) / max(total - ttft, 1e-9),
+            "request_latency_s": total}
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """N prompts through LLM.generate."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs)
+    prompts = _token_prompts(llm.get_tokenizer(), args.num_prompts, args.input_len)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens,
+            "output_tok_per_s": out_tokens / elapsed,
+            "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed}
+
+
+async def _one_request(client, url: str, headers: dict, body: dict) -> dict[str, Any]:
+    start = time.perf_counter()
+    ttft, stamps, out_tokens = None, [], 0
+    async with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"server answered {resp.status_code}: {resp.text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                out_tokens = data["usage"].get("completion_tokens", out_tokens)
+            if any(c.get("text") for c in data.get("choices", [])):
+                now = time.perf_counter()
+                ttft = ttft if ttft is not None else now - start
+                stamps.append(now)
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"ttft": ttft or 0.0, "latency": time.perf_counter() - start, "itl": itl,
+            "output_tokens": out_tokens or len(stamps)}
+
+
+async def _serve(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    base = args.url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=None) as client:
+        model = args.model or (await client.get(f"{base}/models", headers=headers)).json()[
+            "data"][0]["id"]
+        sem = asyncio.Semaphore(args.max_concurrency)
+
+        async def limited(i: int) -> dict[str, Any]:
+            body = {"model": model, "prompt": " ".join(f"word{i}" if j == 0 else "hello"
+                                                       for j in range(args.input_len)),
+                    "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            async with sem:
+                return await _one_request(client, f"{base}/completions", headers, body)
+
+        t = time.perf_counter()
+        results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))
+        elapsed = time.perf_counter() - t
+    ttfts = sorted(r["ttft"] for r in results)
+    itls = sorted(x for r in results for x in r["itl"]) or [0.0]
+    lat = sorted(r["latency"] for r in results)
+    out_tokens = sum(r["output_tokens"] for r in results)
+    return {"model": model, "elapsed_s": elapsed, "output_tokens": out_tokens,
+            "output_tok_per_s": out_tokens / elapsed, "ttft_mean_s": statistics.mean(ttfts),
+            "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
+            "itl_p50_s": _pct(itls, 50), "itl_p99_s": _pct(itls, 99),
+            "request_latency_p50_s": _pct(lat, 50), "request_latency_p99_s": _pct(lat, 99)}
+
+
+def _pct(sorted_values: list[float], p: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(round(p / 100 * (len(sorted_values) - 1))))]
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run one mode, print a table, write JSON if asked."""
+    if args.mode == "latency":
+        result = run_latency(args)
+    elif args.mode == "throughput":
+        result = run_throughput(args)
+    else:
+        result = asyncio.run(_serve(args))
+    result = {"mode": args.mode, "input_len": args.input_len, "output_len": args.output_len,
+              "num_prompts": args.num_prompts, **result,
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "machine": machine()}
+    if getattr(args, "model", None) and "model" not in result:
+        result["model"] = args.model
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        if key != "machine":
+            shown = f"{value:.3f}" if isinstance(value, float) else value
+            print(f"{key:<{width}}  {shown}")
+    if args.output_json:
+        with open(args.output_json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+__all__ = ["add_bench_parser", "run_bench"]

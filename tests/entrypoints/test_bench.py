@@ -1,0 +1,46 @@
+"""`pagedllm bench`: latency and throughput in-process, serve against a real server; JSON keys."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import API_KEY, MODEL
+
+CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench"]
+
+
+def _run(args: list[str], out) -> dict:
+    proc = subprocess.run(CLI + args + ["--output-json", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key, value in result.items():  # the table shows every number
+        if key != "machine":
+            assert key in proc.stdout
+    assert result["machine"]["threads"] >= 1 and result["peak_rss_bytes"] > 0
+    return result
+
+
+@pytest.mark.parametrize("mode,keys", [
+    ("latency", ("ttft_s", "prefill_tok_per_s", "decode_tok_per_s")),
+    ("throughput", ("output_tok_per_s", "total_tok_per_s")),
+])
+def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
+    result = _run([mode, "--model", MODEL, "--dtype", "float32", "--input-len", "16",
+                   "--output-len", "8", "--num-prompts", "4"], tmp_path / "r.json")
+    assert all(result[k] > 0 for k in keys)
+    if mode == "throughput":
+        assert result["output_tokens"] == 4 * 8
+
+
+def test_serve_mode_against_a_running_server(server, tmp_path):
+    result = _run(["serve", "--url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
+                   "--max-concurrency", "3", "--input-len", "16", "--output-len", "8"],
+                  tmp_path / "s.json")
+    assert result["model"] == MODEL and result["output_tokens"] == 6 * 8
+    for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+        assert result[key] > 0, key
+    assert result["ttft_p50_s"] <= result["ttft_p99_s"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import Optional
 
@@ -29,6 +30,12 @@ def add_client_parsers(sub) -> None:
     _add_backend_flags(complete)
 
 
+def _catch_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored (e.g. as a
+    background job), because here it means "stop this reply"."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _backend(args: argparse.Namespace):
     from pagedllm.entrypoints.client_backends import LocalBackend, ServerBackend
 
@@ -40,6 +47,7 @@ def _backend(args: argparse.Namespace):
 
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout."""
+    _catch_ctrl_c()
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         print("pagedllm complete: empty prompt", file=sys.stderr)
@@ -57,6 +65,7 @@ def run_complete(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat with streaming replies."""
+    _catch_ctrl_c()
     backend = _backend(args)
     history: list[dict[str, str]] = []
     if args.system:

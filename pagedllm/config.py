@@ -75,3 +75,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4" or "none"

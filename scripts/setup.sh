@@ -55,6 +55,9 @@ else
   log "pagedllm already installed for this pyproject.toml"
 fi
 
+log "building the CPU kernels (cached per machine; about a minute the first time)"
+"$PY" -m pagedllm.kernels >&2 || log "warning: the CPU kernels did not build; GGUF models will be dequantized at load (slower, larger)"
+
 log "fetching known models into the cache"
 "$PY" -m pagedllm.loader.model_store --all >&2
 log "done"

@@ -21,6 +21,7 @@ class DecodeBatch:
     num_tokens: int                # rows [0, num_tokens) of the flattened batch
     block_table: torch.Tensor      # [B, max_blocks] int64, padded with block 0
     mask: torch.Tensor             # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    context_lens: torch.Tensor     # [B] int64 tokens in KV after this step
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels import kernels_loaded
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -15,13 +16,24 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
 
+def _fused_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The CPU decode kernel applies: float32 CPU tensors, kernels loaded."""
+    return (q.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.is_contiguous() and kernels_loaded())
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each request's paged context; returns [T, Hq, D]."""
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     _, _, bs, h, d = kv_cache.shape
-    if meta.decode is not None:
+    if meta.decode is not None and _fused_decode(q, kv_cache):
+        dec = meta.decode
+        # reads each sequence's K/V rows where they lie in the cache: no gathered copy
+        out[:dec.num_tokens] = torch.ops.pagedllm.paged_decode_attention(
+            q[:dec.num_tokens].contiguous(), kv_cache, dec.block_table, dec.context_lens, scale)
+    elif meta.decode is not None:
         dec = meta.decode
         b = dec.num_tokens
         keys = kv_cache[0][dec.block_table].view(b, -1, h, d).transpose(1, 2)  # [B, Hkv, L, D]

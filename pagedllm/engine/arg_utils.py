@@ -7,6 +7,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pagedllm.layers.quantization import check_quantization
+
 logger = logging.getLogger("pagedllm")
 
 # vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
@@ -17,7 +19,7 @@ GPU_ONLY_ARGS = frozenset({
     "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
     "load_format", "download_dir", "tokenizer_revision",
     "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
-    "mm_processor_kwargs", "limit_mm_per_prompt", "task", "quantization", "num_scheduler_steps",
+    "mm_processor_kwargs", "limit_mm_per_prompt", "task", "num_scheduler_steps",
 })
 
 _IGNORED_WHY = {
@@ -49,6 +51,8 @@ class EngineArgs:
     revision: Optional[str] = None  # Hub branch, tag or commit
     gguf_file: Optional[str] = None  # a .gguf file inside a Hub repo
     model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
+    # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
+    quantization: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -67,6 +71,7 @@ class EngineArgs:
         return cls(model=model, **ours)
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.kernels import kernels_available
+from pagedllm.layers.ggml_linear import KERNEL_TYPES
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_weight_bytes
 from pagedllm.platforms import Platform, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
@@ -23,17 +26,59 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
+                         build_kernels: bool = True) -> str:
+    """"gguf", "int8", "int4" or "none" for this checkpoint on this platform.
+
+    By default a GGUF keeps its quantized blocks on the CPU (the kernels are CPU kernels); on
+    other devices, or if the kernels cannot be built, it is dequantized to dtype at load.
+    build_kernels=False plans as if the kernels built (doctor: no compile for a report).
+    """
+    wanted = args.quantization
+    on_cpu = platform.name == "cpu"
+    is_gguf = ckpt.kind == "gguf"
+    if wanted == "gguf" and not is_gguf:
+        raise ValueError("quantization='gguf' needs a .gguf checkpoint; for a float checkpoint "
+                         "use quantization='int8' or 'int4'")
+    if wanted in ("int8", "int4") and is_gguf:
+        raise ValueError(f"quantization={wanted!r} quantizes float checkpoints; this GGUF is "
+                         "already quantized (leave quantization unset to keep its blocks)")
+    if wanted == "none" or (wanted is None and not is_gguf):
+        return "none"
+    if not on_cpu:
+        if wanted is not None:
+            raise ValueError(f"quantization={wanted!r} runs on the CPU only (its kernels are CPU "
+                             f"kernels); the device here is {platform.name}: use device='cpu' or "
+                             "quantization='none'")
+        return "none"
+    if build_kernels and not kernels_available():
+        if wanted is not None:
+            raise ValueError(f"quantization={wanted!r} needs pagedllm's CPU kernels, which "
+                             "could not be built (see the warning above)")
+        logger.warning("dequantizing the GGUF to %s at load: the CPU kernels are unavailable",
+                       args.dtype)
+        return "none"
+    return wanted or "gguf"
+
+
 def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
-                       dtype: torch.dtype) -> tuple[MemoryPlan, torch.dtype]:
+                       dtype: torch.dtype, quantization: Optional[str] = None
+                       ) -> tuple[MemoryPlan, torch.dtype]:
     """Size the KV cache and max_model_len from metadata; with dtype 'auto', fall back to a
     half-size dtype when float32 weights do not fit."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
     batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if quantization is None:
+        quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
     def plan(dt: torch.dtype) -> MemoryPlan:
-        fp = footprint(ckpt.arch, num_params, torch.empty((), dtype=dt).element_size(),
-                       _dtype_name(dt), source)
+        itemsize = torch.empty((), dtype=dt).element_size()
+        # int8/int4 quantize after a float load: plan for the float weights (the load peak)
+        weights = (gguf_weight_bytes(ckpt, KERNEL_TYPES, itemsize)
+                   if quantization == "gguf" else None)
+        name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
+        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights)
         return plan_memory(fp, mem, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                            kv_cache_bytes=args.kv_cache_memory_bytes,
@@ -66,7 +111,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            "from what the OS and cgroup allow", args.gpu_memory_utilization,
                            choice.platform.name)
     dtype = resolve_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform)
-    mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype)
+    quantization = resolve_quantization(args, ckpt, choice.platform)
+    mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
     logger.info("%s", mem_plan.summary())
     batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     return EngineConfig(
@@ -77,6 +123,6 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
-        seed=args.seed, max_logprobs=args.max_logprobs)
+        seed=args.seed, max_logprobs=args.max_logprobs, quantization=quantization)
 
 

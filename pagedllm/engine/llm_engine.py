@@ -15,6 +15,10 @@ from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.kernels import kernels_available, load_kernels
+from pagedllm.layers.ggml_linear import KERNEL_TYPES
+from pagedllm.layers.quantization import quantize_float_model
+from pagedllm.loader.gguf_loader import gguf_quant_plan
 from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
 from pagedllm.loader.sources import locate_model
 from pagedllm.loader.tokenizer import load_tokenizer
@@ -37,11 +41,19 @@ class LLMEngine:
         if device.type == "cpu":
             cpu_platform().apply_threads()
         started = time.monotonic()
-        model = build_model(arch, config.scheduler.max_model_len, config.dtype, device)
+        quant = config.quantization
+        if quant != "none":
+            load_kernels()
+        elif device.type == "cpu":
+            kernels_available()  # fused CPU ops; the model falls back to plain PyTorch without
+        plan = gguf_quant_plan(ckpt.path, KERNEL_TYPES) if quant == "gguf" else None
+        model = build_model(arch, config.scheduler.max_model_len, config.dtype, device, plan)
         with torch.no_grad():
             load_weights(ckpt, dict(model.named_parameters()))
-        logger.info("loaded %s (%s, %s) in %.1f s", ckpt.path, arch.architecture, config.dtype,
-                    time.monotonic() - started)
+        if quant in ("int8", "int4"):
+            quantize_float_model(model, quant)
+        logger.info("loaded %s (%s, %s, quantization %s) in %.1f s", ckpt.path,
+                    arch.architecture, config.dtype, quant, time.monotonic() - started)
         self.generation_config = generation_config(ckpt)
         self.eos_token_ids = _eos_ids(arch, self.generation_config, tokenizer)
         cache = config.cache

@@ -36,6 +36,8 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--api-key", default=None)
         else:
             p.add_argument("--dtype", default="auto")
+            p.add_argument("--quantization", default=None,
+                           help="gguf (default for a GGUF on the CPU), int8, int4 or none")
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-seqs", type=int, default=64)
 
@@ -60,16 +62,17 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     tok = llm.get_tokenizer()
     greedy = dict(temperature=0, ignore_eos=True)
     llm.generate(_token_prompts(tok, 1, 8), SamplingParams(max_tokens=2, **greedy), use_tqdm=False)
-    prompt = _token_prompts(tok, 1, args.input_len)
+    # two different prompts: the second run must not find the first one's prefix cached
+    first, second = _token_prompts(tok, 2, args.input_len)
     t = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+    llm.generate([first], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
     ttft = time.perf_counter() - t
     t = time.perf_counter()
-    llm.generate(prompt, SamplingParams(max_tokens=args.output_len, **greedy), use_tqdm=False)
+    llm.generate([second], SamplingParams(max_tokens=args.output_len, **greedy), use_tqdm=False)
     total = time.perf_counter() - t
     return {"ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
             "decode_tok_per_s": (args.output_len - 1) / max(total - ttft, 1e-9),
@@ -81,7 +84,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     prompts = _token_prompts(llm.get_tokenizer(), args.num_prompts, args.input_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     t = time.perf_counter()

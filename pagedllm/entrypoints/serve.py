@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from pagedllm.layers.quantization import QUANTIZATION_METHODS
 import logging
 import os
 import sys
@@ -30,6 +32,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
+                   "quantize a float checkpoint at load; none dequantizes")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                    "(or set PAGEDLLM_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
@@ -53,7 +58,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source))
+        revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source,
+        quantization=args.quantization))
     name = args.served_model_name or args.model
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
                         engine.config.scheduler.max_model_len, chat_template)

@@ -5,6 +5,8 @@ import math
 from typing import Any, Optional
 
 import torch
+
+from pagedllm.kernels import kernels_loaded
 from torch import nn
 
 
@@ -95,6 +97,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T]."""
+        if (q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and kernels_loaded()
+                and q.is_contiguous() and k.is_contiguous()):
+            torch.ops.pagedllm.rope_(q, k, positions, self.cos, self.sin)  # in place, one op
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -232,6 +232,19 @@ def arch_from_gguf(path: str | Path) -> ModelArchConfig:
     return _read_header(path).arch
 
 
+def gguf_quant_plan(path: str | Path, kernel_types: frozenset) -> dict[str, GGMLQuantizationType]:
+    """Module name -> block format, for each 2-D weight whose GGUF type is in kernel_types."""
+    header = _read_header(path)
+    plan: dict[str, GGMLQuantizationType] = {}
+    for info in header.tensors:
+        name = hf_name(info.name)
+        if name and name.endswith(".weight") and len(info.shape) == 2 and info.qtype in kernel_types:
+            plan[name.removesuffix(".weight")] = info.qtype
+    if header.arch.tie_word_embeddings and "model.embed_tokens" in plan:
+        plan["lm_head"] = plan["model.embed_tokens"]  # the head shares the embedding's blocks
+    return plan
+
+
 def _read_bytes(fh: BinaryIO, offset: int, nbytes: int) -> np.ndarray:
     """nbytes at offset as a fresh uint8 array (plain reads: no mmap pages stay resident)."""
     buf = np.empty(nbytes, dtype=np.uint8)
@@ -255,10 +268,13 @@ def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
 
 def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
                  head_dim: Optional[int]) -> None:
-    """Dequantize one tensor into dest in row chunks; head_dim set means un-permute Q/K rows."""
+    """Dequantize one tensor into dest in row chunks (a uint8 dest takes the blocks as they are);
+    head_dim set means un-permute Q/K rows."""
     # 1-D norms and biases are small: one row.
     rows, cols = (1, info.shape[0]) if len(info.shape) == 1 else info.shape
     row_bytes = info.nbytes // rows
+    if dest.dtype == torch.uint8:
+        cols = row_bytes
     step = max(1, CHUNK_ELEMENTS // cols)
     if head_dim is not None:
         step = max(head_dim, step // head_dim * head_dim)  # a head's rows must stay together
@@ -266,7 +282,8 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
         raw = _read_bytes(fh, info.offset + r0 * row_bytes, n * row_bytes).reshape(n, row_bytes)
-        chunk = dequantize(raw, info.qtype).reshape(n, cols)  # [n, cols] float32
+        # [n, cols]: float32 values, or the blocks themselves for a block-format destination
+        chunk = raw if dest.dtype == torch.uint8 else dequantize(raw, info.qtype).reshape(n, cols)
         if head_dim is not None:
             chunk = _unpermute(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk, head_dim)
             chunk = chunk.reshape(n, cols)
@@ -274,8 +291,12 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
 
 
 def _check_shape(name: str, dest: torch.Tensor, info: GGUFTensorInfo) -> None:
-    """ValueError naming both tensors unless dest has the GGUF tensor's (torch-order) shape."""
-    if tuple(dest.shape) != info.shape:
+    """ValueError naming both tensors unless dest has the GGUF tensor's (torch-order) shape
+    (for a uint8 block-format destination: [rows, bytes per row])."""
+    want = info.shape
+    if dest.dtype == torch.uint8 and len(info.shape) == 2:
+        want = (info.shape[0], info.nbytes // info.shape[0])
+    if tuple(dest.shape) != want:
         raise ValueError(f"{name!r} has shape {tuple(dest.shape)} but GGUF tensor "
                          f"{info.name!r} has shape {info.shape}")
 
@@ -310,9 +331,11 @@ def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> N
     """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time."""
     header = _read_header(path)
     for name, tensor in params.items():
-        if not tensor.is_floating_point() or not tensor.is_contiguous():
-            raise ValueError(f"destination {name!r} must be a contiguous float tensor "
-                             f"(dtype {tensor.dtype}, contiguous={tensor.is_contiguous()})")
+        kind_ok = tensor.is_floating_point() or tensor.dtype == torch.uint8
+        if not kind_ok or not tensor.is_contiguous():
+            raise ValueError(f"destination {name!r} must be a contiguous float or uint8 (block "
+                             f"format) tensor (dtype {tensor.dtype}, "
+                             f"contiguous={tensor.is_contiguous()})")
     plan = _plan(header, params)
     permuted = header.arch.architecture == "llama"  # convert_hf_to_gguf permutes Q/K for llama only
     with open(path, "rb", buffering=0) as fh:

@@ -39,3 +39,12 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
         if total and itemsize:
             return int(total) // itemsize, "safetensors index total_size"
     return count_params(ckpt.arch), "config.json shapes"
+
+
+def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int) -> int:
+    """Resident weight bytes of a GGUF whose 2-D tensors of kept_types stay in block format
+    and whose other tensors are held at itemsize bytes per value."""
+    with open(ckpt.path, "rb") as fh:
+        tensors = read_gguf_header(fh)[1]
+    return sum(t.nbytes if len(t.shape) == 2 and t.qtype in kept_types
+               else math.prod(t.shape) * itemsize for t in tensors)

@@ -13,6 +13,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import paged_attention
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.ggml_linear import linear_many
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -34,9 +35,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_many(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, -1))
@@ -53,7 +55,7 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+        return self.down_proj(self.act(*linear_many(x, self.gate_proj, self.up_proj)))
 
 
 class DecoderLayer(nn.Module):
@@ -66,10 +68,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added) - the next norm adds
+        them, in one fused op on the CPU."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -89,8 +96,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
 
@@ -99,15 +105,20 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, H] for flattened tokens input_ids [T] at positions [T]."""
         # the residual stream stays in float32 whatever the weights' dtype: in bf16 its rounding
         # error would otherwise flip near-tied greedy choices
-        h = self.model.embed_tokens(input_ids).float()
+        residual = self.model.embed_tokens(input_ids).float()  # [T, H]
+        x = torch.zeros_like(residual)  # the first norm adds it: residual stays the embedding
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, positions, self.rope, kv_cache, meta)
-        return self.model.norm(h)
+            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [N, V] for hidden states [N, H]."""
-        head = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return hidden @ head.weight.t()
+        return self.lm_head(hidden)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

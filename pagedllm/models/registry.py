@@ -4,7 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from typing import Optional
+
 from pagedllm.config import ModelArchConfig
+from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -28,11 +31,15 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> nn.Module:
-    """The model for cfg with parameters allocated in dtype on device but not initialised."""
+                device: torch.device, quant_plan: Optional[QuantPlan] = None) -> nn.Module:
+    """The model for cfg with parameters allocated in dtype on device but not initialised;
+    modules named in quant_plan hold their weights in a GGML block format instead."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
+        if quant_plan:
+            swap_quantized_modules(model, quant_plan, dtype)
     model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()  # after to_empty, which would give each name its own tensor
     model.rope.reset_tables(device)
     return model.eval()

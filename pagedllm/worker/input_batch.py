@@ -91,11 +91,11 @@ def _decode_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.devic
     max_blocks = -(-max(ctx) // block_size)
     table = [s.state.block_ids[:max_blocks] + [0] * (max_blocks - len(s.state.block_ids[:max_blocks]))
              for s in seqs]
-    ctx_t = torch.tensor(ctx, device=device)
+    ctx_t = torch.tensor(ctx, dtype=torch.int64, device=device)
     mask = torch.arange(max_blocks * block_size, device=device)[None, :] < ctx_t[:, None]
     return DecodeBatch(num_tokens=len(seqs),
                        block_table=torch.tensor(table, dtype=torch.int64, device=device),
-                       mask=mask[:, None, None, :])
+                       mask=mask[:, None, None, :], context_lens=ctx_t)
 
 
 def _prefill_seq(seq: ScheduledSeq, block_size: int, device: torch.device) -> PrefillSeq:

@@ -88,9 +88,11 @@ def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
 
 
 def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name: str,
-              source: str) -> ModelFootprint:
-    """A model's needs when its weights are held in a dtype of `itemsize` bytes."""
-    return ModelFootprint(arch, num_params, num_params * itemsize,
+              source: str, weight_bytes: Optional[int] = None) -> ModelFootprint:
+    """A model's needs when its weights are held in a dtype of `itemsize` bytes (or take
+    weight_bytes when some stay quantized)."""
+    return ModelFootprint(arch, num_params,
+                          num_params * itemsize if weight_bytes is None else weight_bytes,
                           kv_bytes_per_token(arch, itemsize), dtype_name, source)
 
 

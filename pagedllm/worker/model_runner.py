@@ -1,7 +1,10 @@
 """ModelRunner: SchedulerOutput in, one forward pass over all scheduled tokens, ModelRunnerOutput out."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -17,8 +20,14 @@ from pagedllm.worker.input_batch import (CachedRequestState, ScheduledSeq, StepI
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The whole KV cache in one allocation: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]."""
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                       dtype=dtype, device=device)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # calloc'd memory reads as zeros but the OS commits a page only when it is first written,
+    # so resident memory grows with the tokens actually cached, not with the planned size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 class ModelRunner:

@@ -40,7 +40,7 @@ def last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     bs = 16
     nblocks = -(-len(token_ids) // bs)
     kv = allocate_kv_cache(cfg.num_hidden_layers, nblocks + 1, bs, cfg.num_key_value_heads,
-                           cfg.head_dim, next(model.parameters()).dtype, torch.device("cpu"))
+                           cfg.head_dim, llm.llm_engine.config.dtype, torch.device("cpu"))
     # blocks in reverse order, so the test also exercises a non-trivial block table
     state = CachedRequestState("x", list(token_ids), len(token_ids), SamplingParams(), None,
                                list(range(nblocks, 0, -1)), 0)

@@ -51,7 +51,8 @@ def _check_llm(llm, prompts, ref_tokens, ref_logits, num_tokens=NUM_TOKENS, logi
 def test_gguf_float32_matches_hf(reference, smollm_gguf, qwen_gguf):
     name, _, prompts, tokens, logits = reference
     gguf = {"smollm": smollm_gguf, "qwen": qwen_gguf}[name]
-    llm = LLM(model=str(gguf), dtype="float32")
+    # quantization="none": the blocks dequantized to float32, as transformers loads a GGUF
+    llm = LLM(model=str(gguf), dtype="float32", quantization="none")
     _check_llm(llm, prompts, tokens, logits)
     assert llm.llm_engine.kv_manager.pool.num_free_blocks == llm.llm_engine.kv_manager.pool.num_blocks
 
@@ -65,5 +66,5 @@ def test_hf_directory_float32_matches_hf(reference):
 def test_bfloat16_first_tokens_match(reference, smollm_gguf, qwen_gguf):
     name, _, prompts, tokens, _ = reference
     gguf = {"smollm": smollm_gguf, "qwen": qwen_gguf}[name]
-    llm = LLM(model=str(gguf), dtype="bfloat16")
+    llm = LLM(model=str(gguf), dtype="bfloat16", quantization="none")
     _check_llm(llm, prompts, tokens, None, num_tokens=8, logits_tol=None)

@@ -1,0 +1,66 @@
+"""Speed of the GGML block kernels against float32 GEMM (torch/MKL) on the default model's shapes.
+
+    .venv/bin/python benchmarks/bench_kernels.py [--rows 1 2 16 64 512]
+
+For each GGML type and shape: the fused int8-activation kernel (what small batches use), and
+float32 F.linear on the dequantized matrix (what batches of DENSE_MIN_ROWS or more use, after a
+one-off dequantization), in ms and GFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.ggml_linear import dequantize
+
+# (type, out_features, in_features) of Qwen2.5-Coder-0.5B's Q4_K_M mix
+SHAPES = [(T.Q5_0, 4864, 896), (T.Q6_K, 896, 4864), (T.Q4_K, 896, 4864), (T.Q5_0, 896, 896),
+          (T.Q8_0, 128, 896), (T.Q8_0, 151936, 896)]
+HALF_FIELDS = {T.Q5_0: [0], T.Q8_0: [0], T.Q6_K: [208], T.Q4_K: [0, 2]}
+
+
+def random_blocks(qtype: T, rows: int, cols: int) -> torch.Tensor:
+    rng = np.random.default_rng(0)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in HALF_FIELDS[qtype]:
+        half = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
+        raw[:, :, off:off + 2] = half.view(np.uint8).reshape(rows, cols // block, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def timed(fn, min_time: float = 0.3) -> float:
+    fn()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_time:
+        fn()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16, 64, 512])
+    args = ap.parse_args()
+    load_kernels()
+    print(f"{'type':6} {'shape':>13} {'M':>4} {'kernel ms':>10} {'GF/s':>6} {'f32 ms':>8} {'GF/s':>6}")
+    for qtype, n, k in SHAPES:
+        w = random_blocks(qtype, n, k)
+        wf = dequantize(w, qtype, k)
+        for m in args.rows:
+            x = torch.randn(m, k)
+            tq = timed(lambda: torch.ops.pagedllm.ggml_linear(x, w, int(qtype), k))
+            tf = timed(lambda: F.linear(x, wf))
+            flop = 2 * m * n * k / 1e9
+            print(f"{qtype.name:6} {n:>6}x{k:<6} {m:>4} {tq * 1e3:>10.3f} {flop / tq:>6.1f} "
+                  f"{tf * 1e3:>8.3f} {flop / tf:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()

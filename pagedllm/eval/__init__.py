@@ -1,0 +1,1 @@
+"""Quality measurements over a loaded engine (perplexity on a fixed text)."""

@@ -1,0 +1,110 @@
+"""Compiled CPU kernels: built once per machine with the local compiler, cached, loaded as torch ops.
+
+The build is keyed by the source, the torch version and the CPU's instruction-set flags, because
+it is compiled for the CPU it runs on (-march=native). `python -m pagedllm.kernels` builds it ahead
+of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+_SOURCES = (Path(__file__).parent / "csrc" / "ggml_quants.cpp",
+            Path(__file__).parent / "csrc" / "cpu_ops.cpp")
+_LOCK = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernels could not be compiled or loaded; the message says why and what to do."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key() -> str:
+    """Short hash of what the compiled library depends on."""
+    h = hashlib.sha256()
+    for source in _SOURCES:
+        h.update(source.read_bytes())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _build_dir(key: str) -> Path:
+    from pagedllm.loader.model_store import cache_dir
+    return cache_dir() / "kernels" / key
+
+
+def _ensure_ninja_on_path() -> None:
+    # the `ninja` wheel puts its binary next to the interpreter, which may not be on PATH
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+@lru_cache(maxsize=1)
+def _load() -> None:
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    build_dir = _build_dir(key)
+    built = build_dir / f"pagedllm_ggml_{key}.so"
+    if built.is_file():  # the key covers the sources, torch and the CPU: load it as it is
+        torch.ops.load_library(str(built))
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _ensure_ninja_on_path()
+    started = time.monotonic()
+    logger.info("compiling pagedllm CPU kernels into %s (once per machine, about a minute)",
+                build_dir)
+    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+    try:
+        cpp_extension.load(name=f"pagedllm_ggml_{key}", sources=[str(s) for s in _SOURCES],
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
+    except Exception as err:  # compiler missing, headers missing, link error
+        raise KernelBuildError(
+            f"could not build pagedllm's CPU kernels in {build_dir}: {err}\n"
+            "  ways out: install a C++ compiler (apt install g++) and ninja (pip install ninja), "
+            "or load the model dequantized with quantization='none'") from err
+    logger.info("compiled pagedllm CPU kernels in %.0f s", time.monotonic() - started)
+
+
+def kernels_loaded() -> bool:
+    """True once the kernels are loaded in this process (never builds)."""
+    return _load.cache_info().currsize > 0
+
+
+def load_kernels() -> None:
+    """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards."""
+    with _LOCK:
+        _load()
+
+
+def kernels_available() -> bool:
+    """True when the kernels load (building them if needed); failures are logged, not raised."""
+    try:
+        load_kernels()
+        return True
+    except KernelBuildError as err:
+        logger.warning("%s", err)
+        return False

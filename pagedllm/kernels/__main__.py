@@ -1,0 +1,14 @@
+"""`python -m pagedllm.kernels`: build the CPU kernels now (setup does this ahead of first use)."""
+import logging
+import sys
+
+from pagedllm.kernels import KernelBuildError, load_kernels
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        load_kernels()
+    except KernelBuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    print("pagedllm CPU kernels ready")

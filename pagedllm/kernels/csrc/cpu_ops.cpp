@@ -1,0 +1,180 @@
+// Fused float32 CPU ops for the decoder's small, frequent steps: each replaces several ATen ops
+// (and their per-op dispatch cost, which dominates at one token per step).
+//   rms_norm(x, w, eps)                   y = x * rsqrt(mean(x^2) + eps) * w
+//   add_rms_norm_(x, residual, w, eps)    residual += x; x = rms_norm(residual)   (in place)
+//   rope_(q, k, positions, cos, sin)      rotate-half RoPE on q [T, Hq, D], k [T, Hk, D] in place
+//   paged_decode_attention(q, kv, block_table, context_lens, scale)
+//       one query token per sequence over its paged K/V, read in place (no gathered copy)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+inline void norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < h; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(w, "weight");
+  const int64_t h = w.numel(), t = x.numel() / h;
+  at::Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * h, wp, yp + r * h, h, static_cast<float>(eps));
+  });
+  return y;
+}
+
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_f32(x, "x");
+  check_f32(residual, "residual");
+  check_f32(w, "weight");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  const int64_t h = w.numel(), t = x.numel() / h;
+  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xr = xp + r * h;
+      float* rr = rp + r * h;
+      for (int64_t i = 0; i < h; ++i) rr[i] += xr[i];
+      norm_row(rr, wp, xr, h, static_cast<float>(eps));
+    }
+  });
+}
+
+void rope_heads(float* x, int64_t heads, int64_t d, const float* c, const float* s) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    float* v = x + hd * d;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * c[i] - b * s[i];
+      v[i + half] = b * c[i + half] + a * s[i + half];
+    }
+  }
+}
+
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
+  TORCH_CHECK(cos.size(1) == d, "cos/sin tables must have head_dim columns");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " is outside the RoPE table");
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      rope_heads(qp + r * hq * d, hq, d, cp + pos[r] * d, sp + pos[r] * d);
+      rope_heads(kp + r * hk * d, hk, d, cp + pos[r] * d, sp + pos[r] * d);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale) {
+  check_f32(q, "q");
+  check_f32(kv, "kv_cache");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
+              "block_table must be a contiguous int64 [B, max_blocks] tensor");
+  TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens must be int64");
+  // q [B, Hq, D]; kv [2, NB, BS, Hk, D]
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t nblocks = kv.size(1), bs = kv.size(2), hk = kv.size(3);
+  TORCH_CHECK(kv.size(4) == d && hq % hk == 0, "q and kv_cache shapes do not match");
+  const int64_t group = hq / hk, max_blocks = block_table.size(1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lens[i] > 0 && lens[i] <= max_blocks * bs, "context length ", lens[i], " out of range");
+    for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; ++j)
+      TORCH_CHECK(table[i * max_blocks + j] >= 0 && table[i * max_blocks + j] < nblocks, "block id out of range");
+  }
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kc = kv.data_ptr<float>();
+  const float* vc = kc + nblocks * bs * hk * d;
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // one task per (sequence, kv head): its `group` query heads share every K/V row read
+  at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    std::vector<float> acc(group * d);
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t i = task / hk, g = task % hk, len = lens[i];
+      const int64_t* blocks = table + i * max_blocks;
+      scores.assign(group * len, 0.f);
+      const float* qg = qp + (i * hq + g * group) * d;
+      for (int64_t p = 0; p < len; ++p) {
+        const float* kr = kc + ((blocks[p / bs] * bs + p % bs) * hk + g) * d;
+        for (int64_t h = 0; h < group; ++h) {
+          float s = 0.f;
+          for (int64_t e = 0; e < d; ++e) s += qg[h * d + e] * kr[e];
+          scores[h * len + p] = s * sc;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores.data() + h * len;
+        const float mx = *std::max_element(sh, sh + len);
+        float sum = 0.f;
+        for (int64_t p = 0; p < len; ++p) {
+          sh[p] = std::exp(sh[p] - mx);
+          sum += sh[p];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < len; ++p) sh[p] *= inv;
+      }
+      for (int64_t p = 0; p < len; ++p) {
+        const float* vr = vc + ((blocks[p / bs] * bs + p % bs) * hk + g) * d;
+        for (int64_t h = 0; h < group; ++h) {
+          const float w = scores[h * len + p];
+          float* a = acc.data() + h * d;
+          for (int64_t e = 0; e < d; ++e) a[e] += w * vr[e];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + (i * hq + g * group) * d);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rope_", &rope_);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

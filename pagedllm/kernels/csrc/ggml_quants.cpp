@@ -1,0 +1,813 @@
+// CPU kernels over GGML quantized blocks exactly as a GGUF file stores them: dequantize rows,
+// and y = x @ W^T with W left in its block format (the weights stay compact in memory).
+//
+// A weight matrix W [N, K] is a uint8 tensor [N, row_bytes]: each row is K / block_size blocks.
+// Block layouts (ggml-common.h; "half" is IEEE fp16, little-endian):
+//   Q4_0  32 values, 18 B: half d; u8 qs[16]                    w = d * (q - 8)
+//   Q4_1  32 values, 20 B: half d, m; u8 qs[16]                 w = d * q + m
+//   Q5_0  32 values, 22 B: half d; u32 qh; u8 qs[16]            w = d * (q - 16), q 5-bit
+//   Q5_1  32 values, 24 B: half d, m; u32 qh; u8 qs[16]         w = d * q + m
+//   Q8_0  32 values, 34 B: half d; i8 qs[32]                    w = d * q
+//   Q4_K 256 values, 144 B: half d, dmin; u8 scales[12]; u8 qs[128]   8 groups of 32, 6-bit sc/m
+//   Q5_K 256 values, 176 B: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
+//   Q6_K 256 values, 210 B: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d   16 groups of 16
+// Dequantization is exact (the float32 values ggml itself produces); matmuls accumulate in
+// float32 with FMA.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2 1
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum GgmlType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+struct Format {
+  int64_t block;  // values per block
+  int64_t bytes;  // bytes per block
+};
+
+Format format_of(int64_t t) {
+  switch (t) {
+    case kF32: return {1, 4};
+    case kF16: return {1, 2};
+    case kBF16: return {1, 2};
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "ggml type ", t, " has no pagedllm kernel");
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction instead of the portable bit manipulation
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void row_q4_0(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 18, y += 32) {
+    const float d = half_at(p);
+    const uint8_t* qs = p + 2;
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+      y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+    }
+  }
+}
+
+void row_q4_1(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 20, y += 32) {
+    const float d = half_at(p), m = half_at(p + 2);
+    const uint8_t* qs = p + 4;
+    for (int j = 0; j < 16; ++j) {
+      y[j] = d * static_cast<float>(qs[j] & 0xF) + m;
+      y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  }
+}
+
+// The fifth bit of value j (j < 16) is bit j of qh, of value j + 16 bit j + 16.
+inline void q5_values(uint32_t qh, const uint8_t* qs, int* q) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (qs[j] & 0xF) | (((qh >> j) & 1) << 4);
+    q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+
+void row_q5_0(const uint8_t* p, float* y, int64_t k) {
+  int q[32];
+  for (int64_t b = 0; b < k / 32; ++b, p += 22, y += 32) {
+    const float d = half_at(p);
+    q5_values(u32_at(p + 2), p + 6, q);
+    for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q[j] - 16);
+  }
+}
+
+void row_q5_1(const uint8_t* p, float* y, int64_t k) {
+  int q[32];
+  for (int64_t b = 0; b < k / 32; ++b, p += 24, y += 32) {
+    const float d = half_at(p), m = half_at(p + 2);
+    q5_values(u32_at(p + 4), p + 8, q);
+    for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q[j]) + m;
+  }
+}
+
+void row_q8_0(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 34, y += 32) {
+    const float d = half_at(p);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2);
+    for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(qs[j]);
+  }
+}
+
+// 6-bit scale and min of group j (0..7) from the 12 packed bytes of a Q4_K/Q5_K block.
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void row_q4_k(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 256; ++b, p += 144) {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    const uint8_t* scales = p + 4;
+    const uint8_t* q = p + 16;
+    for (int g = 0; g < 8; g += 2, q += 32, y += 64) {
+      int sc, m;
+      scale_min_k4(g, scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(g + 1, scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
+      for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+    }
+  }
+}
+
+void row_q5_k(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 256; ++b, p += 176) {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    const uint8_t* scales = p + 4;
+    const uint8_t* qh = p + 16;
+    const uint8_t* ql = p + 48;
+    for (int g = 0; g < 8; g += 2, ql += 32, y += 64) {
+      int sc, m;
+      scale_min_k4(g, scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(g + 1, scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      const int lo = g, hi = g + 1;  // bit of qh holding the fifth bit of each half
+      for (int l = 0; l < 32; ++l)
+        y[l] = d1 * static_cast<float>((ql[l] & 0xF) + (((qh[l] >> lo) & 1) << 4)) - m1;
+      for (int l = 0; l < 32; ++l)
+        y[l + 32] = d2 * static_cast<float>((ql[l] >> 4) + (((qh[l] >> hi) & 1) << 4)) - m2;
+    }
+  }
+}
+
+void row_q6_k(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 256; ++b, p += 210) {
+    const float d = half_at(p + 208);
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = static_cast<int>((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = static_cast<int>((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = static_cast<int>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = static_cast<int>((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = d * static_cast<float>(sc[is]) * static_cast<float>(q1);
+        y[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q2);
+        y[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q3);
+        y[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q4);
+      }
+    }
+  }
+}
+
+void row_f16(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) y[j] = half_at(p + 2 * j);
+}
+
+void row_bf16(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * j, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    std::memcpy(y + j, &bits, 4);
+  }
+}
+
+void row_f32(const uint8_t* p, float* y, int64_t k) { std::memcpy(y, p, 4 * k); }
+
+
+#ifdef PAGEDLLM_AVX2
+// --- AVX2 versions of the row dequantizers for the common types ---------------------------
+// Each turns 32 (or 16) signed bytes into float32 values scaled by d (plus an offset).
+
+// y[0..7] .. y[24..31] = d * q + m for 32 int8 values q.
+inline void put32(__m256i q, float d, float m, float* y) {
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[i]));
+    _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(f, dv, mv));
+  }
+}
+
+// 16 int8 values (one 128-bit lane) times d.
+inline void put16(__m128i q, float d, float* y) {
+  const __m256 dv = _mm256_set1_ps(d);
+  _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), dv));
+  _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), dv));
+}
+
+// 16 packed bytes -> 32 nibbles: low nibbles first (values 0..15), then high (16..31).
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+// 0x10 in byte j where bit j of qh is set.
+inline __m256i fifth_bits(uint32_t qh) {
+  // byte j of the broadcast picks byte j / 8 of qh, then tests bit j % 8
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), pick);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+void row_q4_0_avx2(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 18, y += 32)
+    put32(_mm256_sub_epi8(nibbles32(p + 2), _mm256_set1_epi8(8)), half_at(p), 0.f, y);
+}
+
+void row_q4_1_avx2(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 20, y += 32)
+    put32(nibbles32(p + 4), half_at(p), half_at(p + 2), y);
+}
+
+void row_q5_0_avx2(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 22, y += 32) {
+    const __m256i q = _mm256_or_si256(nibbles32(p + 6), fifth_bits(u32_at(p + 2)));
+    put32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), half_at(p), 0.f, y);
+  }
+}
+
+void row_q5_1_avx2(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 24, y += 32)
+    put32(_mm256_or_si256(nibbles32(p + 8), fifth_bits(u32_at(p + 4))), half_at(p), half_at(p + 2), y);
+}
+
+void row_q8_0_avx2(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 34, y += 32)
+    put32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), half_at(p), 0.f, y);
+}
+
+void row_q4_k_avx2(const uint8_t* p, float* y, int64_t k) {
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  for (int64_t b = 0; b < k / 256; ++b, p += 144) {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    const uint8_t* scales = p + 4;
+    const uint8_t* q = p + 16;
+    for (int g = 0; g < 8; g += 2, q += 32, y += 64) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      int sc, m;
+      scale_min_k4(g, scales, &sc, &m);
+      put32(_mm256_and_si256(v, mask), d * sc, -dmin * m, y);
+      scale_min_k4(g + 1, scales, &sc, &m);
+      put32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), d * sc, -dmin * m, y + 32);
+    }
+  }
+}
+
+void row_q6_k_avx2(const uint8_t* p, float* y, int64_t k) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < k / 256; ++b, p += 210) {
+    const float d = half_at(p + 208);
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      // value l + 32 * i: low/high nibble of ql, two bits of qh at 2 * i, minus 32
+      const __m256i lows[4] = {_mm256_and_si256(a, m4), _mm256_and_si256(c, m4),
+                               _mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(c, 4), m4)};
+      for (int i = 0; i < 4; ++i) {
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * i), m2);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lows[i], _mm256_slli_epi16(hb, 4)), off);
+        put16(_mm256_castsi256_si128(q), d * sc[2 * i], y + 32 * i);
+        put16(_mm256_extracti128_si256(q, 1), d * sc[2 * i + 1], y + 32 * i + 16);
+      }
+    }
+  }
+}
+#endif  // PAGEDLLM_AVX2
+
+using RowFn = void (*)(const uint8_t*, float*, int64_t);
+RowFn row_fn_scalar(int64_t t);
+
+RowFn row_fn(int64_t t) {
+#ifdef PAGEDLLM_AVX2
+  switch (t) {
+    case kQ4_0: return row_q4_0_avx2;
+    case kQ4_1: return row_q4_1_avx2;
+    case kQ5_0: return row_q5_0_avx2;
+    case kQ5_1: return row_q5_1_avx2;
+    case kQ8_0: return row_q8_0_avx2;
+    case kQ4_K: return row_q4_k_avx2;
+    case kQ6_K: return row_q6_k_avx2;
+    default: break;
+  }
+#endif
+  return row_fn_scalar(t);
+}
+
+RowFn row_fn_scalar(int64_t t) {
+  switch (t) {
+    case kF32: return row_f32;
+    case kF16: return row_f16;
+    case kBF16: return row_bf16;
+    case kQ4_0: return row_q4_0;
+    case kQ4_1: return row_q4_1;
+    case kQ5_0: return row_q5_0;
+    case kQ5_1: return row_q5_1;
+    case kQ8_0: return row_q8_0;
+    case kQ4_K: return row_q4_k;
+    case kQ5_K: return row_q5_k;
+    case kQ6_K: return row_q6_k;
+  }
+  TORCH_CHECK(false, "ggml type ", t, " has no pagedllm kernel");
+}
+
+#ifdef PAGEDLLM_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// out[r] = dot(w + r * k, x) for r < R rows of dequantized weights (k is a multiple of 8).
+template <int R>
+inline void dot_rows(const float* w, const float* x, int64_t k, float* out) {
+#ifdef PAGEDLLM_AVX2
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * k + i), xv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; ++i) s += w[r * k + i] * x[i];
+    out[r] = s;
+  }
+#endif
+}
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "ggml weight must be a contiguous CPU uint8 tensor [rows, row_bytes]");
+  const Format f = format_of(qtype);
+  TORCH_CHECK(k % f.block == 0 && k % 8 == 0, "k=", k, " is not a multiple of the block size ", f.block);
+  TORCH_CHECK(w.size(1) == k / f.block * f.bytes, "row_bytes ", w.size(1), " does not match k=", k,
+              " for ggml type ", qtype);
+}
+
+at::Tensor ggml_dequant(const at::Tensor& w, int64_t qtype, int64_t k) {
+  check_weight(w, qtype, k);
+  const int64_t n = w.size(0), rb = w.size(1);
+  at::Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const RowFn fn = row_fn(qtype);
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(src + r * rb, dst + r * k, k);
+  });
+  return out;
+}
+
+constexpr int kTile = 4;  // weight rows dequantized together, sharing each load of x
+
+#ifdef PAGEDLLM_AVX2
+// --- Integer path: weights unpacked to int8 with float scales, x quantized to int8 ---------
+// Each weight row is unpacked into a canonical form: 8-bit q[K], a float scale per 16 values
+// s16[K/16] and a float offset per 32 values mn[K/32], so that w = s16 * q + mn. q is unsigned
+// (0..31) for the types of 5 bits or less, whose offset moves into mn, so the products need no
+// sign fix-up; Q8_0 and Q6_K keep signed q.
+// x is quantized per 32 values to int8 with a float scale (as llama.cpp's Q8 activations):
+// sum(w * x) = sum_blocks(s * dx * sum(q * xq)) + mn * dx * sum(xq), the inner sums in int32.
+
+struct Unpacked {
+  int8_t* q;
+  float* s16;
+  float* mn;
+};
+
+inline void store_q(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+
+inline void set_block(const Unpacked& u, int64_t b, float s, float mn) {
+  u.s16[2 * b] = s;
+  u.s16[2 * b + 1] = s;
+  u.mn[b] = mn;
+}
+
+void unpack_q4_0(const uint8_t* p, const Unpacked& u, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 18) {
+    store_q(u.q + 32 * b, nibbles32(p + 2));
+    const float d = half_at(p);
+    set_block(u, b, d, -8.f * d);
+  }
+}
+
+void unpack_q4_1(const uint8_t* p, const Unpacked& u, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 20) {
+    store_q(u.q + 32 * b, nibbles32(p + 4));
+    set_block(u, b, half_at(p), half_at(p + 2));
+  }
+}
+
+void unpack_q5_0(const uint8_t* p, const Unpacked& u, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 22) {
+    store_q(u.q + 32 * b, _mm256_or_si256(nibbles32(p + 6), fifth_bits(u32_at(p + 2))));
+    const float d = half_at(p);
+    set_block(u, b, d, -16.f * d);
+  }
+}
+
+void unpack_q5_1(const uint8_t* p, const Unpacked& u, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 24) {
+    store_q(u.q + 32 * b, _mm256_or_si256(nibbles32(p + 8), fifth_bits(u32_at(p + 4))));
+    set_block(u, b, half_at(p), half_at(p + 2));
+  }
+}
+
+void unpack_q8_0(const uint8_t* p, const Unpacked& u, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 34) {
+    store_q(u.q + 32 * b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)));
+    set_block(u, b, half_at(p), 0.f);
+  }
+}
+
+void unpack_q4_k(const uint8_t* p, const Unpacked& u, int64_t k) {
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  int64_t b = 0;
+  for (int64_t sb = 0; sb < k / 256; ++sb, p += 144) {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    const uint8_t* q = p + 16;
+    for (int g = 0; g < 8; g += 2, q += 32, b += 2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+      int sc, m;
+      store_q(u.q + 32 * b, _mm256_and_si256(v, mask));
+      scale_min_k4(g, p + 4, &sc, &m);
+      set_block(u, b, d * sc, -dmin * m);
+      store_q(u.q + 32 * (b + 1), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+      scale_min_k4(g + 1, p + 4, &sc, &m);
+      set_block(u, b + 1, d * sc, -dmin * m);
+    }
+  }
+}
+
+void unpack_q5_k(const uint8_t* p, const Unpacked& u, int64_t k) {
+  const __m256i mask = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+  int64_t b = 0;
+  for (int64_t sb = 0; sb < k / 256; ++sb, p += 176) {
+    const float d = half_at(p), dmin = half_at(p + 2);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const uint8_t* ql = p + 48;
+    for (int g = 0; g < 8; g += 2, ql += 32, b += 2) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      // fifth bit of value l of group g is bit g of qh[l]
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), one), 4);
+      const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g + 1), one), 4);
+      int sc, m;
+      store_q(u.q + 32 * b, _mm256_or_si256(_mm256_and_si256(v, mask), h1));
+      scale_min_k4(g, p + 4, &sc, &m);
+      set_block(u, b, d * sc, -dmin * m);
+      store_q(u.q + 32 * (b + 1),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), h2));
+      scale_min_k4(g + 1, p + 4, &sc, &m);
+      set_block(u, b + 1, d * sc, -dmin * m);
+    }
+  }
+}
+
+void unpack_q6_k(const uint8_t* p, const Unpacked& u, int64_t k) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+  int64_t b = 0;
+  for (int64_t sb = 0; sb < k / 256; ++sb, p += 210) {
+    const float d = half_at(p + 208);
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+      const __m256i lows[4] = {_mm256_and_si256(a, m4), _mm256_and_si256(c, m4),
+                               _mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(c, 4), m4)};
+      for (int i = 0; i < 4; ++i, ++b) {
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * i), m2);
+        store_q(u.q + 32 * b, _mm256_sub_epi8(_mm256_or_si256(lows[i], _mm256_slli_epi16(hb, 4)), off));
+        u.s16[2 * b] = d * sc[2 * i];
+        u.s16[2 * b + 1] = d * sc[2 * i + 1];
+        u.mn[b] = 0.f;
+      }
+    }
+  }
+}
+
+using UnpackFn = void (*)(const uint8_t*, const Unpacked&, int64_t);
+
+UnpackFn unpack_fn(int64_t t) {
+  switch (t) {
+    case kQ4_0: return unpack_q4_0;
+    case kQ4_1: return unpack_q4_1;
+    case kQ5_0: return unpack_q5_0;
+    case kQ5_1: return unpack_q5_1;
+    case kQ8_0: return unpack_q8_0;
+    case kQ4_K: return unpack_q4_k;
+    case kQ5_K: return unpack_q5_k;
+    case kQ6_K: return unpack_q6_k;
+  }
+  return nullptr;
+}
+
+// x [M, K] float -> int8 per 32 values with scale dx and dx * sum(xq) per block.
+void quantize_x(const float* x, int64_t k, int8_t* xq, float* xd, float* xs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / 32; ++b, x += 32, xq += 32) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.f;
+    const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it)
+    const __m256i s01 = _mm256_packs_epi32(i32[0], i32[1]);
+    const __m256i s23 = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i s8 = _mm256_packs_epi16(s01, s23);
+    s8 = _mm256_permutevar8x32_epi32(s8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), s8);
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    xd[b] = d;
+    xs[b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+  }
+}
+
+// int32 dot products of 32 int8 weights with 32 int8 activations, as 8 lanes (4 values each).
+inline __m256i dot32(const int8_t* q, const int8_t* xq) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  // maddubs multiplies unsigned by signed bytes: move w's sign onto x
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+// sum(a[i] * b[i]) for i < n, 8 lanes at a time.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[c * ldo + t] = sum over blocks of s * dx * (q . xq) [+ mn * dx * sum(xq)] for R unpacked
+// weight rows (row t at q + t * k, s16 + t * 2 * nb, mn + t * nb) against C quantized x rows
+// (row c at xq + c * k, xd + c * nb, xs + c * nb). The R x C accumulators are independent FMA
+// chains; each weight load serves C rows of x and each x load R rows of weights.
+// kPer16: the scale changes every 16 values (Q6_K); kMin: blocks have an offset.
+template <int R, int C, bool kPer16, bool kMin, bool kSigned>
+inline void dot_tile(const int8_t* q, const float* s16, const float* mn, const int8_t* xq,
+                     const float* xd, const float* xs, int64_t nb, float* out, int64_t ldo) {
+  const int64_t k = 32 * nb;
+  __m256 acc[R][C];
+  for (int t = 0; t < R; ++t)
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * k + 32 * b));
+    for (int t = 0; t < R; ++t) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * k + 32 * b));
+      // maddubs takes unsigned x signed bytes: signed w becomes |w| times x * sign(w)
+      const __m256i aw = kSigned ? _mm256_sign_epi8(w, w) : w;
+      const float* st = s16 + t * 2 * nb + 2 * b;
+      __m256 ws;
+      if (kPer16) {  // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31
+        ws = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(st)), _mm_broadcast_ss(st + 1), 1);
+      } else {
+        ws = _mm256_broadcast_ss(st);
+      }
+      for (int c = 0; c < C; ++c) {
+        const __m256i p16 = _mm256_maddubs_epi16(aw, kSigned ? _mm256_sign_epi8(xv[c], w) : xv[c]);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[t][c] = _mm256_fmadd_ps(f, _mm256_mul_ps(ws, _mm256_broadcast_ss(xd + c * nb + b)), acc[t][c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    for (int t = 0; t < R; ++t) {
+      out[c * ldo + t] = hsum(acc[t][c]) + (kMin ? dot_f32(mn + t * nb, xs + c * nb, nb) : 0.f);
+    }
+  }
+}
+
+using TileFn = void (*)(const int8_t*, const float*, const float*, const int8_t*, const float*,
+                        const float*, int64_t, float*, int64_t);
+
+template <int R, int C>
+TileFn tile_fn(int64_t t) {
+  switch (t) {
+    case kQ6_K: return dot_tile<R, C, true, false, true>;
+    case kQ8_0: return dot_tile<R, C, false, false, true>;
+    default: return dot_tile<R, C, false, true, false>;  // unsigned q with an offset
+  }
+}
+
+constexpr int kCols = 2;        // x rows per tile
+constexpr int64_t kMChunk = 128;  // x rows kept hot in cache while a weight tile is reused
+
+// One unit of work: kTile (or fewer, at a matrix's end) rows of one weight matrix.
+struct RowTile {
+  int w;        // index into the weight list
+  int64_t row;  // first row
+  int rows;
+};
+
+// y_j = x @ W_j^T for every weight j (same input): x is quantized once, and the row tiles of all
+// matrices are split over the threads together (one parallel region per call).
+std::vector<at::Tensor> ggml_linear_int8(const at::Tensor& x, const std::vector<at::Tensor>& ws,
+                                         const std::vector<int64_t>& qtypes, int64_t k) {
+  const int64_t m = x.size(0), nb = k / 32;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_x(xp + i * k, k, xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb);
+  });
+  std::vector<at::Tensor> outs;
+  std::vector<RowTile> tiles;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    const int64_t n = ws[j].size(0);
+    outs.push_back(at::empty({m, n}, x.options()));
+    for (int64_t r = 0; r < n; r += kTile)
+      tiles.push_back({static_cast<int>(j), r, static_cast<int>(std::min<int64_t>(kTile, n - r))});
+  }
+  const int64_t ntiles = static_cast<int64_t>(tiles.size());
+  const int64_t grain = std::max<int64_t>(1, (ntiles + at::get_num_threads() - 1) / at::get_num_threads());
+  for (int64_t m0 = 0; m0 < m; m0 += kMChunk) {
+    const int64_t m1 = std::min(m, m0 + kMChunk);
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+      std::vector<int8_t> q(kTile * k);
+      std::vector<float> s16(kTile * 2 * nb), mn(kTile * nb);
+      for (int64_t ti = t0; ti < t1; ++ti) {
+        const RowTile& tile = tiles[ti];
+        const at::Tensor& w = ws[tile.w];
+        const int64_t qtype = qtypes[tile.w], n = w.size(0), rb = w.size(1), r = tile.row;
+        const uint8_t* src = w.data_ptr<uint8_t>();
+        float* op = outs[tile.w].data_ptr<float>();
+        const UnpackFn unpack = unpack_fn(qtype);
+        for (int t = 0; t < tile.rows; ++t)
+          unpack(src + (r + t) * rb, Unpacked{q.data() + t * k, s16.data() + t * 2 * nb, mn.data() + t * nb}, k);
+        int64_t i = m0;
+        if (tile.rows == kTile) {
+          const TileFn full = tile_fn<kTile, kCols>(qtype), one_col = tile_fn<kTile, 1>(qtype);
+          for (; i + kCols <= m1; i += kCols)
+            full(q.data(), s16.data(), mn.data(), xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb,
+                 nb, op + i * n + r, n);
+          for (; i < m1; ++i)
+            one_col(q.data(), s16.data(), mn.data(), xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb,
+                    nb, op + i * n + r, n);
+        } else {
+          const TileFn one_row = tile_fn<1, 1>(qtype);
+          for (; i < m1; ++i)
+            for (int t = 0; t < tile.rows; ++t)
+              one_row(q.data() + t * k, s16.data() + t * 2 * nb, mn.data() + t * nb, xq.data() + i * k,
+                      xd.data() + i * nb, xs.data() + i * nb, nb, op + i * n + r + t, n);
+        }
+      }
+    });
+  }
+  return outs;
+}
+#endif  // PAGEDLLM_AVX2 (integer path)
+
+// exact=true keeps x in float32 (dequantize-and-FMA); otherwise x is quantized to int8 per 32
+// values where the integer path exists (AVX2), as llama.cpp does.
+at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t k, bool exact) {
+  check_weight(w, qtype, k);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+#ifdef PAGEDLLM_AVX2
+  if (!exact && unpack_fn(qtype) != nullptr) return ggml_linear_int8(x, {w}, {qtype}, k)[0];
+#endif
+  const int64_t m = x.size(0), n = w.size(0), rb = w.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const RowFn fn = row_fn(qtype);
+  // split the rows evenly over the threads, in whole tiles
+  const int64_t grain = std::max<int64_t>(kTile, (n / at::get_num_threads() + kTile - 1) / kTile * kTile);
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(kTile * k);
+    float res[kTile];
+    for (int64_t r = r0; r < r1; r += kTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTile, r1 - r));
+      for (int t = 0; t < rows; ++t) fn(src + (r + t) * rb, buf.data() + t * k, k);
+      for (int64_t i = 0; i < m; ++i) {
+        if (rows == kTile) {
+          dot_rows<kTile>(buf.data(), xp + i * k, k, res);
+        } else {
+          for (int t = 0; t < rows; ++t) dot_rows<1>(buf.data() + t * k, xp + i * k, k, res + t);
+        }
+        for (int t = 0; t < rows; ++t) op[i * n + r + t] = res[t];
+      }
+    }
+  });
+  return out;
+}
+
+// Several weights applied to one input [M, K] in one call: the int8 path on AVX2, else one
+// exact ggml_linear per weight.
+std::vector<at::Tensor> ggml_linear_many(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef qtypes,
+                                         int64_t k) {
+  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "need one qtype per weight");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  bool int8_path = true;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    check_weight(ws[j], qtypes[j], k);
+#ifdef PAGEDLLM_AVX2
+    int8_path = int8_path && unpack_fn(qtypes[j]) != nullptr;
+#else
+    int8_path = false;
+#endif
+  }
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+#ifdef PAGEDLLM_AVX2
+  if (int8_path) return ggml_linear_int8(x, std::vector<at::Tensor>(ws.begin(), ws.end()), qtypes.vec(), k);
+#endif
+  std::vector<at::Tensor> outs;
+  for (size_t j = 0; j < ws.size(); ++j) outs.push_back(ggml_linear(x, ws[j], qtypes[j], k, false));
+  return outs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("ggml_dequant(Tensor w, int qtype, int k) -> Tensor");
+  m.def("ggml_linear(Tensor x, Tensor w, int qtype, int k, bool exact=False) -> Tensor");
+  m.def("ggml_linear_many(Tensor x, Tensor[] ws, int[] qtypes, int k) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("ggml_dequant", &ggml_dequant);
+  m.impl("ggml_linear", &ggml_linear);
+  m.impl("ggml_linear_many", &ggml_linear_many);
+}

@@ -1,0 +1,106 @@
+"""Linear and embedding layers whose weights stay in a GGML block format (as a GGUF stores them).
+
+The weight is a uint8 tensor [out_features, row_bytes]: each row is in_features / block_size
+blocks. Small batches (decode) run the fused dequantize-and-dot kernel, which reads each weight
+byte once; large batches (prefill) dequantize the matrix once and use the BLAS GEMM, where the
+dequantization cost is spread over many rows.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+# GGML types the kernels handle (pagedllm/kernels/csrc/ggml_quants.cpp).
+KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
+# From this many rows on, dequantize + GEMM beats the fused kernel (measured on AVX2: the fused
+# kernel matches fp32 GEMM at 16 rows and falls behind by 64; see benchmarks/bench_kernels.py).
+DENSE_MIN_ROWS = 32
+
+
+def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one weight row of in_features values."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    if in_features % block:
+        raise ValueError(f"in_features={in_features} is not a multiple of the {qtype.name} "
+                         f"block size {block}")
+    return in_features // block * size
+
+
+def dequantize(weight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """float32 [rows, in_features] from block-format rows [rows, row_bytes]."""
+    return torch.ops.pagedllm.ggml_dequant(weight, int(qtype), in_features)
+
+
+def ggml_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType,
+                in_features: int) -> torch.Tensor:
+    """x [..., in_features] @ W^T -> [..., out_features] in x's dtype."""
+    flat = x.reshape(-1, in_features)  # [M, K]
+    if flat.shape[0] >= DENSE_MIN_ROWS:
+        w = dequantize(weight, qtype, in_features)  # [N, K] float32
+        y = F.linear(flat, w if flat.dtype == torch.float32 else w.to(flat.dtype))
+    else:
+        y = torch.ops.pagedllm.ggml_linear(flat, weight, int(qtype), in_features).to(x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class GGMLLinear(nn.Module):
+    """y = x W^T + b with W in a GGML block format; b (if any) in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, qtype: GGMLQuantizationType,
+                 bias: bool, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.qtype = in_features, out_features, qtype
+        self.weight = nn.Parameter(torch.empty(out_features, row_bytes(qtype, in_features),
+                                               dtype=torch.uint8), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+
+
+class GGMLEmbedding(nn.Module):
+    """Embedding rows kept in a GGML block format; looked-up rows are dequantized on the fly."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: GGMLQuantizationType) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, embedding_dim, qtype
+        self.weight = nn.Parameter(torch.empty(num_embeddings, row_bytes(qtype, embedding_dim),
+                                               dtype=torch.uint8), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, ids.reshape(-1))  # [T, row_bytes]
+        return dequantize(rows, self.qtype, self.embedding_dim).view(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+
+
+def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
+    when every layer keeps GGML blocks and the batch is small, as for q/k/v and gate/up."""
+    if (len(layers) < 2 or not all(isinstance(l, GGMLLinear) for l in layers)
+            or x.device.type != "cpu" or x.numel() // x.shape[-1] >= DENSE_MIN_ROWS):
+        return [layer(x) for layer in layers]
+    k = layers[0].in_features
+    flat = x.reshape(-1, k)
+    ys = torch.ops.pagedllm.ggml_linear_many(flat, [l.weight for l in layers],
+                                             [int(l.qtype) for l in layers], k)
+    outs = []
+    for layer, y in zip(layers, ys):
+        y = y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
+        outs.append(y if layer.bias is None else y + layer.bias)
+    return outs

@@ -1,0 +1,112 @@
+"""Quantized weights, added to a plain model by swapping modules (the model code knows nothing of it).
+
+- A GGUF's quantized tensors stay in their block format: the loader fills GGMLLinear /
+  GGMLEmbedding modules with the file's bytes (exact: the kernels dequantize to the very
+  values ggml produces).
+- Float checkpoints can be quantized at load (`quantization="int8"` or `"int4"`) into the same
+  block formats: int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an
+  fp16 scale and minimum) for the decoder's linear layers, with the embedding and output head
+  kept in Q8_0, as llama.cpp's 4-bit mixes keep them at higher precision.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear
+
+# quantization= values: None picks "gguf" for a GGUF on the CPU and none otherwise.
+QUANTIZATION_METHODS = ("gguf", "int8", "int4", "none")
+
+# module name (e.g. "model.layers.0.mlp.up_proj") -> block format of its weight
+QuantPlan = dict[str, GGMLQuantizationType]
+
+Q8_0, Q4_1 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
+
+
+def check_quantization(value: Optional[str]) -> Optional[str]:
+    """The quantization method, or a ValueError listing the allowed ones."""
+    if value is None or value in QUANTIZATION_METHODS:
+        return value
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                     f"got {value!r}")
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (model.get_submodule(path) if path else model), attr
+
+
+def _quantized_like(old: nn.Module, qtype: GGMLQuantizationType, dtype: torch.dtype) -> nn.Module:
+    if isinstance(old, nn.Embedding):
+        return GGMLEmbedding(old.num_embeddings, old.embedding_dim, qtype)
+    if isinstance(old, nn.Linear):
+        return GGMLLinear(old.in_features, old.out_features, qtype, old.bias is not None, dtype)
+    raise TypeError(f"cannot quantize {type(old).__name__}")
+
+
+def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
+    """Replace each planned nn.Linear / nn.Embedding by its block-format twin (weights unset)."""
+    for name, qtype in plan.items():
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, _quantized_like(getattr(parent, attr), qtype, dtype))
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [N, K/32*34] of a float matrix [N, K]: w ~ d * q, q int8, d fp16 per 32."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()  # [N, B, 1]
+    df = d.float()
+    q = torch.where(df > 0, blocks / df.clamp_min(1e-30), 0.0).round().clamp(-127, 127)
+    return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], -1).reshape(n, -1)
+
+
+def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [N, K/32*20] of [N, K]: w ~ d * q + m, q in 0..15, d and m fp16 per 32."""
+    n, k = w.shape
+    blocks = w.float().reshape(n, k // 32, 32)
+    lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    df, mf = d.float(), m.float()
+    q = torch.where(df > 0, (blocks - mf) / df.clamp_min(1e-30), 0.0).round().clamp(0, 15)
+    q = q.to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # value j in the low nibble, j + 16 in the high
+    return torch.cat([d.view(torch.uint8), m.view(torch.uint8), packed], -1).reshape(n, -1)
+
+
+_QUANTIZERS = {Q8_0: quantize_q8_0, Q4_1: quantize_q4_1}
+
+
+def float_quant_plan(model: nn.Module, method: str) -> QuantPlan:
+    """Block format per module for quantizing a float model with int8 or int4."""
+    plan: QuantPlan = {}
+    for name, module in model.named_modules():
+        if name in ("model.embed_tokens", "lm_head"):
+            plan[name] = Q8_0
+        elif isinstance(module, nn.Linear):
+            plan[name] = Q8_0 if method == "int8" else Q4_1
+    return plan
+
+
+@torch.no_grad()
+def quantize_float_model(model: nn.Module, method: str) -> None:
+    """Quantize a loaded float model's linear layers and embedding in place (int8 or int4)."""
+    plan = float_quant_plan(model, method)
+    done: dict[int, nn.Parameter] = {}  # tied weights are quantized once and stay shared
+    for name, qtype in plan.items():
+        parent, attr = _parent(model, name)
+        old = getattr(parent, attr)
+        key = id(old.weight)
+        if key not in done:
+            done[key] = nn.Parameter(_QUANTIZERS[qtype](old.weight), requires_grad=False)
+        with torch.device("meta"):
+            new = _quantized_like(old, qtype, old.weight.dtype)
+        new = new.to_empty(device=old.weight.device)
+        new.weight = done[key]
+        if getattr(old, "bias", None) is not None:
+            new.bias = old.bias
+        setattr(parent, attr, new)

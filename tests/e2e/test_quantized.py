@@ -1,0 +1,84 @@
+"""The default model with its GGUF blocks kept: compact, coherent, and as good as float32.
+
+Perplexity is measured on the text shipped in pagedllm/eval/data (first 1024 tokens, to keep the
+suite fast); `max_num_batched_tokens=16` makes every step a small batch, so the measurement goes
+through the int8-activation kernels that decode uses, not the dense prefill path.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.eval.perplexity import perplexity
+from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear
+
+PPL_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def qwen_ppl_float32(qwen_gguf):
+    llm = LLM(model=str(qwen_gguf), dtype="float32", quantization="none", max_model_len=2048)
+    value = perplexity(llm, max_tokens=PPL_TOKENS)
+    del llm
+    gc.collect()
+    return value
+
+
+@pytest.fixture(scope="module")
+def qwen_blocks(qwen_gguf):
+    return LLM(model=str(qwen_gguf), max_model_len=2048, max_num_batched_tokens=16)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_default_model_keeps_its_blocks_compact(qwen_blocks, qwen_gguf):
+    engine = qwen_blocks.llm_engine
+    assert engine.config.quantization == "gguf"
+    model = engine.model
+    kinds = {type(m) for m in model.modules()}
+    assert GGMLLinear in kinds and GGMLEmbedding in kinds
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # resident weights: the file's blocks plus float32 norms and biases
+    assert _weight_bytes(model) <= 1.2 * qwen_gguf.stat().st_size
+
+
+def test_perplexity_within_two_percent_of_float32(qwen_blocks, qwen_ppl_float32):
+    ppl = perplexity(qwen_blocks, max_tokens=PPL_TOKENS)
+    assert abs(ppl - qwen_ppl_float32) / qwen_ppl_float32 < 0.02, (ppl, qwen_ppl_float32)
+
+
+def test_example_prompt_is_coherent(qwen_blocks):
+    out = qwen_blocks.chat([{"role": "user", "content": "Write a Python function that checks "
+                                                         "whether a number is prime."}],
+                           SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    text = out[0].outputs[0].text
+    assert "def " in text and "prime" in text.lower(), text
+
+
+@pytest.mark.parametrize("method,bound", [("int8", 0.02), ("int4", 0.25)])
+def test_float_checkpoint_quantized_at_load(smollm_hf_dir, method, bound):
+    base = LLM(model=str(smollm_hf_dir), dtype="float32", max_model_len=2048)
+    ref = perplexity(base, max_tokens=PPL_TOKENS)
+    dense_bytes = _weight_bytes(base.llm_engine.model)
+    del base
+    llm = LLM(model=str(smollm_hf_dir), dtype="float32", quantization=method, max_model_len=2048,
+              max_num_batched_tokens=16)
+    assert llm.llm_engine.config.quantization == method
+    assert _weight_bytes(llm.llm_engine.model) < dense_bytes * (0.3 if method == "int8" else 0.25)
+    ppl = perplexity(llm, max_tokens=PPL_TOKENS)
+    print(f"SmolLM2-135M {method}: perplexity {ppl:.3f} vs float32 {ref:.3f}")
+    assert abs(ppl - ref) / ref < bound, (ppl, ref)
+
+
+def test_quantization_choices_are_checked(smollm_gguf, smollm_hf_dir):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(model=str(smollm_gguf), quantization="fp8")
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(model=str(smollm_gguf), quantization="int8")
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        LLM(model=str(smollm_hf_dir), quantization="gguf")

@@ -85,14 +85,19 @@ class RotaryEmbedding(nn.Module):
         self.reset_tables(None)
 
     def reset_tables(self, device: Optional[torch.device]) -> None:
-        """(Re)compute the float32 cos/sin tables on device (after building on the meta device)."""
+        """(Re)compute the float32 cos/sin tables on device (None: the CPU), e.g. after building
+        on the meta device."""
         head_dim, max_positions, base, scaling, model_max = self._args
-        inv_freq, attn_scale = rope_inv_freq(base, head_dim, scaling, model_max)
-        pos = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(pos, inv_freq.to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
+        # computed on the CPU even inside a meta-device context: meta arithmetic goes through
+        # Python decompositions that import torch._dynamo (seconds of start-up)
+        with torch.device("cpu"):
+            inv_freq, attn_scale = rope_inv_freq(base, head_dim, scaling, model_max)
+            pos = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            cos, sin = emb.cos() * attn_scale, emb.sin() * attn_scale
+        self.register_buffer("cos", cos.to(device or "cpu"), persistent=False)
+        self.register_buffer("sin", sin.to(device or "cpu"), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 """Read a GGUF file: its architecture metadata, and its tensors dequantized into HF-named params."""
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Optional
 
@@ -131,6 +133,20 @@ def read_gguf_header(fh: BinaryIO) -> tuple[dict[str, Any], tuple[GGUFTensorInfo
     return fields, tuple(tensors)
 
 
+def gguf_header(path: str | Path) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
+    """read_gguf_header of a file, parsed once per process (keyed by path, size and mtime);
+    the metadata dict is shared: read it, do not change it."""
+    st = os.stat(path)
+    return _cached_header(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _cached_header(path: str, size: int, mtime_ns: int
+                   ) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
+    with open(path, "rb") as fh:
+        return read_gguf_header(fh)
+
+
 @dataclass(frozen=True)
 class _GGUFHeader:
     """Everything loading needs from a GGUF, without its tensor payloads."""
@@ -222,8 +238,7 @@ def _arch(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, ...]) -> Mod
 
 def _read_header(path: str | Path) -> _GGUFHeader:
     """Parse metadata and tensor table, without touching tensor payloads."""
-    with open(path, "rb") as fh:
-        fields, tensors = read_gguf_header(fh)
+    fields, tensors = gguf_header(path)
     return _GGUFHeader(arch=_arch(fields, tensors), tensors=tensors)
 
 

@@ -7,7 +7,7 @@ import struct
 from pathlib import Path
 
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf_loader import read_gguf_header
+from pagedllm.loader.gguf_loader import gguf_header
 from pagedllm.worker.memory import count_params
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -26,8 +26,7 @@ def _safetensors_header_params(path: Path) -> int:
 def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
     """(parameters, where the number came from), reading no weight data."""
     if ckpt.kind == "gguf":
-        with open(ckpt.path, "rb") as fh:
-            tensors = read_gguf_header(fh)[1]
+        tensors = gguf_header(ckpt.path)[1]
         return sum(math.prod(t.shape) for t in tensors), "GGUF tensor table"
     files = sorted(ckpt.path.glob("*.safetensors"))
     if files:
@@ -44,7 +43,6 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
 def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int) -> int:
     """Resident weight bytes of a GGUF whose 2-D tensors of kept_types stay in block format
     and whose other tensors are held at itemsize bytes per value."""
-    with open(ckpt.path, "rb") as fh:
-        tensors = read_gguf_header(fh)[1]
+    tensors = gguf_header(ckpt.path)[1]
     return sum(t.nbytes if len(t.shape) == 2 and t.qtype in kept_types
                else math.prod(t.shape) * itemsize for t in tensors)

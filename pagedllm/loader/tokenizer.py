@@ -5,13 +5,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.loader.gguf_loader import read_gguf_header
+from pagedllm.loader.gguf_loader import gguf_header
 
 
 def _match_gguf_metadata(tok: PreTrainedTokenizerBase, gguf_path: Path) -> None:
     """Make chat template, bos and eos agree with the GGUF metadata."""
-    with open(gguf_path, "rb") as fh:
-        fields = read_gguf_header(fh)[0]
+    fields = gguf_header(gguf_path)[0]
     template = fields.get("tokenizer.chat_template")
     if template is not None and tok.chat_template != template:
         tok.chat_template = template

@@ -84,7 +84,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an explicit (uninitialised) weight skips nn.Embedding's normal_() init, which on the
+        # meta device goes through a decomposition that imports torch._dynamo (~1.5 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,0 +1,44 @@
+"""Perplexity of a model on the shipped text, float32 against its quantized forms.
+
+    .venv/bin/python benchmarks/bench_perplexity.py [--model NAME_OR_PATH] [--max-tokens N]
+        [--quantization none gguf int8 int4]
+
+Each form is loaded in turn. Quantized forms run with max_num_batched_tokens=16, so every step
+is a small batch and the int8-activation kernels that decode uses are what is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+
+from pagedllm import LLM
+from pagedllm.eval.perplexity import perplexity
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--quantization", nargs="+", default=["none", "gguf"])
+    args = ap.parse_args()
+    base = None
+    for method in args.quantization:
+        small_batches = None if method == "none" else 16
+        llm = LLM(model=args.model, dtype="float32", quantization=method, max_model_len=4096,
+                  max_num_batched_tokens=small_batches)
+        n = len(llm.get_tokenizer().encode(open_text()))
+        ppl = perplexity(llm, max_tokens=args.max_tokens)
+        base = ppl if base is None else base
+        print(f"{method:>5}: perplexity {ppl:.3f} ({(ppl / base - 1) * 100:+.1f} % vs the first) "
+              f"over {min(n, args.max_tokens or n)} tokens", flush=True)
+        del llm
+        gc.collect()
+
+
+def open_text() -> str:
+    from pagedllm.eval.perplexity import DEFAULT_TEXT
+    return DEFAULT_TEXT.read_text()
+
+
+if __name__ == "__main__":
+    main()

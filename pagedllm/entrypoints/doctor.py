@@ -35,7 +35,7 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
 def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                  max_model_len: Optional[int] = None) -> dict[str, Any]:
     """Whether MODEL fits here and with which sizes, from its metadata."""
-    from pagedllm.engine.config_builder import plan_engine_memory
+    from pagedllm.engine.config_builder import plan_engine_memory, resolve_quantization
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
     from pagedllm.loader.sources import locate_model
@@ -51,8 +51,10 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                            "architecture": ckpt.arch.architecture, "parameters": num_params,
                            "parameters_source": source,
                            "max_position_embeddings": ckpt.arch.max_position_embeddings}
+    quantization = resolve_quantization(args, ckpt, choice.platform, build_kernels=False)
+    out["quantization"] = quantization
     try:
-        plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen)
+        plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:
         out.update(fits=False, dtype=str(chosen).removeprefix("torch."), reason=str(err))
         return out
@@ -90,7 +92,9 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"model {m['model']}: {m['architecture']}, {m['format']}, "
                      f"{m['parameters'] / 1e9:.2f} B parameters ({m['parameters_source']})")
         if m["fits"]:
-            lines += [f"  fits: yes, dtype {m['dtype']}: weights {fmt_bytes(m['weight_bytes'])}, "
+            quant = "" if m.get("quantization", "none") == "none" else \
+                f", quantization {m['quantization']}"
+            lines += [f"  fits: yes, dtype {m['dtype']}{quant}: weights {fmt_bytes(m['weight_bytes'])}, "
                       f"KV {fmt_bytes(m['kv_bytes_per_token'])} per token",
                       f"  {m['sequences_at_max_model_len']} sequence(s) of max_model_len "
                       f"{m['max_model_len']} fit in a {fmt_bytes(m['kv_cache_bytes'])} KV cache"]

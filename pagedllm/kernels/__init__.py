@@ -42,8 +42,8 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """Short hash of what the compiled library depends on."""
     h = hashlib.sha256()
-    for source in _SOURCES:
-        h.update(source.read_bytes())
+    for source in sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file()):
+        h.update(source.name.encode() + source.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}".encode())
     return h.hexdigest()[:16]
 

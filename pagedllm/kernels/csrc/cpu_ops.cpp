@@ -24,6 +24,7 @@ void check_f32(const at::Tensor& t, const char* name) {
 
 inline void norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < h; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
   for (int64_t i = 0; i < h; ++i) y[i] = w[i] * (x[i] * r);
@@ -133,7 +134,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
         const float* kr = kc + ((blocks[p / bs] * bs + p % bs) * hk + g) * d;
         for (int64_t h = 0; h < group; ++h) {
           float s = 0.f;
-          for (int64_t e = 0; e < d; ++e) s += qg[h * d + e] * kr[e];
+          const float* qh = qg + h * d;
+#pragma omp simd reduction(+ : s)
+          for (int64_t e = 0; e < d; ++e) s += qh[e] * kr[e];
           scores[h * len + p] = s * sc;
         }
       }

@@ -1,0 +1,67 @@
+"""The fused CPU ops against the plain-PyTorch code they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import load_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    load_kernels()
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_rms_norm_and_fused_residual_add():
+    x, res, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    torch.testing.assert_close(torch.ops.pagedllm.rms_norm(x, w, 1e-6), _rms(x, w, 1e-6))
+    want_sum = x + res
+    want = _rms(want_sum, w, 1e-5)
+    torch.ops.pagedllm.add_rms_norm_(x, res, w, 1e-5)
+    torch.testing.assert_close(res, want_sum)
+    torch.testing.assert_close(x, want)
+
+
+def test_rope_matches_rotate_half():
+    t, hq, hk, d = 4, 6, 2, 32
+    q, k = torch.randn(t, hq, d), torch.randn(t, hk, d)
+    angles = torch.rand(50, d // 2) * 10
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    pos = torch.tensor([0, 7, 7, 49])
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        half = torch.cat((-x2, x1), dim=-1)
+        return x * cos[pos][:, None] + half * sin[pos][:, None]
+
+    want_q, want_k = rotate(q), rotate(k)
+    torch.ops.pagedllm.rope_(q, k, pos, cos, sin)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        torch.ops.pagedllm.rope_(q, k, torch.tensor([0, 1, 2, 50]), cos, sin)
+
+
+def test_paged_decode_attention_reads_blocks_in_place():
+    hq, hk, d, bs = 8, 2, 16, 4
+    kv = torch.randn(2, 10, bs, hk, d)
+    # two sequences: 9 tokens in blocks [7, 2, 5], 3 tokens in block [0] (table padded with 0)
+    table = torch.tensor([[7, 2, 5], [0, 0, 0]])
+    lens = torch.tensor([9, 3])
+    q = torch.randn(2, hq, d)
+    out = torch.ops.pagedllm.paged_decode_attention(q, kv, table, lens, 0.25)
+    for i in range(2):
+        n = int(lens[i])
+        keys = kv[0][table[i]].reshape(-1, hk, d)[:n].transpose(0, 1)  # [Hk, n, D]
+        vals = kv[1][table[i]].reshape(-1, hk, d)[:n].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals, scale=0.25,
+                                             enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[i], ref)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.pagedllm.paged_decode_attention(q, kv, torch.tensor([[7, 2, 11], [0, 0, 0]]),
+                                                  lens, 0.25)

@@ -21,9 +21,13 @@ KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 
-# From this many rows on, dequantize + GEMM beats the fused kernel (measured on AVX2: the fused
-# kernel matches fp32 GEMM at 16 rows and falls behind by 64; see benchmarks/bench_kernels.py).
-DENSE_MIN_ROWS = 32
+# From this many rows on, dequantize + GEMM beats the int8 kernel (measured on AVX2 with
+# benchmarks/bench_kernels.py: the int8 kernel matches float32 GEMM between 16 and 64 rows and
+# falls behind beyond; decode batches up to the default max_num_seqs stay on the int8 kernel).
+DENSE_MIN_ROWS = 64
+# The dense path dequantizes this many values at a time (8 MiB of float32): a vocabulary-sized
+# matrix at once would be a fresh 0.5 GB allocation, page-faulted in on every call.
+DENSE_CHUNK_ELEMENTS = 2 * 1024 * 1024
 
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
@@ -45,11 +49,25 @@ def ggml_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
     """x [..., in_features] @ W^T -> [..., out_features] in x's dtype."""
     flat = x.reshape(-1, in_features)  # [M, K]
     if flat.shape[0] >= DENSE_MIN_ROWS:
-        w = dequantize(weight, qtype, in_features)  # [N, K] float32
-        y = F.linear(flat, w if flat.dtype == torch.float32 else w.to(flat.dtype))
+        y = _dense_matmul(flat, weight, qtype, in_features)
     else:
         y = torch.ops.pagedllm.ggml_linear(flat, weight, int(qtype), in_features).to(x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _dense_matmul(flat: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType,
+                  in_features: int) -> torch.Tensor:
+    """flat [M, K] @ W^T through float GEMMs on row chunks of W dequantized one at a time."""
+    n = weight.shape[0]
+    step = max(1, DENSE_CHUNK_ELEMENTS // in_features)
+    if step >= n:
+        w = dequantize(weight, qtype, in_features)  # [N, K] float32
+        return F.linear(flat, w.to(flat.dtype))
+    y = torch.empty(flat.shape[0], n, dtype=flat.dtype)
+    for r0 in range(0, n, step):
+        w = dequantize(weight[r0:r0 + step], qtype, in_features)  # [step, K]
+        y[:, r0:r0 + step] = F.linear(flat, w.to(flat.dtype))
+    return y
 
 
 class GGMLLinear(nn.Module):

@@ -64,7 +64,10 @@ def test_linear_matches_dequantize_then_matmul(qtype, m):
     assert rel_error(fast, ref) < 0.02
 
 
-def test_large_batches_take_the_exact_dense_path():
+@pytest.mark.parametrize("chunk", [None, 256 * 10])
+def test_large_batches_take_the_exact_dense_path(chunk, monkeypatch):
+    if chunk is not None:  # a vocabulary-sized matrix is dequantized in row chunks
+        monkeypatch.setattr("pagedllm.layers.ggml_linear.DENSE_CHUNK_ELEMENTS", chunk)
     raw = torch.from_numpy(random_blocks(T.Q5_0, 64, 256))
     w = dequantize(raw, T.Q5_0, 256)
     x = torch.randn(DENSE_MIN_ROWS, 256)

@@ -108,10 +108,16 @@ def test_disconnect_mid_stream_frees_blocks(server):
             "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers,
                       timeout=60) as resp:
-        for i, _ in enumerate(resp.iter_lines()):
-            if i >= 6:
+        assert resp.status_code == 200, resp.read()
+        events = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) >= 3:
                 break
-        assert _metrics(server)["vllm:num_requests_running"] == 1
+        assert len(events) == 3 and "[DONE]" not in events[-1], events
+        running = _metrics(server)["vllm:num_requests_running"]
+        assert running == 1, (running, _metrics(server))
     for _ in range(100):  # the abort happens on the engine thread's next turn
         m = _metrics(server)
         if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:

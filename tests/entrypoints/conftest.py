@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -25,14 +26,17 @@ class Server:
     def __init__(self, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # the log goes to a file: a pipe nobody reads would block the server once full
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log",
+                                               delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port",
              str(self.port), "--dtype", "float32", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()[-3000:]}")
+                raise RuntimeError(f"server exited: {self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -40,6 +44,11 @@ class Server:
                 time.sleep(0.5)
         self.stop()
         raise RuntimeError("server did not become healthy in 180 s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the server's output."""
+        with open(self.log.name) as fh:
+            return fh.read()[-chars:]
 
     def stop(self) -> None:
         self.proc.terminate()

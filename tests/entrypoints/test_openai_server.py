@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import re
 
 import httpx
@@ -116,8 +117,13 @@ def test_disconnect_mid_stream_frees_blocks(server):
             if len(events) >= 3:
                 break
         assert len(events) == 3 and "[DONE]" not in events[-1], events
-        running = _metrics(server)["vllm:num_requests_running"]
-        assert running == 1, (running, _metrics(server))
+        # the gauge is read on the HTTP thread while the engine thread steps: poll briefly
+        for _ in range(30):
+            running = _metrics(server)["vllm:num_requests_running"]
+            if running == 1:
+                break
+            time.sleep(0.1)
+        assert running == 1, (running, events, server.log_tail())
     for _ in range(100):  # the abort happens on the engine thread's next turn
         m = _metrics(server)
         if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:

@@ -143,40 +143,40 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
+// Scale (d * sc) and minimum (dmin * m) of 32-value group g of the Q4_K/Q5_K block at p:
+// the group's values are scale * q - min.
+struct GroupScale {
+  float scale, min;
+};
+
+inline GroupScale k_group(const uint8_t* p, int g) {
+  int sc, m;
+  scale_min_k4(g, p + 4, &sc, &m);
+  return {half_at(p) * sc, half_at(p + 2) * m};
+}
+
 void row_q4_k(const uint8_t* p, float* y, int64_t k) {
   for (int64_t b = 0; b < k / 256; ++b, p += 144) {
-    const float d = half_at(p), dmin = half_at(p + 2);
-    const uint8_t* scales = p + 4;
     const uint8_t* q = p + 16;
     for (int g = 0; g < 8; g += 2, q += 32, y += 64) {
-      int sc, m;
-      scale_min_k4(g, scales, &sc, &m);
-      const float d1 = d * sc, m1 = dmin * m;
-      scale_min_k4(g + 1, scales, &sc, &m);
-      const float d2 = d * sc, m2 = dmin * m;
-      for (int l = 0; l < 32; ++l) y[l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
-      for (int l = 0; l < 32; ++l) y[l + 32] = d2 * static_cast<float>(q[l] >> 4) - m2;
+      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
+      for (int l = 0; l < 32; ++l) y[l] = lo.scale * static_cast<float>(q[l] & 0xF) - lo.min;
+      for (int l = 0; l < 32; ++l) y[l + 32] = hi.scale * static_cast<float>(q[l] >> 4) - hi.min;
     }
   }
 }
 
 void row_q5_k(const uint8_t* p, float* y, int64_t k) {
   for (int64_t b = 0; b < k / 256; ++b, p += 176) {
-    const float d = half_at(p), dmin = half_at(p + 2);
-    const uint8_t* scales = p + 4;
     const uint8_t* qh = p + 16;
     const uint8_t* ql = p + 48;
     for (int g = 0; g < 8; g += 2, ql += 32, y += 64) {
-      int sc, m;
-      scale_min_k4(g, scales, &sc, &m);
-      const float d1 = d * sc, m1 = dmin * m;
-      scale_min_k4(g + 1, scales, &sc, &m);
-      const float d2 = d * sc, m2 = dmin * m;
-      const int lo = g, hi = g + 1;  // bit of qh holding the fifth bit of each half
+      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
+      // the fifth bit of group g's value l is bit g of qh[l]
       for (int l = 0; l < 32; ++l)
-        y[l] = d1 * static_cast<float>((ql[l] & 0xF) + (((qh[l] >> lo) & 1) << 4)) - m1;
+        y[l] = lo.scale * static_cast<float>((ql[l] & 0xF) + (((qh[l] >> g) & 1) << 4)) - lo.min;
       for (int l = 0; l < 32; ++l)
-        y[l + 32] = d2 * static_cast<float>((ql[l] >> 4) + (((qh[l] >> hi) & 1) << 4)) - m2;
+        y[l + 32] = hi.scale * static_cast<float>((ql[l] >> 4) + (((qh[l] >> (g + 1)) & 1) << 4)) - hi.min;
     }
   }
 }
@@ -289,16 +289,12 @@ void row_q8_0_avx2(const uint8_t* p, float* y, int64_t k) {
 void row_q4_k_avx2(const uint8_t* p, float* y, int64_t k) {
   const __m256i mask = _mm256_set1_epi8(0xF);
   for (int64_t b = 0; b < k / 256; ++b, p += 144) {
-    const float d = half_at(p), dmin = half_at(p + 2);
-    const uint8_t* scales = p + 4;
     const uint8_t* q = p + 16;
     for (int g = 0; g < 8; g += 2, q += 32, y += 64) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      int sc, m;
-      scale_min_k4(g, scales, &sc, &m);
-      put32(_mm256_and_si256(v, mask), d * sc, -dmin * m, y);
-      scale_min_k4(g + 1, scales, &sc, &m);
-      put32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), d * sc, -dmin * m, y + 32);
+      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
+      put32(_mm256_and_si256(v, mask), lo.scale, -lo.min, y);
+      put32(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), hi.scale, -hi.min, y + 32);
     }
   }
 }
@@ -482,17 +478,14 @@ void unpack_q4_k(const uint8_t* p, const Unpacked& u, int64_t k) {
   const __m256i mask = _mm256_set1_epi8(0xF);
   int64_t b = 0;
   for (int64_t sb = 0; sb < k / 256; ++sb, p += 144) {
-    const float d = half_at(p), dmin = half_at(p + 2);
     const uint8_t* q = p + 16;
     for (int g = 0; g < 8; g += 2, q += 32, b += 2) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      int sc, m;
+      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
       store_q(u.q + 32 * b, _mm256_and_si256(v, mask));
-      scale_min_k4(g, p + 4, &sc, &m);
-      set_block(u, b, d * sc, -dmin * m);
+      set_block(u, b, lo.scale, -lo.min);
       store_q(u.q + 32 * (b + 1), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-      scale_min_k4(g + 1, p + 4, &sc, &m);
-      set_block(u, b + 1, d * sc, -dmin * m);
+      set_block(u, b + 1, hi.scale, -hi.min);
     }
   }
 }
@@ -501,7 +494,6 @@ void unpack_q5_k(const uint8_t* p, const Unpacked& u, int64_t k) {
   const __m256i mask = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
   int64_t b = 0;
   for (int64_t sb = 0; sb < k / 256; ++sb, p += 176) {
-    const float d = half_at(p), dmin = half_at(p + 2);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
     const uint8_t* ql = p + 48;
     for (int g = 0; g < 8; g += 2, ql += 32, b += 2) {
@@ -509,14 +501,12 @@ void unpack_q5_k(const uint8_t* p, const Unpacked& u, int64_t k) {
       // fifth bit of value l of group g is bit g of qh[l]
       const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), one), 4);
       const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g + 1), one), 4);
-      int sc, m;
+      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
       store_q(u.q + 32 * b, _mm256_or_si256(_mm256_and_si256(v, mask), h1));
-      scale_min_k4(g, p + 4, &sc, &m);
-      set_block(u, b, d * sc, -dmin * m);
+      set_block(u, b, lo.scale, -lo.min);
       store_q(u.q + 32 * (b + 1),
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), h2));
-      scale_min_k4(g + 1, p + 4, &sc, &m);
-      set_block(u, b + 1, d * sc, -dmin * m);
+      set_block(u, b + 1, hi.scale, -hi.min);
     }
   }
 }

@@ -12,7 +12,7 @@ import argparse
 import gc
 
 from pagedllm import LLM
-from pagedllm.eval.perplexity import perplexity
+from pagedllm.eval.perplexity import DEFAULT_TEXT, perplexity
 
 
 def main() -> None:
@@ -26,18 +26,13 @@ def main() -> None:
         small_batches = None if method == "none" else 16
         llm = LLM(model=args.model, dtype="float32", quantization=method, max_model_len=4096,
                   max_num_batched_tokens=small_batches)
-        n = len(llm.get_tokenizer().encode(open_text()))
+        n = len(llm.get_tokenizer().encode(DEFAULT_TEXT.read_text()))
         ppl = perplexity(llm, max_tokens=args.max_tokens)
         base = ppl if base is None else base
         print(f"{method:>5}: perplexity {ppl:.3f} ({(ppl / base - 1) * 100:+.1f} % vs the first) "
               f"over {min(n, args.max_tokens or n)} tokens", flush=True)
         del llm
         gc.collect()
-
-
-def open_text() -> str:
-    from pagedllm.eval.perplexity import DEFAULT_TEXT
-    return DEFAULT_TEXT.read_text()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.kernels import kernels_available, load_kernels
-from pagedllm.layers.ggml_linear import KERNEL_TYPES
+from pagedllm.layers.ggml_linear import KERNEL_TYPES, pack_x8
 from pagedllm.layers.quantization import quantize_float_model
 from pagedllm.loader.gguf_loader import gguf_quant_plan
 from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
@@ -52,6 +52,8 @@ class LLMEngine:
             load_weights(ckpt, dict(model.named_parameters()))
         if quant in ("int8", "int4"):
             quantize_float_model(model, quant)
+        if quant != "none" and device.type == "cpu":
+            pack_x8(model)  # the eight-row layout of the CPU kernels
         logger.info("loaded %s (%s, %s, quantization %s) in %.1f s", ckpt.path,
                     arch.architecture, config.dtype, quant, time.monotonic() - started)
         self.generation_config = generation_config(ckpt)

@@ -21,6 +21,7 @@ import torch
 logger = logging.getLogger("pagedllm")
 
 _SOURCES = (Path(__file__).parent / "csrc" / "ggml_quants.cpp",
+            Path(__file__).parent / "csrc" / "ggml_x8.cpp",
             Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 _LOCK = threading.Lock()
 

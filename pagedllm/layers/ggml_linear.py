@@ -1,9 +1,10 @@
 """Linear and embedding layers whose weights stay in a GGML block format (as a GGUF stores them).
 
 The weight is a uint8 tensor [out_features, row_bytes]: each row is in_features / block_size
-blocks. Small batches (decode) run the fused dequantize-and-dot kernel, which reads each weight
-byte once; large batches (prefill) dequantize the matrix once and use the BLAS GEMM, where the
-dequantization cost is spread over many rows.
+blocks. On the CPU, pack_x8() then regroups the blocks eight rows at a time (the same bits,
+reordered; ggml_x8.cpp), and every batch size runs the int8 kernel over that layout. Weights
+left in the GGUF layout (a type without an x8 layout, or rows not a multiple of 8) run the
+per-row kernel on small batches and dequantize + BLAS GEMM on large ones.
 """
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
+
+# GGML types with an eight-row layout (pagedllm/kernels/csrc/ggml_x8.cpp).
+X8_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+})
+X8_ROWS = 8
 
 # From this many rows on, dequantize + GEMM beats the int8 kernel (measured on AVX2 with
 # benchmarks/bench_kernels.py: the int8 kernel matches float32 GEMM between 16 and 64 rows and
@@ -80,14 +89,21 @@ class GGMLLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, row_bytes(qtype, in_features),
                                                dtype=torch.uint8), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.packed = False  # True once pack_x8() has regrouped the weight [rows / 8, bytes]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
+        if self.packed:
+            flat = x.reshape(-1, self.in_features)  # [M, K]
+            y = torch.ops.pagedllm.ggml_linear_x8(flat, [self.weight], [int(self.qtype)],
+                                                  self.in_features)[0]
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        else:
+            y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+                f"qtype={self.qtype.name}, bias={self.bias is not None}, packed={self.packed}")
 
 
 class GGMLEmbedding(nn.Module):
@@ -98,27 +114,67 @@ class GGMLEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.qtype = num_embeddings, embedding_dim, qtype
         self.weight = nn.Parameter(torch.empty(num_embeddings, row_bytes(qtype, embedding_dim),
                                                dtype=torch.uint8), requires_grad=False)
+        self.packed = False  # shares an x8 weight with a tied output head after pack_x8()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, ids.reshape(-1))  # [T, row_bytes]
-        return dequantize(rows, self.qtype, self.embedding_dim).view(*ids.shape, -1)
+        if self.packed:
+            rows = torch.ops.pagedllm.ggml_embed_x8(self.weight, ids.reshape(-1), int(self.qtype),
+                                                    self.embedding_dim)
+        else:
+            picked = self.weight.index_select(0, ids.reshape(-1))  # [T, row_bytes]
+            rows = dequantize(picked, self.qtype, self.embedding_dim)
+        return rows.view(*ids.shape, -1)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}, "
+                f"packed={self.packed}")
 
 
 def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
-    when every layer keeps GGML blocks and the batch is small, as for q/k/v and gate/up."""
+    when every layer keeps GGML blocks (all packed, or a small batch), as for q/k/v and gate/up."""
     if (len(layers) < 2 or not all(isinstance(l, GGMLLinear) for l in layers)
-            or x.device.type != "cpu" or x.numel() // x.shape[-1] >= DENSE_MIN_ROWS):
+            or x.device.type != "cpu"):
         return [layer(x) for layer in layers]
     k = layers[0].in_features
     flat = x.reshape(-1, k)
-    ys = torch.ops.pagedllm.ggml_linear_many(flat, [l.weight for l in layers],
-                                             [int(l.qtype) for l in layers], k)
+    weights, qtypes = [l.weight for l in layers], [int(l.qtype) for l in layers]
+    if all(l.packed for l in layers):
+        ys = torch.ops.pagedllm.ggml_linear_x8(flat, weights, qtypes, k)
+    elif any(l.packed for l in layers) or flat.shape[0] >= DENSE_MIN_ROWS:
+        return [layer(x) for layer in layers]
+    else:
+        ys = torch.ops.pagedllm.ggml_linear_many(flat, weights, qtypes, k)
     outs = []
     for layer, y in zip(layers, ys):
         y = y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
         outs.append(y if layer.bias is None else y + layer.bias)
     return outs
+
+
+def _packable(module: nn.Module) -> bool:
+    rows = module.out_features if isinstance(module, GGMLLinear) else module.num_embeddings
+    return module.qtype in X8_TYPES and rows % X8_ROWS == 0 and module.weight.device.type == "cpu"
+
+
+@torch.no_grad()
+def pack_x8(model: nn.Module) -> int:
+    """Regroup the CPU block weights of model eight rows at a time for the x8 kernels, in place;
+    a weight shared by several modules (tied embedding and head) is packed once and stays
+    shared. Returns the number of tensors packed."""
+    modules = [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]
+    by_weight: dict[int, list[nn.Module]] = {}
+    for m in modules:
+        by_weight.setdefault(id(m.weight), []).append(m)
+    packed = 0
+    for users in by_weight.values():
+        first = users[0]
+        if first.packed or not all(_packable(m) for m in users):
+            continue
+        k = first.in_features if isinstance(first, GGMLLinear) else first.embedding_dim
+        weight = nn.Parameter(torch.ops.pagedllm.ggml_pack_x8(first.weight, int(first.qtype), k),
+                              requires_grad=False)
+        for m in users:
+            m.weight, m.packed = weight, True
+        packed += 1
+    return packed

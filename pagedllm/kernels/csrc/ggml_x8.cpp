@@ -1,0 +1,593 @@
+// GGML blocks regrouped eight rows at a time ("x8"), for the small-batch matmul (decode).
+//
+// The weights keep every bit of the GGUF blocks, only reordered (the same bytes, 0-3 % more for
+// Q4_K's unpacked 6-bit scales): blocks b of rows 8g..8g+7 form one record, whose scales are
+// stored side by side (one fp16 load gives all eight rows' scales) and whose values are stored
+// as quads: 32 bytes hold four consecutive values of each of the eight rows, so
+//
+//   maddubs(w, broadcast(x[4c..4c+3]))  ->  madd  ->  lane r = dot of row r with x's quad c
+//
+// Each output lane is one weight row: there is no horizontal sum, one FMA scales eight rows,
+// and a 32-value block of eight rows costs ~6 instructions per row, against ~26 when each row is
+// decoded alone (that kernel was compute-bound at 6-9 GB/s on a 2-core AVX2 machine).
+//
+// Records (per 8 rows; "nib" = 128 bytes, byte 32c + 4r + i = v[r][4c+i] | v[r][16+4c+i] << 4,
+// c < 4: low nibbles are quads 0-3 and high nibbles quads 4-7 of the 32 values):
+//   Q4_0  d[8] fp16, nib                                    (144 B = 8 x 18)
+//   Q4_1  d[8], m[8], nib                                   (160 B = 8 x 20)
+//   Q5_0  d[8], bits, nib   bits: byte 4r + i, bit c = fifth bit of v[r][4c+i]  (176 B)
+//   Q5_1  d[8], m[8], bits, nib                             (192 B)
+//   Q8_0  d[8], q: byte 32c + 4r + i = q[r][4c+i], c < 8     (272 B = 8 x 34)
+//   Q4_K  d[8], dmin[8], sc[8][8], m[8][8] (group-major), nib x 8 groups   (1184 B, 8 x 144 + 32)
+//   Q6_K  d[8], sc[16][8] i8, per 32-block: nib (low 4 bits), hi: byte 32h + 4r + i bits
+//         2(c - 4h).. = high 2 bits of v[r][4c+i]           (1680 B = 8 x 210)
+// A matrix of N rows (N a multiple of 8) is a uint8 tensor [N / 8, records * record bytes].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "ggml_common.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace pagedllm_ggml;
+
+constexpr int kRows = 8;  // weight rows per record
+
+using Values = uint8_t[kRows][32];  // one 32-value block of each row, as small unsigned ints
+
+// --- value planes ------------------------------------------------------------------------
+void put_nib(const Values& v, uint8_t* out) {
+  for (int c = 0; c < 4; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        out[32 * c + 4 * r + i] = static_cast<uint8_t>((v[r][4 * c + i] & 0xF) | (v[r][16 + 4 * c + i] & 0xF) << 4);
+}
+
+void get_nib(const uint8_t* in, Values& v) {
+  for (int c = 0; c < 4; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i) {
+        v[r][4 * c + i] = in[32 * c + 4 * r + i] & 0xF;
+        v[r][16 + 4 * c + i] = in[32 * c + 4 * r + i] >> 4;
+      }
+}
+
+// width bits of each value from bit `shift`, width * 8 quads packed into 32 * width bytes
+void put_bits(const Values& v, int shift, int width, uint8_t* out) {
+  std::memset(out, 0, 32 * width);
+  const int per_byte = 8 / width, mask = (1 << width) - 1;
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        out[32 * (c / per_byte) + 4 * r + i] |= static_cast<uint8_t>(((v[r][4 * c + i] >> shift) & mask) << (width * (c % per_byte)));
+}
+
+void get_bits(const uint8_t* in, int shift, int width, Values& v) {
+  const int per_byte = 8 / width, mask = (1 << width) - 1;
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        v[r][4 * c + i] |= static_cast<uint8_t>(((in[32 * (c / per_byte) + 4 * r + i] >> (width * (c % per_byte))) & mask) << shift);
+}
+
+// --- per-type records: pack 8 source blocks (src[r]) into one record, and back -------------
+// 32-value types with 4 or 5 bits: [d][m?][qh?][qs16] -> [d x8][m x8?][bits?][nib]
+template <bool kHasMin, bool kFifth>
+struct Small {
+  static constexpr int64_t kSrc = 18 + 2 * kHasMin + 4 * kFifth, kRec = 8 * kSrc;
+  static constexpr int64_t kQh = 2 + 2 * kHasMin, kQs = kQh + 4 * kFifth;
+
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    Values v;
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      if (kHasMin) std::memcpy(rec + 16 + 2 * r, src[r] + 2, 2);
+      const uint32_t qh = kFifth ? u32_at(src[r] + kQh) : 0;
+      for (int j = 0; j < 32; ++j) {
+        const uint8_t q = src[r][kQs + j % 16];
+        v[r][j] = static_cast<uint8_t>((j < 16 ? q & 0xF : q >> 4) | ((qh >> j) & 1) << 4);
+      }
+    }
+    if (kFifth) put_bits(v, 4, 1, rec + 16 + 16 * kHasMin);
+    put_nib(v, rec + kRec - 128);
+  }
+
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    Values v;
+    get_nib(rec + kRec - 128, v);
+    if (kFifth) get_bits(rec + 16 + 16 * kHasMin, 4, 1, v);
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      if (kHasMin) std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
+      uint32_t qh = 0;
+      for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>(v[r][j] >> 4) << j;
+      if (kFifth) std::memcpy(dst[r] + kQh, &qh, 4);
+      for (int j = 0; j < 16; ++j) dst[r][kQs + j] = static_cast<uint8_t>((v[r][j] & 0xF) | (v[r][j + 16] & 0xF) << 4);
+    }
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t kSrc = 34, kRec = 272;
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      for (int j = 0; j < 32; ++j) rec[16 + 32 * (j / 4) + 4 * r + j % 4] = src[r][2 + j];
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      for (int j = 0; j < 32; ++j) dst[r][2 + j] = rec[16 + 32 * (j / 4) + 4 * r + j % 4];
+    }
+  }
+};
+
+struct Q4K {
+  static constexpr int64_t kSrc = 144, kRec = 1184, kNib = 160;
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      std::memcpy(rec + 16 + 2 * r, src[r] + 2, 2);
+      for (int g = 0; g < 8; ++g) {
+        int sc, m;
+        scale_min_k4(g, src[r] + 4, &sc, &m);
+        rec[32 + 8 * g + r] = static_cast<uint8_t>(sc);
+        rec[96 + 8 * g + r] = static_cast<uint8_t>(m);
+      }
+    }
+    for (int g = 0; g < 8; ++g) {
+      Values v;
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) v[r][l] = (src[r][16 + 32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+      put_nib(v, rec + kNib + 128 * g);
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
+      uint8_t* s = dst[r] + 4;  // inverse of scale_min_k4
+      for (int j = 0; j < 4; ++j) {
+        const int sc = rec[32 + 8 * j + r], m = rec[96 + 8 * j + r];
+        const int sc4 = rec[32 + 8 * (j + 4) + r], m4 = rec[96 + 8 * (j + 4) + r];
+        s[j] = static_cast<uint8_t>(sc | (sc4 >> 4) << 6);
+        s[j + 4] = static_cast<uint8_t>(m | (m4 >> 4) << 6);
+        s[j + 8] = static_cast<uint8_t>((sc4 & 0xF) | (m4 & 0xF) << 4);
+      }
+    }
+    for (int g = 0; g < 8; g += 2) {
+      Values lo, hi;
+      get_nib(rec + kNib + 128 * g, lo);
+      get_nib(rec + kNib + 128 * (g + 1), hi);
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) dst[r][16 + 16 * g + l] = static_cast<uint8_t>(lo[r][l] | hi[r][l] << 4);
+    }
+  }
+};
+
+struct Q6K {
+  static constexpr int64_t kSrc = 210, kRec = 1680, kBlk = 144;
+  // value 32 * j + l of a super-block: a nibble of ql and two bits of qh (ggml's order)
+  static int ql_at(int j, int l) { return 64 * (j / 4) + 32 * (j % 2) + l; }
+  static int qh_at(int j, int l) { return 128 + 32 * (j / 4) + l; }
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r] + 208, 2);
+      for (int i = 0; i < 16; ++i) rec[16 + 8 * i + r] = src[r][192 + i];
+    }
+    for (int j = 0; j < 8; ++j) {
+      Values v;
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) {
+          const int lo = (src[r][ql_at(j, l)] >> (4 * ((j % 4) / 2))) & 0xF;
+          const int hi = (src[r][qh_at(j, l)] >> (2 * (j % 4))) & 3;
+          v[r][l] = static_cast<uint8_t>(lo | hi << 4);
+        }
+      put_nib(v, rec + kBlk + 192 * j);
+      put_bits(v, 4, 2, rec + kBlk + 192 * j + 128);
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r] + 208, rec + 2 * r, 2);
+      for (int i = 0; i < 16; ++i) dst[r][192 + i] = rec[16 + 8 * i + r];
+      std::memset(dst[r], 0, 192);
+    }
+    for (int j = 0; j < 8; ++j) {
+      Values v;
+      get_nib(rec + kBlk + 192 * j, v);
+      get_bits(rec + kBlk + 192 * j + 128, 4, 2, v);
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) {
+          dst[r][ql_at(j, l)] |= static_cast<uint8_t>((v[r][l] & 0xF) << (4 * ((j % 4) / 2)));
+          dst[r][qh_at(j, l)] |= static_cast<uint8_t>((v[r][l] >> 4) << (2 * (j % 4)));
+        }
+    }
+  }
+};
+
+#ifdef PAGEDLLM_AVX2
+// --- kernels: out[c * ldo + r] = dot(row r, x row c) for the 8 rows of a run of records -----
+struct XRows {
+  const int8_t* q;  // row c at q + c * k
+  const float* d;   // row c at d + c * nb (x's scale per 32 values)
+  const float* s;   // dx * sum(xq) per 32 values
+  int64_t k, nb;
+};
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// bit c of every byte, moved to bit 4 (0x10)
+inline __m256i bit_to_16(__m256i bits, int c) {
+  const __m256i v = c < 4 ? _mm256_slli_epi16(bits, 4 - c) : _mm256_srli_epi16(bits, c - 4);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+// Unsigned 4/5-bit values (nib [+ bits]) of one block, 8 rows, against C x rows:
+// lane r of dots[c] = sum of q[r][j] * xq[c][j]. maddubs pairs stay < 2^15 summed over 4 quads
+// of 4-bit or 2 quads of 5-bit values.
+template <bool kFifth, int C>
+inline void dot_unsigned(const uint8_t* nib, const uint8_t* bits, const XRows& x, int64_t b, __m256i* dots) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
+  const __m256i hb = kFifth ? load32(bits) : _mm256_setzero_si256();
+  __m256i p16[C];
+  for (int c = 0; c < C; ++c) dots[c] = p16[c] = _mm256_setzero_si256();
+  for (int q = 0; q < 4; ++q) {
+    const __m256i v = load32(nib + 32 * q);
+    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kFifth) {
+      lo = _mm256_or_si256(lo, bit_to_16(hb, q));
+      hi = _mm256_or_si256(hi, bit_to_16(hb, q + 4));
+    }
+    for (int c = 0; c < C; ++c) {
+      const int8_t* xp = x.q + c * x.k + 32 * b;
+      p16[c] = _mm256_add_epi16(p16[c], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xp + 4 * q)),
+                                                          _mm256_maddubs_epi16(hi, bcast4(xp + 16 + 4 * q))));
+      if (!kFifth && q == 3) dots[c] = _mm256_madd_epi16(p16[c], ones);
+      if (kFifth && q % 2 == 1) {
+        dots[c] = _mm256_add_epi32(dots[c], _mm256_madd_epi16(p16[c], ones));
+        p16[c] = _mm256_setzero_si256();
+      }
+    }
+  }
+}
+
+// Scale S and offset O (w = S * q + O) of block j of a record, one lane per row.
+template <bool kHasMin, bool kFifth>
+struct SmallScales {
+  static constexpr int64_t kBlocks = 1;
+  static void so(const uint8_t* rec, int, __m256* s, __m256* o) {
+    *s = halves8(rec);
+    *o = kHasMin ? halves8(rec + 16) : _mm256_mul_ps(*s, _mm256_set1_ps(kFifth ? -16.f : -8.f));
+  }
+  static const uint8_t* bits(const uint8_t* rec, int) { return rec + 16 + 16 * kHasMin; }
+  static const uint8_t* nib(const uint8_t* rec, int) { return rec + Small<kHasMin, kFifth>::kRec - 128; }
+  static constexpr int64_t kRec = Small<kHasMin, kFifth>::kRec;
+  static constexpr bool kFifthBit = kFifth;
+};
+
+struct Q4KScales {
+  static constexpr int64_t kBlocks = 8, kRec = Q4K::kRec;
+  static constexpr bool kFifthBit = false;
+  static void so(const uint8_t* rec, int j, __m256* s, __m256* o) {
+    *s = _mm256_mul_ps(halves8(rec), u8x8(rec + 32 + 8 * j));
+    *o = _mm256_mul_ps(halves8(rec + 16), _mm256_sub_ps(_mm256_setzero_ps(), u8x8(rec + 96 + 8 * j)));
+  }
+  static const uint8_t* bits(const uint8_t*, int) { return nullptr; }
+  static const uint8_t* nib(const uint8_t* rec, int j) { return rec + Q4K::kNib + 128 * j; }
+};
+
+template <class S, int C>
+void gemv_unsigned(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64_t ldo) {
+  __m256 acc[C], off[C];
+  for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
+  for (int64_t rb = 0; rb < nrec; ++rb, w += S::kRec) {
+    for (int j = 0; j < S::kBlocks; ++j) {
+      const int64_t b = rb * S::kBlocks + j;
+      __m256 scale, offset;
+      S::so(w, j, &scale, &offset);
+      __m256i dots[C];
+      dot_unsigned<S::kFifthBit, C>(S::nib(w, j), S::bits(w, j), x, b, dots);
+      for (int c = 0; c < C; ++c) {
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[c]), _mm256_mul_ps(scale, _mm256_set1_ps(x.d[c * x.nb + b])), acc[c]);
+        off[c] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.s[c * x.nb + b]), off[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c * ldo, _mm256_add_ps(acc[c], off[c]));
+}
+
+// signed values: |w| * (x with w's sign); a maddubs pair of int8 may reach 2^15, so each quad
+// goes to int32 on its own
+template <int C>
+void gemv_q8_0(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64_t ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nrec; ++b, w += Q8::kRec) {
+    __m256i dots[C];
+    for (int c = 0; c < C; ++c) dots[c] = _mm256_setzero_si256();
+    for (int q = 0; q < 8; ++q) {
+      const __m256i v = load32(w + 16 + 32 * q), av = _mm256_sign_epi8(v, v);
+      for (int c = 0; c < C; ++c) {
+        const __m256i xv = _mm256_sign_epi8(bcast4(x.q + c * x.k + 32 * b + 4 * q), v);
+        dots[c] = _mm256_add_epi32(dots[c], _mm256_madd_epi16(_mm256_maddubs_epi16(av, xv), ones));
+      }
+    }
+    const __m256 d = halves8(w);
+    for (int c = 0; c < C; ++c)
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[c]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[c * x.nb + b])), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c * ldo, acc[c]);
+}
+
+// Q6_K: 6-bit values minus 32 (signed, |q| <= 32: four quads sum safely in int16); the first 16
+// values of a block (quads 0-3, the low nibbles) and the last 16 have their own scales.
+template <int C>
+void gemv_q6_k(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64_t ldo) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nrec; ++sb, w += Q6K::kRec) {
+    const __m256 d = halves8(w);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * sb + j;
+      const uint8_t* blk = w + Q6K::kBlk + 192 * j;
+      const __m256i h0 = load32(blk + 128), h1 = load32(blk + 160);
+      __m256i pa[C], pb[C];
+      for (int c = 0; c < C; ++c) pa[c] = pb[c] = _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = load32(blk + 32 * q);
+        // high two bits of quad q sit at bits 2q of h0, of quad q + 4 at bits 2q of h1
+        const __m256i hl = _mm256_and_si256(q < 2 ? _mm256_slli_epi16(h0, 4 - 2 * q) : _mm256_srli_epi16(h0, 2 * q - 4), m2);
+        const __m256i hh = _mm256_and_si256(q < 2 ? _mm256_slli_epi16(h1, 4 - 2 * q) : _mm256_srli_epi16(h1, 2 * q - 4), m2);
+        const __m256i lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, m4), hl), off);
+        const __m256i hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hh), off);
+        const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+        for (int c = 0; c < C; ++c) {
+          const int8_t* xp = x.q + c * x.k + 32 * b;
+          pa[c] = _mm256_add_epi16(pa[c], _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xp + 4 * q), lo)));
+          pb[c] = _mm256_add_epi16(pb[c], _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xp + 16 + 4 * q), hi)));
+        }
+      }
+      const __m256 sa = _mm256_mul_ps(d, i8x8(w + 16 + 8 * (2 * j))), sb2 = _mm256_mul_ps(d, i8x8(w + 16 + 8 * (2 * j + 1)));
+      for (int c = 0; c < C; ++c) {
+        const __m256 dx = _mm256_set1_ps(x.d[c * x.nb + b]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pa[c], ones)), _mm256_mul_ps(sa, dx), acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pb[c], ones)), _mm256_mul_ps(sb2, dx), acc[c]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c * ldo, acc[c]);
+}
+
+using GemvFn = void (*)(const uint8_t*, int64_t, const XRows&, float*, int64_t);
+#endif  // PAGEDLLM_AVX2
+
+// --- formats --------------------------------------------------------------------------------
+using PackFn = void (*)(const uint8_t* const*, uint8_t*);
+using UnpackRecFn = void (*)(const uint8_t*, uint8_t* const*);
+
+struct X8Format {
+  int64_t values;     // values of one row per record
+  int64_t src_bytes;  // bytes of one row's block(s) per record in the GGUF layout
+  int64_t rec_bytes;
+  PackFn pack;
+  UnpackRecFn unpack;
+};
+
+bool has_format(int64_t t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+}
+
+X8Format format_x8(int64_t t) {
+  switch (t) {
+    case kQ4_0: return {32, Small<false, false>::kSrc, Small<false, false>::kRec, Small<false, false>::pack, Small<false, false>::unpack};
+    case kQ4_1: return {32, Small<true, false>::kSrc, Small<true, false>::kRec, Small<true, false>::pack, Small<true, false>::unpack};
+    case kQ5_0: return {32, Small<false, true>::kSrc, Small<false, true>::kRec, Small<false, true>::pack, Small<false, true>::unpack};
+    case kQ5_1: return {32, Small<true, true>::kSrc, Small<true, true>::kRec, Small<true, true>::pack, Small<true, true>::unpack};
+    case kQ8_0: return {32, Q8::kSrc, Q8::kRec, Q8::pack, Q8::unpack};
+    case kQ4_K: return {256, Q4K::kSrc, Q4K::kRec, Q4K::pack, Q4K::unpack};
+    case kQ6_K: return {256, Q6K::kSrc, Q6K::kRec, Q6K::pack, Q6K::unpack};
+  }
+  TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");
+}
+
+#ifdef PAGEDLLM_AVX2
+template <int C>
+GemvFn gemv_for(int64_t t) {
+  switch (t) {
+    case kQ4_0: return gemv_unsigned<SmallScales<false, false>, C>;
+    case kQ4_1: return gemv_unsigned<SmallScales<true, false>, C>;
+    case kQ5_0: return gemv_unsigned<SmallScales<false, true>, C>;
+    case kQ5_1: return gemv_unsigned<SmallScales<true, true>, C>;
+    case kQ8_0: return gemv_q8_0<C>;
+    case kQ4_K: return gemv_unsigned<Q4KScales, C>;
+    case kQ6_K: return gemv_q6_k<C>;
+  }
+  TORCH_CHECK(false, "ggml type ", t, " has no x8 kernel");
+}
+#endif
+
+void check_packed(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "x8 weight must be a contiguous CPU uint8 tensor [rows / 8, bytes]");
+  const X8Format f = format_x8(qtype);
+  TORCH_CHECK(k % f.values == 0, "k=", k, " is not a multiple of ", f.values);
+  TORCH_CHECK(w.size(1) == k / f.values * f.rec_bytes, "x8 row bytes ", w.size(1), " do not match k=", k);
+}
+
+at::Tensor ggml_pack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(has_format(qtype), "ggml type ", qtype, " has no x8 layout");
+  const X8Format f = format_x8(qtype);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "ggml weight must be a contiguous CPU uint8 tensor [rows, row_bytes]");
+  TORCH_CHECK(k % f.values == 0 && w.size(1) == k / f.values * f.src_bytes, "row_bytes ", w.size(1),
+              " does not match k=", k);
+  TORCH_CHECK(w.size(0) % kRows == 0, "rows=", w.size(0), " is not a multiple of ", kRows);
+  const int64_t groups = w.size(0) / kRows, nrec = k / f.values, rb = w.size(1);
+  at::Tensor out = at::empty({groups, nrec * f.rec_bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < nrec; ++i) {
+        const uint8_t* rows[kRows];
+        for (int r = 0; r < kRows; ++r) rows[r] = src + (kRows * g + r) * rb + i * f.src_bytes;
+        f.pack(rows, dst + (g * nrec + i) * f.rec_bytes);
+      }
+  });
+  return out;
+}
+
+// back to the GGUF block layout [rows, row_bytes]
+at::Tensor ggml_unpack_x8(const at::Tensor& wp, int64_t qtype, int64_t k) {
+  check_packed(wp, qtype, k);
+  const X8Format f = format_x8(qtype);
+  const int64_t groups = wp.size(0), nrec = k / f.values, rb = nrec * f.src_bytes;
+  at::Tensor out = at::empty({groups * kRows, rb}, wp.options());
+  const uint8_t* src = wp.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < nrec; ++i) {
+        uint8_t* rows[kRows];
+        for (int r = 0; r < kRows; ++r) rows[r] = dst + (kRows * g + r) * rb + i * f.src_bytes;
+        f.unpack(src + (g * nrec + i) * f.rec_bytes, rows);
+      }
+  });
+  return out;
+}
+
+// float32 [rows, k], the same values as dequantizing the GGUF blocks
+at::Tensor ggml_dequant_x8(const at::Tensor& wp, int64_t qtype, int64_t k) {
+  check_packed(wp, qtype, k);
+  const X8Format f = format_x8(qtype);
+  const int64_t groups = wp.size(0), nrec = k / f.values, rb = nrec * f.src_bytes;
+  at::Tensor out = at::empty({groups * kRows, k}, wp.options().dtype(at::kFloat));
+  const uint8_t* src = wp.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> buf(kRows * rb);
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t i = 0; i < nrec; ++i) {
+        uint8_t* rows[kRows];
+        for (int r = 0; r < kRows; ++r) rows[r] = buf.data() + r * rb + i * f.src_bytes;
+        f.unpack(src + (g * nrec + i) * f.rec_bytes, rows);
+      }
+      for (int r = 0; r < kRows; ++r) dequant_row(qtype, buf.data() + r * rb, dst + (kRows * g + r) * k, k);
+    }
+  });
+  return out;
+}
+
+// float32 [T, k]: rows ids[t] of an x8 matrix (an embedding lookup), as ggml dequantizes them
+at::Tensor ggml_embed_x8(const at::Tensor& wp, const at::Tensor& ids_in, int64_t qtype, int64_t k) {
+  check_packed(wp, qtype, k);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous().view(-1);
+  const X8Format f = format_x8(qtype);
+  const int64_t nrec = k / f.values, rb = nrec * f.src_bytes, rows = wp.size(0) * kRows;
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    TORCH_CHECK(idp[t] >= 0 && idp[t] < rows, "token id ", idp[t], " is outside the embedding's ", rows, " rows");
+  at::Tensor out = at::empty({ids.numel(), k}, wp.options().dtype(at::kFloat));
+  const uint8_t* src = wp.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, ids.numel(), 8, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> buf(kRows * rb);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = idp[t] / kRows, r = idp[t] % kRows;
+      for (int64_t i = 0; i < nrec; ++i) {
+        uint8_t* dsts[kRows];
+        for (int j = 0; j < kRows; ++j) dsts[j] = buf.data() + j * rb + i * f.src_bytes;
+        f.unpack(src + (g * nrec + i) * f.rec_bytes, dsts);
+      }
+      dequant_row(qtype, buf.data() + r * rb, dst + t * k, k);
+    }
+  });
+  return out;
+}
+
+// y_j = x @ W_j^T for x8 weights W_j sharing one input x [M, K]: x is quantized to int8 once,
+// and the 8-row groups of all matrices are split over the threads together.
+std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef qtypes, int64_t k) {
+  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "need one qtype per weight");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && k % 32 == 0, "x must be [M, ", k, "]");
+  for (size_t j = 0; j < ws.size(); ++j) check_packed(ws[j], qtypes[j], k);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), nb = k / 32;
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, x.options()));
+#ifdef PAGEDLLM_AVX2
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) quantize_x(xp + i * k, k, xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb);
+  struct Task {
+    size_t w;
+    int64_t group;
+  };
+  std::vector<Task> tasks;
+  for (size_t j = 0; j < ws.size(); ++j)
+    for (int64_t g = 0; g < ws[j].size(0); ++g) tasks.push_back({j, g});
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t ti = t0; ti < t1; ++ti) {
+      const Task& task = tasks[ti];
+      const at::Tensor& w = ws[task.w];
+      const int64_t qtype = qtypes[task.w], n = w.size(0) * kRows;
+      const int64_t nrec = k / format_x8(qtype).values;
+      const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
+      float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
+      for (int64_t i = 0; i < m;) {
+        const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
+        const GemvFn fn = cols == 4 ? gemv_for<4>(qtype) : (cols == 2 ? gemv_for<2>(qtype) : gemv_for<1>(qtype));
+        fn(rec, nrec, XRows{xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb, k, nb}, op + i * n, n);
+        i += cols;
+      }
+    }
+  });
+#else
+  for (size_t j = 0; j < ws.size(); ++j)
+    outs[j] = at::matmul(x, ggml_dequant_x8(ws[j], qtypes[j], k).t());
+#endif
+  return outs;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("ggml_pack_x8(Tensor w, int qtype, int k) -> Tensor");
+  m.def("ggml_unpack_x8(Tensor w, int qtype, int k) -> Tensor");
+  m.def("ggml_dequant_x8(Tensor w, int qtype, int k) -> Tensor");
+  m.def("ggml_embed_x8(Tensor w, Tensor ids, int qtype, int k) -> Tensor");
+  m.def("ggml_linear_x8(Tensor x, Tensor[] ws, int[] qtypes, int k) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("ggml_pack_x8", &ggml_pack_x8);
+  m.impl("ggml_unpack_x8", &ggml_unpack_x8);
+  m.impl("ggml_dequant_x8", &ggml_dequant_x8);
+  m.impl("ggml_embed_x8", &ggml_embed_x8);
+  m.impl("ggml_linear_x8", &ggml_linear_x8);
+}

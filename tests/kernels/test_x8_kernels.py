@@ -1,0 +1,108 @@
+"""The eight-row (x8) layout: lossless against the GGUF blocks, and its kernels against
+gguf-py's dequantization followed by a float64 matmul, on random and real tensors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from pagedllm.kernels import load_kernels
+from pagedllm.layers.ggml_linear import (X8_TYPES, GGMLEmbedding, GGMLLinear, linear_many,
+                                         pack_x8)
+
+from test_ggml_kernels import _real_tensors, random_blocks, rel_error
+
+ops = torch.ops.pagedllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    load_kernels()
+
+
+@pytest.mark.parametrize("qtype", sorted(X8_TYPES), ids=lambda t: t.name)
+def test_packing_is_lossless_and_dequantizes_exactly(qtype):
+    raw = torch.from_numpy(random_blocks(qtype, 24, 512, seed=3))
+    packed = ops.ggml_pack_x8(raw, int(qtype), 512)
+    assert packed.shape[0] == 3 and packed.numel() <= raw.numel() * 1.03
+    assert torch.equal(ops.ggml_unpack_x8(packed, int(qtype), 512), raw)
+    ref = gguf_dequantize(raw.numpy(), qtype).reshape(24, 512)
+    np.testing.assert_array_equal(ops.ggml_dequant_x8(packed, int(qtype), 512).numpy(), ref)
+    ids = torch.tensor([23, 0, 9, 9])
+    np.testing.assert_array_equal(ops.ggml_embed_x8(packed, ids, int(qtype), 512).numpy(),
+                                  ref[ids.numpy()])
+
+
+@pytest.mark.parametrize("qtype", sorted(X8_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 70])  # column tiles of 4, 2 and 1, and a prefill
+def test_linear_matches_dequantize_then_matmul(qtype, m):
+    raw = torch.from_numpy(random_blocks(qtype, 40, 768, seed=m))
+    w = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(40, 768)).double()
+    x = torch.randn(m, 768, generator=torch.Generator().manual_seed(m))
+    packed = ops.ggml_pack_x8(raw, int(qtype), 768)
+    y = ops.ggml_linear_x8(x, [packed], [int(qtype)], 768)[0]
+    # x is quantized to int8 per 32 values, as llama.cpp does: ~0.5 % relative error
+    assert rel_error(y, x.double() @ w.t()) < 0.02
+    # every row of x on its own gives the same numbers (no dependence on the batch)
+    torch.testing.assert_close(ops.ggml_linear_x8(x[-1:], [packed], [int(qtype)], 768)[0], y[-1:],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_several_weights_in_one_call():
+    raws = [torch.from_numpy(random_blocks(t, 16, 256, seed=i))
+            for i, t in enumerate((T.Q5_0, T.Q8_0, T.Q4_K))]
+    types = [int(t) for t in (T.Q5_0, T.Q8_0, T.Q4_K)]
+    packed = [ops.ggml_pack_x8(r, t, 256) for r, t in zip(raws, types)]
+    x = torch.randn(3, 256)
+    for y, p, t in zip(ops.ggml_linear_x8(x, packed, types, 256), packed, types):
+        torch.testing.assert_close(y, ops.ggml_linear_x8(x, [p], [t], 256)[0])
+
+
+def test_pack_x8_keeps_tied_weights_shared_and_skips_what_it_cannot_pack():
+    raw = torch.from_numpy(random_blocks(T.Q8_0, 48, 64))
+    emb, head = GGMLEmbedding(48, 64, T.Q8_0), GGMLLinear(64, 48, T.Q8_0, bias=False)
+    emb.weight.data = raw
+    head.weight = emb.weight  # tied
+    odd = GGMLLinear(64, 12, T.Q4_0, bias=True)  # 12 rows: not a multiple of 8
+    odd.weight.data = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
+    k5 = GGMLLinear(256, 8, T.Q5_K, bias=False)  # no x8 layout
+    k5.weight.data = torch.from_numpy(random_blocks(T.Q5_K, 8, 256))
+    model = nn.ModuleDict({"emb": emb, "head": head, "odd": odd, "k5": k5})
+    x, ids = torch.randn(2, 64), torch.tensor([5, 47])
+    before = (head(x), emb(ids), odd(x))
+    assert pack_x8(model) == 1
+    assert emb.packed and head.packed and emb.weight is head.weight
+    assert not odd.packed and not k5.packed
+    assert rel_error(head(x), before[0]) < 0.02
+    torch.testing.assert_close(emb(ids), before[1], rtol=0, atol=0)
+    assert pack_x8(model) == 0  # packing twice is a no-op
+    # a mix of packed and unpacked layers still works through linear_many
+    mixed = linear_many(x, head, odd)
+    assert rel_error(mixed[0], before[0]) < 0.02 and rel_error(mixed[1], before[2]) < 0.02
+
+
+def test_bad_shapes_are_clear_errors():
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.ggml_pack_x8(raw, int(T.Q4_0), 64)
+    packed = ops.ggml_pack_x8(raw[:8].contiguous(), int(T.Q4_0), 64)
+    with pytest.raises(RuntimeError, match="do not match k=96"):
+        ops.ggml_linear_x8(torch.randn(1, 96), [packed], [int(T.Q4_0)], 96)
+    with pytest.raises(RuntimeError, match="outside the embedding"):
+        ops.ggml_embed_x8(packed, torch.tensor([8]), int(T.Q4_0), 64)
+
+
+def test_real_tensors_of_both_models(qwen_gguf, smollm_gguf):
+    found = _real_tensors(qwen_gguf, X8_TYPES) | _real_tensors(smollm_gguf, X8_TYPES)
+    assert {T.Q5_0, T.Q8_0, T.Q6_K, T.Q4_K, T.Q4_1} <= set(found)
+    for qtype, (cols, raw) in found.items():
+        w = torch.from_numpy(raw)
+        packed = ops.ggml_pack_x8(w, int(qtype), cols)
+        assert torch.equal(ops.ggml_unpack_x8(packed, int(qtype), cols), w), qtype.name
+        ref = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(raw.shape[0], cols)).double()
+        x = torch.randn(3, cols)
+        y = ops.ggml_linear_x8(x, [packed], [int(qtype)], cols)[0]
+        assert rel_error(y, x.double() @ ref.t()) < 0.02, qtype.name

@@ -1,0 +1,221 @@
+// The x8 layout of GGML blocks (see ggml_x8.cpp): packing eight rows' blocks into one record and
+// back, losslessly. Load-time code, scalar on purpose; the kernels read the records.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "ggml_common.h"
+
+namespace pagedllm_ggml {
+namespace x8 {
+
+constexpr int kRows = 8;  // weight rows per record
+
+using Values = uint8_t[kRows][32];  // one 32-value block of each row, as small unsigned ints
+
+// --- value planes ------------------------------------------------------------------------
+inline void put_nib(const Values& v, uint8_t* out) {
+  for (int c = 0; c < 4; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        out[32 * c + 4 * r + i] = static_cast<uint8_t>((v[r][4 * c + i] & 0xF) | (v[r][16 + 4 * c + i] & 0xF) << 4);
+}
+
+inline void get_nib(const uint8_t* in, Values& v) {
+  for (int c = 0; c < 4; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i) {
+        v[r][4 * c + i] = in[32 * c + 4 * r + i] & 0xF;
+        v[r][16 + 4 * c + i] = in[32 * c + 4 * r + i] >> 4;
+      }
+}
+
+// width bits of each value from bit `shift`, width * 8 quads packed into 32 * width bytes
+inline void put_bits(const Values& v, int shift, int width, uint8_t* out) {
+  std::memset(out, 0, 32 * width);
+  const int per_byte = 8 / width, mask = (1 << width) - 1;
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        out[32 * (c / per_byte) + 4 * r + i] |= static_cast<uint8_t>(((v[r][4 * c + i] >> shift) & mask) << (width * (c % per_byte)));
+}
+
+inline void get_bits(const uint8_t* in, int shift, int width, Values& v) {
+  const int per_byte = 8 / width, mask = (1 << width) - 1;
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < 4; ++i)
+        v[r][4 * c + i] |= static_cast<uint8_t>(((in[32 * (c / per_byte) + 4 * r + i] >> (width * (c % per_byte))) & mask) << shift);
+}
+
+// --- per-type records: pack 8 source blocks (src[r]) into one record, and back -------------
+// 32-value types with 4 or 5 bits: [d][m?][qh?][qs16] -> [d x8][m x8?][bits?][nib]
+template <bool kHasMin, bool kFifth>
+struct Small {
+  static constexpr int64_t kSrc = 18 + 2 * kHasMin + 4 * kFifth, kRec = 8 * kSrc;
+  static constexpr int64_t kQh = 2 + 2 * kHasMin, kQs = kQh + 4 * kFifth;
+
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    Values v;
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      if (kHasMin) std::memcpy(rec + 16 + 2 * r, src[r] + 2, 2);
+      const uint32_t qh = kFifth ? u32_at(src[r] + kQh) : 0;
+      for (int j = 0; j < 32; ++j) {
+        const uint8_t q = src[r][kQs + j % 16];
+        v[r][j] = static_cast<uint8_t>((j < 16 ? q & 0xF : q >> 4) | ((qh >> j) & 1) << 4);
+      }
+    }
+    if (kFifth) put_bits(v, 4, 1, rec + 16 + 16 * kHasMin);
+    put_nib(v, rec + kRec - 128);
+  }
+
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    Values v;
+    get_nib(rec + kRec - 128, v);
+    if (kFifth) get_bits(rec + 16 + 16 * kHasMin, 4, 1, v);
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      if (kHasMin) std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
+      uint32_t qh = 0;
+      for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>(v[r][j] >> 4) << j;
+      if (kFifth) std::memcpy(dst[r] + kQh, &qh, 4);
+      for (int j = 0; j < 16; ++j) dst[r][kQs + j] = static_cast<uint8_t>((v[r][j] & 0xF) | (v[r][j + 16] & 0xF) << 4);
+    }
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t kSrc = 34, kRec = 272;
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      for (int j = 0; j < 32; ++j) rec[16 + 32 * (j / 4) + 4 * r + j % 4] = src[r][2 + j];
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      for (int j = 0; j < 32; ++j) dst[r][2 + j] = rec[16 + 32 * (j / 4) + 4 * r + j % 4];
+    }
+  }
+};
+
+struct Q4K {
+  static constexpr int64_t kSrc = 144, kRec = 1184, kNib = 160;
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r], 2);
+      std::memcpy(rec + 16 + 2 * r, src[r] + 2, 2);
+      for (int g = 0; g < 8; ++g) {
+        int sc, m;
+        scale_min_k4(g, src[r] + 4, &sc, &m);
+        rec[32 + 8 * g + r] = static_cast<uint8_t>(sc);
+        rec[96 + 8 * g + r] = static_cast<uint8_t>(m);
+      }
+    }
+    for (int g = 0; g < 8; ++g) {
+      Values v;
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) v[r][l] = (src[r][16 + 32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+      put_nib(v, rec + kNib + 128 * g);
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r], rec + 2 * r, 2);
+      std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
+      uint8_t* s = dst[r] + 4;  // inverse of scale_min_k4
+      for (int j = 0; j < 4; ++j) {
+        const int sc = rec[32 + 8 * j + r], m = rec[96 + 8 * j + r];
+        const int sc4 = rec[32 + 8 * (j + 4) + r], m4 = rec[96 + 8 * (j + 4) + r];
+        s[j] = static_cast<uint8_t>(sc | (sc4 >> 4) << 6);
+        s[j + 4] = static_cast<uint8_t>(m | (m4 >> 4) << 6);
+        s[j + 8] = static_cast<uint8_t>((sc4 & 0xF) | (m4 & 0xF) << 4);
+      }
+    }
+    for (int g = 0; g < 8; g += 2) {
+      Values lo, hi;
+      get_nib(rec + kNib + 128 * g, lo);
+      get_nib(rec + kNib + 128 * (g + 1), hi);
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) dst[r][16 + 16 * g + l] = static_cast<uint8_t>(lo[r][l] | hi[r][l] << 4);
+    }
+  }
+};
+
+struct Q6K {
+  static constexpr int64_t kSrc = 210, kRec = 1680, kBlk = 144;
+  // value 32 * j + l of a super-block: a nibble of ql and two bits of qh (ggml's order)
+  static int ql_at(int j, int l) { return 64 * (j / 4) + 32 * (j % 2) + l; }
+  static int qh_at(int j, int l) { return 128 + 32 * (j / 4) + l; }
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(rec + 2 * r, src[r] + 208, 2);
+      for (int i = 0; i < 16; ++i) rec[16 + 8 * i + r] = src[r][192 + i];
+    }
+    for (int j = 0; j < 8; ++j) {
+      Values v;
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) {
+          const int lo = (src[r][ql_at(j, l)] >> (4 * ((j % 4) / 2))) & 0xF;
+          const int hi = (src[r][qh_at(j, l)] >> (2 * (j % 4))) & 3;
+          v[r][l] = static_cast<uint8_t>(lo | hi << 4);
+        }
+      put_nib(v, rec + kBlk + 192 * j);
+      put_bits(v, 4, 2, rec + kBlk + 192 * j + 128);
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    for (int r = 0; r < kRows; ++r) {
+      std::memcpy(dst[r] + 208, rec + 2 * r, 2);
+      for (int i = 0; i < 16; ++i) dst[r][192 + i] = rec[16 + 8 * i + r];
+      std::memset(dst[r], 0, 192);
+    }
+    for (int j = 0; j < 8; ++j) {
+      Values v;
+      get_nib(rec + kBlk + 192 * j, v);
+      get_bits(rec + kBlk + 192 * j + 128, 4, 2, v);
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) {
+          dst[r][ql_at(j, l)] |= static_cast<uint8_t>((v[r][l] & 0xF) << (4 * ((j % 4) / 2)));
+          dst[r][qh_at(j, l)] |= static_cast<uint8_t>((v[r][l] >> 4) << (2 * (j % 4)));
+        }
+    }
+  }
+};
+
+// --- formats --------------------------------------------------------------------------------
+using PackFn = void (*)(const uint8_t* const*, uint8_t*);
+using UnpackRecFn = void (*)(const uint8_t*, uint8_t* const*);
+
+struct X8Format {
+  int64_t values;     // values of one row per record
+  int64_t src_bytes;  // bytes of one row's block(s) per record in the GGUF layout
+  int64_t rec_bytes;
+  PackFn pack;
+  UnpackRecFn unpack;
+};
+
+inline bool has_format(int64_t t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+}
+
+inline X8Format format_x8(int64_t t) {
+  switch (t) {
+    case kQ4_0: return {32, Small<false, false>::kSrc, Small<false, false>::kRec, Small<false, false>::pack, Small<false, false>::unpack};
+    case kQ4_1: return {32, Small<true, false>::kSrc, Small<true, false>::kRec, Small<true, false>::pack, Small<true, false>::unpack};
+    case kQ5_0: return {32, Small<false, true>::kSrc, Small<false, true>::kRec, Small<false, true>::pack, Small<false, true>::unpack};
+    case kQ5_1: return {32, Small<true, true>::kSrc, Small<true, true>::kRec, Small<true, true>::pack, Small<true, true>::unpack};
+    case kQ8_0: return {32, Q8::kSrc, Q8::kRec, Q8::pack, Q8::unpack};
+    case kQ4_K: return {256, Q4K::kSrc, Q4K::kRec, Q4K::pack, Q4K::unpack};
+    case kQ6_K: return {256, Q6K::kSrc, Q6K::kRec, Q6K::pack, Q6K::unpack};
+  }
+  TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");
+}
+
+}  // namespace x8
+}  // namespace pagedllm_ggml

@@ -34,17 +34,19 @@ inline void get_nib(const uint8_t* in, Values& v) {
 }
 
 // width bits of each value from bit `shift`, width * 8 quads packed into 32 * width bytes
-inline void put_bits(const Values& v, int shift, int width, uint8_t* out) {
+template <int width>
+inline void put_bits(const Values& v, int shift, uint8_t* out) {
   std::memset(out, 0, 32 * width);
-  const int per_byte = 8 / width, mask = (1 << width) - 1;
+  constexpr int per_byte = 8 / width, mask = (1 << width) - 1;
   for (int c = 0; c < 8; ++c)
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < 4; ++i)
         out[32 * (c / per_byte) + 4 * r + i] |= static_cast<uint8_t>(((v[r][4 * c + i] >> shift) & mask) << (width * (c % per_byte)));
 }
 
-inline void get_bits(const uint8_t* in, int shift, int width, Values& v) {
-  const int per_byte = 8 / width, mask = (1 << width) - 1;
+template <int width>
+inline void get_bits(const uint8_t* in, int shift, Values& v) {
+  constexpr int per_byte = 8 / width, mask = (1 << width) - 1;
   for (int c = 0; c < 8; ++c)
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < 4; ++i)
@@ -69,14 +71,14 @@ struct Small {
         v[r][j] = static_cast<uint8_t>((j < 16 ? q & 0xF : q >> 4) | ((qh >> j) & 1) << 4);
       }
     }
-    if (kFifth) put_bits(v, 4, 1, rec + 16 + 16 * kHasMin);
+    if (kFifth) put_bits<1>(v, 4, rec + 16 + 16 * kHasMin);
     put_nib(v, rec + kRec - 128);
   }
 
   static void unpack(const uint8_t* rec, uint8_t* const* dst) {
     Values v;
     get_nib(rec + kRec - 128, v);
-    if (kFifth) get_bits(rec + 16 + 16 * kHasMin, 4, 1, v);
+    if (kFifth) get_bits<1>(rec + 16 + 16 * kHasMin, 4, v);
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(dst[r], rec + 2 * r, 2);
       if (kHasMin) std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
@@ -93,13 +95,13 @@ struct Q8 {
   static void pack(const uint8_t* const* src, uint8_t* rec) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(rec + 2 * r, src[r], 2);
-      for (int j = 0; j < 32; ++j) rec[16 + 32 * (j / 4) + 4 * r + j % 4] = src[r][2 + j];
+      for (int q = 0; q < 8; ++q) std::memcpy(rec + 16 + 32 * q + 4 * r, src[r] + 2 + 4 * q, 4);
     }
   }
   static void unpack(const uint8_t* rec, uint8_t* const* dst) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(dst[r], rec + 2 * r, 2);
-      for (int j = 0; j < 32; ++j) dst[r][2 + j] = rec[16 + 32 * (j / 4) + 4 * r + j % 4];
+      for (int q = 0; q < 8; ++q) std::memcpy(dst[r] + 2 + 4 * q, rec + 16 + 32 * q + 4 * r, 4);
     }
   }
 };
@@ -166,7 +168,7 @@ struct Q6K {
           v[r][l] = static_cast<uint8_t>(lo | hi << 4);
         }
       put_nib(v, rec + kBlk + 192 * j);
-      put_bits(v, 4, 2, rec + kBlk + 192 * j + 128);
+      put_bits<2>(v, 4, rec + kBlk + 192 * j + 128);
     }
   }
   static void unpack(const uint8_t* rec, uint8_t* const* dst) {
@@ -178,7 +180,7 @@ struct Q6K {
     for (int j = 0; j < 8; ++j) {
       Values v;
       get_nib(rec + kBlk + 192 * j, v);
-      get_bits(rec + kBlk + 192 * j + 128, 4, 2, v);
+      get_bits<2>(rec + kBlk + 192 * j + 128, 4, v);
       for (int r = 0; r < kRows; ++r)
         for (int l = 0; l < 32; ++l) {
           dst[r][ql_at(j, l)] |= static_cast<uint8_t>((v[r][l] & 0xF) << (4 * ((j % 4) / 2)));

@@ -22,6 +22,7 @@ from pagedllm.loader.gguf_loader import gguf_quant_plan
 from pagedllm.loader.checkpoint import Checkpoint, generation_config, load_weights, resolve_checkpoint
 from pagedllm.loader.sources import locate_model
 from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.models.fused_decode import enable_fused_decode
 from pagedllm.models.registry import build_model
 from pagedllm.outputs import RequestOutput
 from pagedllm.platforms import cpu_platform
@@ -54,6 +55,7 @@ class LLMEngine:
             quantize_float_model(model, quant)
         if quant != "none" and device.type == "cpu":
             pack_x8(model)  # the eight-row layout of the CPU kernels
+            enable_fused_decode(model)
         logger.info("loaded %s (%s, %s, quantization %s) in %.1f s", ckpt.path,
                     arch.architecture, config.dtype, quant, time.monotonic() - started)
         self.generation_config = generation_config(ckpt)

@@ -22,7 +22,8 @@ logger = logging.getLogger("pagedllm")
 
 _SOURCES = (Path(__file__).parent / "csrc" / "ggml_quants.cpp",
             Path(__file__).parent / "csrc" / "ggml_x8.cpp",
-            Path(__file__).parent / "csrc" / "cpu_ops.cpp")
+            Path(__file__).parent / "csrc" / "cpu_ops.cpp",
+            Path(__file__).parent / "csrc" / "decode_stack.cpp")
 _LOCK = threading.Lock()
 
 

@@ -102,6 +102,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
+        # a C++ pass over all layers for decode-only steps (models/fused_decode.py), or None
+        self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,8 +112,14 @@ class LlamaForCausalLM(nn.Module):
         # error would otherwise flip near-tied greedy choices
         residual = self.model.embed_tokens(input_ids).float()  # [T, H]
         x = torch.zeros_like(residual)  # the first norm adds it: residual stays the embedding
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        if self.fused_decode is not None and meta.decode is not None and not meta.prefills:
+            dec = meta.decode
+            x, residual = self.fused_decode.forward(x, residual, positions, kv_caches,
+                                                    meta.slot_mapping, dec.block_table,
+                                                    dec.context_lens)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
     def tie_weights(self) -> None:

@@ -9,13 +9,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-namespace {
+namespace pagedllm_ops {
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
@@ -166,7 +168,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   return out;
 }
 
-}  // namespace
+}  // namespace pagedllm_ops
+
+using namespace pagedllm_ops;
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

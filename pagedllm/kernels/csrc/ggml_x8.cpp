@@ -28,6 +28,7 @@
 
 #include "ggml_common.h"
 #include "ggml_x8_layout.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -372,6 +373,11 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
 }
 
 }  // namespace
+
+std::vector<at::Tensor> pagedllm_ggml::linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes,
+                                                 int64_t k) {
+  return ggml_linear_x8(x, ws, qtypes, k);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("ggml_pack_x8(Tensor w, int qtype, int k) -> Tensor");

@@ -1,0 +1,19 @@
+// The ops that other kernels call directly, without the dispatcher (decode_stack.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedllm_ops {  // cpu_ops.cpp
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale);
+}  // namespace pagedllm_ops
+
+namespace pagedllm_ggml {  // ggml_x8.cpp
+std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k);
+}  // namespace pagedllm_ggml

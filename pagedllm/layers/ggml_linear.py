@@ -26,7 +26,7 @@ KERNEL_TYPES = frozenset({
 X8_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 X8_ROWS = 8
 

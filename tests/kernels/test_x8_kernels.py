@@ -10,8 +10,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
 from pagedllm.kernels import load_kernels
-from pagedllm.layers.ggml_linear import (X8_TYPES, GGMLEmbedding, GGMLLinear, linear_many,
-                                         pack_x8)
+from pagedllm.layers.ggml_linear import (KERNEL_TYPES, X8_TYPES, GGMLEmbedding, GGMLLinear,
+                                         linear_many, pack_x8)
 
 from test_ggml_kernels import _real_tensors, random_blocks, rel_error
 
@@ -60,21 +60,19 @@ def test_several_weights_in_one_call():
         torch.testing.assert_close(y, ops.ggml_linear_x8(x, [p], [t], 256)[0])
 
 
-def test_pack_x8_keeps_tied_weights_shared_and_skips_what_it_cannot_pack():
+def test_pack_x8_keeps_tied_weights_shared_and_skips_rows_not_a_multiple_of_8():
     raw = torch.from_numpy(random_blocks(T.Q8_0, 48, 64))
     emb, head = GGMLEmbedding(48, 64, T.Q8_0), GGMLLinear(64, 48, T.Q8_0, bias=False)
     emb.weight.data = raw
     head.weight = emb.weight  # tied
     odd = GGMLLinear(64, 12, T.Q4_0, bias=True)  # 12 rows: not a multiple of 8
     odd.weight.data = torch.from_numpy(random_blocks(T.Q4_0, 12, 64))
-    k5 = GGMLLinear(256, 8, T.Q5_K, bias=False)  # no x8 layout
-    k5.weight.data = torch.from_numpy(random_blocks(T.Q5_K, 8, 256))
-    model = nn.ModuleDict({"emb": emb, "head": head, "odd": odd, "k5": k5})
+    model = nn.ModuleDict({"emb": emb, "head": head, "odd": odd})
     x, ids = torch.randn(2, 64), torch.tensor([5, 47])
     before = (head(x), emb(ids), odd(x))
     assert pack_x8(model) == 1
     assert emb.packed and head.packed and emb.weight is head.weight
-    assert not odd.packed and not k5.packed
+    assert not odd.packed
     assert rel_error(head(x), before[0]) < 0.02
     torch.testing.assert_close(emb(ids), before[1], rtol=0, atol=0)
     assert pack_x8(model) == 0  # packing twice is a no-op
@@ -92,6 +90,10 @@ def test_bad_shapes_are_clear_errors():
         ops.ggml_linear_x8(torch.randn(1, 96), [packed], [int(T.Q4_0)], 96)
     with pytest.raises(RuntimeError, match="outside the embedding"):
         ops.ggml_embed_x8(packed, torch.tensor([8]), int(T.Q4_0), 64)
+
+
+def test_every_kernel_type_has_an_x8_layout():
+    assert X8_TYPES == KERNEL_TYPES
 
 
 def test_real_tensors_of_both_models(qwen_gguf, smollm_gguf):

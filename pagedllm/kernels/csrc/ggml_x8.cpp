@@ -1,7 +1,7 @@
 // GGML blocks regrouped eight rows at a time ("x8"), for the small-batch matmul (decode).
 //
-// The weights keep every bit of the GGUF blocks, only reordered (the same bytes, 0-3 % more for
-// Q4_K's unpacked 6-bit scales): blocks b of rows 8g..8g+7 form one record, whose scales are
+// The weights keep every bit of the GGUF blocks, only reordered (the same bytes, 2-3 % more for
+// the unpacked 6-bit scales of Q4_K and Q5_K): blocks b of rows 8g..8g+7 form one record, whose scales are
 // stored side by side (one fp16 load gives all eight rows' scales) and whose values are stored
 // as quads: 32 bytes hold four consecutive values of each of the eight rows, so
 //
@@ -19,6 +19,7 @@
 //   Q5_1  d[8], m[8], bits, nib                             (192 B)
 //   Q8_0  d[8], q: byte 32c + 4r + i = q[r][4c+i], c < 8     (272 B = 8 x 34)
 //   Q4_K  d[8], dmin[8], sc[8][8], m[8][8] (group-major), nib x 8 groups   (1184 B, 8 x 144 + 32)
+//   Q5_K  the same header, then per group: bits, nib         (1440 B, 8 x 176 + 32)
 //   Q6_K  d[8], sc[16][8] i8, per 32-block: nib (low 4 bits), hi: byte 32h + 4r + i bits
 //         2(c - 4h).. = high 2 bits of v[r][4c+i]           (1680 B = 8 x 210)
 // A matrix of N rows (N a multiple of 8) is a uint8 tensor [N / 8, records * record bytes].
@@ -111,15 +112,17 @@ struct SmallScales {
   static constexpr bool kFifthBit = kFifth;
 };
 
-struct Q4KScales {
-  static constexpr int64_t kBlocks = 8, kRec = Q4K::kRec;
-  static constexpr bool kFifthBit = false;
+template <bool kFifth>
+struct KScales {
+  using Q = KQuant<kFifth>;
+  static constexpr int64_t kBlocks = 8, kRec = Q::kRec;
+  static constexpr bool kFifthBit = kFifth;
   static void so(const uint8_t* rec, int j, __m256* s, __m256* o) {
     *s = _mm256_mul_ps(halves8(rec), u8x8(rec + 32 + 8 * j));
     *o = _mm256_mul_ps(halves8(rec + 16), _mm256_sub_ps(_mm256_setzero_ps(), u8x8(rec + 96 + 8 * j)));
   }
-  static const uint8_t* bits(const uint8_t*, int) { return nullptr; }
-  static const uint8_t* nib(const uint8_t* rec, int j) { return rec + Q4K::kNib + 128 * j; }
+  static const uint8_t* bits(const uint8_t* rec, int j) { return Q::bits_at(rec, j); }
+  static const uint8_t* nib(const uint8_t* rec, int j) { return Q::nib_at(rec, j); }
 };
 
 template <class S, int C>
@@ -219,7 +222,8 @@ GemvFn gemv_for(int64_t t) {
     case kQ5_0: return gemv_unsigned<SmallScales<false, true>, C>;
     case kQ5_1: return gemv_unsigned<SmallScales<true, true>, C>;
     case kQ8_0: return gemv_q8_0<C>;
-    case kQ4_K: return gemv_unsigned<Q4KScales, C>;
+    case kQ4_K: return gemv_unsigned<KScales<false>, C>;
+    case kQ5_K: return gemv_unsigned<KScales<true>, C>;
     case kQ6_K: return gemv_q6_k<C>;
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 kernel");

@@ -106,8 +106,9 @@ struct Q8 {
   }
 };
 
-struct Q4K {
-  static constexpr int64_t kSrc = 144, kRec = 1184, kNib = 160;
+// Q4_K / Q5_K header: d, dmin, and the 6-bit scale and minimum of each 32-value group, unpacked
+// to one byte each and stored group-major (8 rows side by side): 160 bytes per 8 rows.
+struct KHeader {
   static void pack(const uint8_t* const* src, uint8_t* rec) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(rec + 2 * r, src[r], 2);
@@ -118,12 +119,6 @@ struct Q4K {
         rec[32 + 8 * g + r] = static_cast<uint8_t>(sc);
         rec[96 + 8 * g + r] = static_cast<uint8_t>(m);
       }
-    }
-    for (int g = 0; g < 8; ++g) {
-      Values v;
-      for (int r = 0; r < kRows; ++r)
-        for (int l = 0; l < 32; ++l) v[r][l] = (src[r][16 + 32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
-      put_nib(v, rec + kNib + 128 * g);
     }
   }
   static void unpack(const uint8_t* rec, uint8_t* const* dst) {
@@ -139,15 +134,55 @@ struct Q4K {
         s[j + 8] = static_cast<uint8_t>((sc4 & 0xF) | (m4 & 0xF) << 4);
       }
     }
+  }
+};
+
+// Q4_K (kFifth false) and Q5_K: the header, then per 32-value group g its [bits] and nib.
+// Source: d, dmin, scales[12], [qh[32]: bit g of qh[l] is the fifth bit of group g's value l],
+// qs[128]: groups 2i and 2i + 1 are the low and high nibbles of qs[32i .. 32i + 31].
+template <bool kFifth>
+struct KQuant {
+  static constexpr int64_t kSrc = kFifth ? 176 : 144, kGroup = kFifth ? 160 : 128;
+  static constexpr int64_t kHeader = 160, kRec = kHeader + 8 * kGroup, kQs = kFifth ? 48 : 16;
+  static const uint8_t* bits_at(const uint8_t* rec, int g) { return rec + kHeader + kGroup * g; }
+  static const uint8_t* nib_at(const uint8_t* rec, int g) { return rec + kHeader + kGroup * g + kGroup - 128; }
+
+  static void pack(const uint8_t* const* src, uint8_t* rec) {
+    KHeader::pack(src, rec);
+    for (int g = 0; g < 8; ++g) {
+      Values v;
+      for (int r = 0; r < kRows; ++r)
+        for (int l = 0; l < 32; ++l) {
+          const int lo = (src[r][kQs + 32 * (g / 2) + l] >> (4 * (g % 2))) & 0xF;
+          v[r][l] = static_cast<uint8_t>(lo | (kFifth ? ((src[r][16 + l] >> g) & 1) << 4 : 0));
+        }
+      uint8_t* out = rec + kHeader + kGroup * g;
+      if (kFifth) put_bits<1>(v, 4, out);
+      put_nib(v, out + kGroup - 128);
+    }
+  }
+  static void unpack(const uint8_t* rec, uint8_t* const* dst) {
+    KHeader::unpack(rec, dst);
+    if (kFifth)
+      for (int r = 0; r < kRows; ++r) std::memset(dst[r] + 16, 0, 32);
     for (int g = 0; g < 8; g += 2) {
       Values lo, hi;
-      get_nib(rec + kNib + 128 * g, lo);
-      get_nib(rec + kNib + 128 * (g + 1), hi);
+      get_nib(nib_at(rec, g), lo);
+      get_nib(nib_at(rec, g + 1), hi);
+      if (kFifth) {
+        get_bits<1>(bits_at(rec, g), 4, lo);
+        get_bits<1>(bits_at(rec, g + 1), 4, hi);
+      }
       for (int r = 0; r < kRows; ++r)
-        for (int l = 0; l < 32; ++l) dst[r][16 + 16 * g + l] = static_cast<uint8_t>(lo[r][l] | hi[r][l] << 4);
+        for (int l = 0; l < 32; ++l) {
+          dst[r][kQs + 16 * g + l] = static_cast<uint8_t>((lo[r][l] & 0xF) | (hi[r][l] & 0xF) << 4);
+          if (kFifth) dst[r][16 + l] |= static_cast<uint8_t>((lo[r][l] >> 4) << g | (hi[r][l] >> 4) << (g + 1));
+        }
     }
   }
 };
+using Q4K = KQuant<false>;
+using Q5K = KQuant<true>;
 
 struct Q6K {
   static constexpr int64_t kSrc = 210, kRec = 1680, kBlk = 144;
@@ -203,7 +238,8 @@ struct X8Format {
 };
 
 inline bool has_format(int64_t t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K;
 }
 
 inline X8Format format_x8(int64_t t) {
@@ -214,6 +250,7 @@ inline X8Format format_x8(int64_t t) {
     case kQ5_1: return {32, Small<true, true>::kSrc, Small<true, true>::kRec, Small<true, true>::pack, Small<true, true>::unpack};
     case kQ8_0: return {32, Q8::kSrc, Q8::kRec, Q8::pack, Q8::unpack};
     case kQ4_K: return {256, Q4K::kSrc, Q4K::kRec, Q4K::pack, Q4K::unpack};
+    case kQ5_K: return {256, Q5K::kSrc, Q5K::kRec, Q5K::pack, Q5K::unpack};
     case kQ6_K: return {256, Q6K::kSrc, Q6K::kRec, Q6K::pack, Q6K::unpack};
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");

@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/bench_kernels.py [--rows 1 2 16 64 512]
 
-For each GGML type and shape: the fused int8-activation kernel (what small batches use), and
-float32 F.linear on the dequantized matrix (what batches of DENSE_MIN_ROWS or more use, after a
-one-off dequantization), in ms and GFLOP/s.
+For each GGML type and shape: the x8 int8-activation kernel (what every batch size uses on
+the CPU), and float32 F.linear on the already-dequantized matrix (MKL; what it would take
+to beat), in ms and GFLOP/s. Single matrices stay in the cache here: for the bandwidth a whole
+model sees, time a decode step (bench_step_overhead.py).
 """
 from __future__ import annotations
 
@@ -46,16 +47,17 @@ def timed(fn, min_time: float = 0.3) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16, 64, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     args = ap.parse_args()
     load_kernels()
     print(f"{'type':6} {'shape':>13} {'M':>4} {'kernel ms':>10} {'GF/s':>6} {'f32 ms':>8} {'GF/s':>6}")
     for qtype, n, k in SHAPES:
         w = random_blocks(qtype, n, k)
         wf = dequantize(w, qtype, k)
+        packed = torch.ops.pagedllm.ggml_pack_x8(w, int(qtype), k)
         for m in args.rows:
             x = torch.randn(m, k)
-            tq = timed(lambda: torch.ops.pagedllm.ggml_linear(x, w, int(qtype), k))
+            tq = timed(lambda: torch.ops.pagedllm.ggml_linear_x8(x, [packed], [int(qtype)], k))
             tf = timed(lambda: F.linear(x, wf))
             flop = 2 * m * n * k / 1e9
             print(f"{qtype.name:6} {n:>6}x{k:<6} {m:>4} {tq * 1e3:>10.3f} {flop / tq:>6.1f} "

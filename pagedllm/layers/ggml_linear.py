@@ -30,9 +30,8 @@ X8_TYPES = frozenset({
 })
 X8_ROWS = 8
 
-# From this many rows on, dequantize + GEMM beats the int8 kernel (measured on AVX2 with
-# benchmarks/bench_kernels.py: the int8 kernel matches float32 GEMM between 16 and 64 rows and
-# falls behind beyond; decode batches up to the default max_num_seqs stay on the int8 kernel).
+# Weights left in the GGUF layout (rows not a multiple of 8): from this many rows on, dequantize
+# + GEMM; below, the float32 row kernel.
 DENSE_MIN_ROWS = 64
 # The dense path dequantizes this many values at a time (8 MiB of float32): a vocabulary-sized
 # matrix at once would be a fresh 0.5 GB allocation, page-faulted in on every call.
@@ -132,19 +131,13 @@ class GGMLEmbedding(nn.Module):
 
 def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
     """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
-    when every layer keeps GGML blocks (all packed, or a small batch), as for q/k/v and gate/up."""
-    if (len(layers) < 2 or not all(isinstance(l, GGMLLinear) for l in layers)
-            or x.device.type != "cpu"):
+    when every layer holds x8 blocks, as for q/k/v and gate/up."""
+    if (len(layers) < 2 or x.device.type != "cpu"
+            or not all(isinstance(l, GGMLLinear) and l.packed for l in layers)):
         return [layer(x) for layer in layers]
     k = layers[0].in_features
-    flat = x.reshape(-1, k)
-    weights, qtypes = [l.weight for l in layers], [int(l.qtype) for l in layers]
-    if all(l.packed for l in layers):
-        ys = torch.ops.pagedllm.ggml_linear_x8(flat, weights, qtypes, k)
-    elif any(l.packed for l in layers) or flat.shape[0] >= DENSE_MIN_ROWS:
-        return [layer(x) for layer in layers]
-    else:
-        ys = torch.ops.pagedllm.ggml_linear_many(flat, weights, qtypes, k)
+    ys = torch.ops.pagedllm.ggml_linear_x8(x.reshape(-1, k), [l.weight for l in layers],
+                                           [int(l.qtype) for l in layers], k)
     outs = []
     for layer, y in zip(layers, ys):
         y = y.to(x.dtype).view(*x.shape[:-1], layer.out_features)

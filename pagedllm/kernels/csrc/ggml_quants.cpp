@@ -11,8 +11,8 @@
 //   Q4_K 256 values, 144 B: half d, dmin; u8 scales[12]; u8 qs[128]   8 groups of 32, 6-bit sc/m
 //   Q5_K 256 values, 176 B: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
 //   Q6_K 256 values, 210 B: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d   16 groups of 16
-// Dequantization is exact (the float32 values ggml itself produces); matmuls accumulate in
-// float32 with FMA.
+// Dequantization is exact (the float32 values ggml itself produces); ggml_linear accumulates in
+// float32 with FMA. The fast matmuls read the eight-row (x8) layout: ggml_x8.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -318,311 +318,12 @@ at::Tensor ggml_dequant(const at::Tensor& w, int64_t qtype, int64_t k) {
 
 constexpr int kTile = 4;  // weight rows dequantized together, sharing each load of x
 
-#ifdef PAGEDLLM_AVX2
-// --- Integer path: weights unpacked to int8 with float scales, x quantized to int8 ---------
-// Each weight row is unpacked into a canonical form: 8-bit q[K], a float scale per 16 values
-// s16[K/16] and a float offset per 32 values mn[K/32], so that w = s16 * q + mn. q is unsigned
-// (0..31) for the types of 5 bits or less, whose offset moves into mn, so the products need no
-// sign fix-up; Q8_0 and Q6_K keep signed q.
-// x is quantized per 32 values to int8 with a float scale (as llama.cpp's Q8 activations):
-// sum(w * x) = sum_blocks(s * dx * sum(q * xq)) + mn * dx * sum(xq), the inner sums in int32.
-
-struct Unpacked {
-  int8_t* q;
-  float* s16;
-  float* mn;
-};
-
-inline void store_q(int8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
-
-inline void set_block(const Unpacked& u, int64_t b, float s, float mn) {
-  u.s16[2 * b] = s;
-  u.s16[2 * b + 1] = s;
-  u.mn[b] = mn;
-}
-
-void unpack_q4_0(const uint8_t* p, const Unpacked& u, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b, p += 18) {
-    store_q(u.q + 32 * b, nibbles32(p + 2));
-    const float d = half_at(p);
-    set_block(u, b, d, -8.f * d);
-  }
-}
-
-void unpack_q4_1(const uint8_t* p, const Unpacked& u, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b, p += 20) {
-    store_q(u.q + 32 * b, nibbles32(p + 4));
-    set_block(u, b, half_at(p), half_at(p + 2));
-  }
-}
-
-void unpack_q5_0(const uint8_t* p, const Unpacked& u, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b, p += 22) {
-    store_q(u.q + 32 * b, _mm256_or_si256(nibbles32(p + 6), fifth_bits(u32_at(p + 2))));
-    const float d = half_at(p);
-    set_block(u, b, d, -16.f * d);
-  }
-}
-
-void unpack_q5_1(const uint8_t* p, const Unpacked& u, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b, p += 24) {
-    store_q(u.q + 32 * b, _mm256_or_si256(nibbles32(p + 8), fifth_bits(u32_at(p + 4))));
-    set_block(u, b, half_at(p), half_at(p + 2));
-  }
-}
-
-void unpack_q8_0(const uint8_t* p, const Unpacked& u, int64_t k) {
-  for (int64_t b = 0; b < k / 32; ++b, p += 34) {
-    store_q(u.q + 32 * b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)));
-    set_block(u, b, half_at(p), 0.f);
-  }
-}
-
-void unpack_q4_k(const uint8_t* p, const Unpacked& u, int64_t k) {
-  const __m256i mask = _mm256_set1_epi8(0xF);
-  int64_t b = 0;
-  for (int64_t sb = 0; sb < k / 256; ++sb, p += 144) {
-    const uint8_t* q = p + 16;
-    for (int g = 0; g < 8; g += 2, q += 32, b += 2) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
-      store_q(u.q + 32 * b, _mm256_and_si256(v, mask));
-      set_block(u, b, lo.scale, -lo.min);
-      store_q(u.q + 32 * (b + 1), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-      set_block(u, b + 1, hi.scale, -hi.min);
-    }
-  }
-}
-
-void unpack_q5_k(const uint8_t* p, const Unpacked& u, int64_t k) {
-  const __m256i mask = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-  int64_t b = 0;
-  for (int64_t sb = 0; sb < k / 256; ++sb, p += 176) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-    const uint8_t* ql = p + 48;
-    for (int g = 0; g < 8; g += 2, ql += 32, b += 2) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      // fifth bit of value l of group g is bit g of qh[l]
-      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g), one), 4);
-      const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, g + 1), one), 4);
-      const GroupScale lo = k_group(p, g), hi = k_group(p, g + 1);
-      store_q(u.q + 32 * b, _mm256_or_si256(_mm256_and_si256(v, mask), h1));
-      set_block(u, b, lo.scale, -lo.min);
-      store_q(u.q + 32 * (b + 1),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), h2));
-      set_block(u, b + 1, hi.scale, -hi.min);
-    }
-  }
-}
-
-void unpack_q6_k(const uint8_t* p, const Unpacked& u, int64_t k) {
-  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-  int64_t b = 0;
-  for (int64_t sb = 0; sb < k / 256; ++sb, p += 210) {
-    const float d = half_at(p + 208);
-    const uint8_t* ql = p;
-    const uint8_t* qh = p + 128;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
-      const __m256i lows[4] = {_mm256_and_si256(a, m4), _mm256_and_si256(c, m4),
-                               _mm256_and_si256(_mm256_srli_epi16(a, 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(c, 4), m4)};
-      for (int i = 0; i < 4; ++i, ++b) {
-        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * i), m2);
-        store_q(u.q + 32 * b, _mm256_sub_epi8(_mm256_or_si256(lows[i], _mm256_slli_epi16(hb, 4)), off));
-        u.s16[2 * b] = d * sc[2 * i];
-        u.s16[2 * b + 1] = d * sc[2 * i + 1];
-        u.mn[b] = 0.f;
-      }
-    }
-  }
-}
-
-using UnpackFn = void (*)(const uint8_t*, const Unpacked&, int64_t);
-
-UnpackFn unpack_fn(int64_t t) {
-  switch (t) {
-    case kQ4_0: return unpack_q4_0;
-    case kQ4_1: return unpack_q4_1;
-    case kQ5_0: return unpack_q5_0;
-    case kQ5_1: return unpack_q5_1;
-    case kQ8_0: return unpack_q8_0;
-    case kQ4_K: return unpack_q4_k;
-    case kQ5_K: return unpack_q5_k;
-    case kQ6_K: return unpack_q6_k;
-  }
-  return nullptr;
-}
-
-
-// int32 dot products of 32 int8 weights with 32 int8 activations, as 8 lanes (4 values each).
-
-// sum(a[i] * b[i]) for i < n, 8 lanes at a time.
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// out[c * ldo + t] = sum over blocks of s * dx * (q . xq) [+ mn * dx * sum(xq)] for R unpacked
-// weight rows (row t at q + t * k, s16 + t * 2 * nb, mn + t * nb) against C quantized x rows
-// (row c at xq + c * k, xd + c * nb, xs + c * nb). The R x C accumulators are independent FMA
-// chains; each weight load serves C rows of x and each x load R rows of weights.
-// kPer16: the scale changes every 16 values (Q6_K); kMin: blocks have an offset.
-template <int R, int C, bool kPer16, bool kMin, bool kSigned>
-inline void dot_tile(const int8_t* q, const float* s16, const float* mn, const int8_t* xq,
-                     const float* xd, const float* xs, int64_t nb, float* out, int64_t ldo) {
-  const int64_t k = 32 * nb;
-  __m256 acc[R][C];
-  for (int t = 0; t < R; ++t)
-    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i xv[C];
-    for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * k + 32 * b));
-    for (int t = 0; t < R; ++t) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + t * k + 32 * b));
-      // maddubs takes unsigned x signed bytes: signed w becomes |w| times x * sign(w)
-      const __m256i aw = kSigned ? _mm256_sign_epi8(w, w) : w;
-      const float* st = s16 + t * 2 * nb + 2 * b;
-      __m256 ws;
-      if (kPer16) {  // lanes 0-3 hold values 0-15 of the block, lanes 4-7 values 16-31
-        ws = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(st)), _mm_broadcast_ss(st + 1), 1);
-      } else {
-        ws = _mm256_broadcast_ss(st);
-      }
-      for (int c = 0; c < C; ++c) {
-        const __m256i p16 = _mm256_maddubs_epi16(aw, kSigned ? _mm256_sign_epi8(xv[c], w) : xv[c]);
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc[t][c] = _mm256_fmadd_ps(f, _mm256_mul_ps(ws, _mm256_broadcast_ss(xd + c * nb + b)), acc[t][c]);
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    for (int t = 0; t < R; ++t) {
-      out[c * ldo + t] = hsum(acc[t][c]) + (kMin ? dot_f32(mn + t * nb, xs + c * nb, nb) : 0.f);
-    }
-  }
-}
-
-using TileFn = void (*)(const int8_t*, const float*, const float*, const int8_t*, const float*,
-                        const float*, int64_t, float*, int64_t);
-
-template <int R, int C>
-TileFn tile_fn(int64_t t) {
-  switch (t) {
-    case kQ6_K: return dot_tile<R, C, true, false, true>;
-    case kQ8_0: return dot_tile<R, C, false, false, true>;
-    default: return dot_tile<R, C, false, true, false>;  // unsigned q with an offset
-  }
-}
-
-constexpr int kCols = 2;        // x rows per tile
-constexpr int64_t kMChunk = 128;  // x rows kept hot in cache while a weight tile is reused
-
-// One unit of work: kTile (or fewer, at a matrix's end) rows of one weight matrix.
-struct RowTile {
-  int w;        // index into the weight list
-  int64_t row;  // first row
-  int rows;
-};
-
-// y_j = x @ W_j^T for every weight j (same input): x is quantized once, and the row tiles of all
-// matrices are split over the threads together (one parallel region per call).
-// The row tiles of all weight matrices, split over the threads together.
-std::vector<RowTile> row_tiles(const std::vector<at::Tensor>& ws, int rows_per_tile) {
-  std::vector<RowTile> tiles;
-  for (size_t j = 0; j < ws.size(); ++j) {
-    const int64_t n = ws[j].size(0);
-    for (int64_t r = 0; r < n; r += rows_per_tile)
-      tiles.push_back({static_cast<int>(j), r, static_cast<int>(std::min<int64_t>(rows_per_tile, n - r))});
-  }
-  return tiles;
-}
-
-int64_t even_grain(int64_t ntiles) {
-  return std::max<int64_t>(1, (ntiles + at::get_num_threads() - 1) / at::get_num_threads());
-}
-
-struct QuantX {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-};
-
-// Rows unpacked to int8 once per tile, then reused for every x row.
-void linear_unpacked(const QuantX& x, int64_t m, int64_t k, const std::vector<at::Tensor>& ws,
-                     const std::vector<int64_t>& qtypes, std::vector<at::Tensor>& outs) {
-  const int64_t nb = k / 32;
-  const std::vector<RowTile> tiles = row_tiles(ws, kTile);
-  const int64_t ntiles = static_cast<int64_t>(tiles.size());
-  const int8_t* xq = x.q.data();
-  const float *xd = x.d.data(), *xs = x.s.data();
-  for (int64_t m0 = 0; m0 < m; m0 += kMChunk) {
-    const int64_t m1 = std::min(m, m0 + kMChunk);
-    at::parallel_for(0, ntiles, even_grain(ntiles), [&](int64_t t0, int64_t t1) {
-      std::vector<int8_t> q(kTile * k);
-      std::vector<float> s16(kTile * 2 * nb), mn(kTile * nb);
-      for (int64_t ti = t0; ti < t1; ++ti) {
-        const RowTile& tile = tiles[ti];
-        const at::Tensor& w = ws[tile.w];
-        const int64_t qtype = qtypes[tile.w], n = w.size(0), rb = w.size(1), r = tile.row;
-        const uint8_t* src = w.data_ptr<uint8_t>();
-        float* op = outs[tile.w].data_ptr<float>();
-        const UnpackFn unpack = unpack_fn(qtype);
-        for (int t = 0; t < tile.rows; ++t)
-          unpack(src + (r + t) * rb, Unpacked{q.data() + t * k, s16.data() + t * 2 * nb, mn.data() + t * nb}, k);
-        int64_t i = m0;
-        if (tile.rows == kTile) {
-          const TileFn full = tile_fn<kTile, kCols>(qtype), one_col = tile_fn<kTile, 1>(qtype);
-          for (; i + kCols <= m1; i += kCols)
-            full(q.data(), s16.data(), mn.data(), xq + i * k, xd + i * nb, xs + i * nb, nb, op + i * n + r, n);
-          for (; i < m1; ++i)
-            one_col(q.data(), s16.data(), mn.data(), xq + i * k, xd + i * nb, xs + i * nb, nb, op + i * n + r, n);
-        } else {
-          const TileFn one_row = tile_fn<1, 1>(qtype);
-          for (; i < m1; ++i)
-            for (int t = 0; t < tile.rows; ++t)
-              one_row(q.data() + t * k, s16.data() + t * 2 * nb, mn.data() + t * nb, xq + i * k, xd + i * nb,
-                      xs + i * nb, nb, op + i * n + r + t, n);
-        }
-      }
-    });
-  }
-}
-
-// y_j = x @ W_j^T for every weight j (same input): x is quantized once, and the row tiles of all
-// matrices are split over the threads together (one parallel region per call).
-std::vector<at::Tensor> ggml_linear_int8(const at::Tensor& x, const std::vector<at::Tensor>& ws,
-                                         const std::vector<int64_t>& qtypes, int64_t k) {
-  const int64_t m = x.size(0), nb = k / 32;
-  QuantX xq{std::vector<int8_t>(m * k), std::vector<float>(m * nb), std::vector<float>(m * nb)};
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      quantize_x(xp + i * k, k, xq.q.data() + i * k, xq.d.data() + i * nb, xq.s.data() + i * nb);
-  });
-  std::vector<at::Tensor> outs;
-  for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0)}, x.options()));
-  linear_unpacked(xq, m, k, ws, qtypes, outs);
-  return outs;
-}
-#endif  // PAGEDLLM_AVX2 (integer path)
-
-// exact=true keeps x in float32 (dequantize-and-FMA); otherwise x is quantized to int8 per 32
-// values where the integer path exists (AVX2), as llama.cpp does.
-at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t k, bool exact) {
+// y = x @ W^T in float32 from rows dequantized kTile at a time (the weights' own layout; the
+// kernels for the x8 layout are in ggml_x8.cpp).
+at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-#ifdef PAGEDLLM_AVX2
-  if (!exact && unpack_fn(qtype) != nullptr) return ggml_linear_int8(x, {w}, {qtype}, k)[0];
-#endif
   const int64_t m = x.size(0), n = w.size(0), rb = w.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -650,30 +351,6 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
   return out;
 }
 
-// Several weights applied to one input [M, K] in one call: the int8 path on AVX2, else one
-// exact ggml_linear per weight.
-std::vector<at::Tensor> ggml_linear_many(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef qtypes,
-                                         int64_t k) {
-  TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "need one qtype per weight");
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
-  bool int8_path = true;
-  for (size_t j = 0; j < ws.size(); ++j) {
-    check_weight(ws[j], qtypes[j], k);
-#ifdef PAGEDLLM_AVX2
-    int8_path = int8_path && unpack_fn(qtypes[j]) != nullptr;
-#else
-    int8_path = false;
-#endif
-  }
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-#ifdef PAGEDLLM_AVX2
-  if (int8_path) return ggml_linear_int8(x, std::vector<at::Tensor>(ws.begin(), ws.end()), qtypes.vec(), k);
-#endif
-  std::vector<at::Tensor> outs;
-  for (size_t j = 0; j < ws.size(); ++j) outs.push_back(ggml_linear(x, ws[j], qtypes[j], k, false));
-  return outs;
-}
-
 }  // namespace
 
 void pagedllm_ggml::dequant_row(int64_t qtype, const uint8_t* src, float* dst, int64_t k) {
@@ -682,12 +359,10 @@ void pagedllm_ggml::dequant_row(int64_t qtype, const uint8_t* src, float* dst, i
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("ggml_dequant(Tensor w, int qtype, int k) -> Tensor");
-  m.def("ggml_linear(Tensor x, Tensor w, int qtype, int k, bool exact=False) -> Tensor");
-  m.def("ggml_linear_many(Tensor x, Tensor[] ws, int[] qtypes, int k) -> Tensor[]");
+  m.def("ggml_linear(Tensor x, Tensor w, int qtype, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("ggml_dequant", &ggml_dequant);
   m.impl("ggml_linear", &ggml_linear);
-  m.impl("ggml_linear_many", &ggml_linear_many);
 }

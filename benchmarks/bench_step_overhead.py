@@ -14,6 +14,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.models.fused_decode import enable_fused_decode
 
 
 def step_ms(llm: LLM, steps: int) -> float:
@@ -40,6 +41,8 @@ def main() -> None:
     model = llm.llm_engine.model
     n = len(model.model.layers)
     model.model.layers = model.model.layers[:1]  # the forward zips layers with the KV cache
+    if model.fused_decode is not None:  # the C++ decode step holds its own list of layers
+        enable_fused_decode(model)
     one = step_ms(llm, args.steps)
     hidden = torch.randn(1, model.config.hidden_size)
     with torch.inference_mode():
@@ -50,7 +53,8 @@ def main() -> None:
     head = (time.perf_counter() - t) / 20 * 1e3
     print(f"decode step, {n} layers: {full:.2f} ms; cut to 1 layer: {one:.2f} ms, of which the "
           f"output head {head:.2f} ms: the rest of the step outside the layers is "
-          f"{one - head:.2f} ms including one layer")
+          f"{one - head:.2f} ms including one layer (C++ decode step: "
+          f"{model.fused_decode is not None})")
 
 
 if __name__ == "__main__":

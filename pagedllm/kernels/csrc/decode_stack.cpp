@@ -51,7 +51,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor residual, const at::Tensor& positions,
                                              const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                                              const at::Tensor& block_table, const at::Tensor& context_lens) {
-    TORCH_CHECK(kv_caches.size(0) == static_cast<int64_t>(layers_.size()) && kv_caches.is_contiguous(),
+    TORCH_CHECK(kv_caches.size(0) >= static_cast<int64_t>(layers_.size()) && kv_caches.is_contiguous(),
                 "kv_caches must be a contiguous [layers, 2, blocks, block_size, kv_heads, head_dim] tensor");
     const int64_t t = x.size(0), hidden = x.size(1);
     for (size_t l = 0; l < layers_.size(); ++l) {

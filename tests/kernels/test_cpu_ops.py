@@ -47,12 +47,13 @@ def test_rope_matches_rotate_half():
         torch.ops.pagedllm.rope_(q, k, torch.tensor([0, 1, 2, 50]), cos, sin)
 
 
-def test_paged_decode_attention_reads_blocks_in_place():
-    hq, hk, d, bs = 8, 2, 16, 4
-    kv = torch.randn(2, 10, bs, hk, d)
-    # two sequences: 9 tokens in blocks [7, 2, 5], 3 tokens in block [0] (table padded with 0)
-    table = torch.tensor([[7, 2, 5], [0, 0, 0]])
-    lens = torch.tensor([9, 3])
+@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take the AVX2 path, 16 the plain one
+def test_paged_decode_attention_reads_blocks_in_place(d):
+    hq, hk, bs = 8, 2, 4
+    kv = torch.randn(2, 12, bs, hk, d)
+    # two sequences: 37 tokens in ten shuffled blocks, 3 tokens in block [0] (table padded with 0)
+    table = torch.tensor([[7, 2, 5, 11, 1, 9, 3, 10, 4, 6], [0] * 10])
+    lens = torch.tensor([37, 3])
     q = torch.randn(2, hq, d)
     out = torch.ops.pagedllm.paged_decode_attention(q, kv, table, lens, 0.25)
     for i in range(2):
@@ -63,5 +64,5 @@ def test_paged_decode_attention_reads_blocks_in_place():
                                              enable_gqa=True)[:, 0]
         torch.testing.assert_close(out[i], ref)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        torch.ops.pagedllm.paged_decode_attention(q, kv, torch.tensor([[7, 2, 11], [0, 0, 0]]),
-                                                  lens, 0.25)
+        bad = torch.tensor([[7, 2, 12] + [0] * 7, [0] * 10])  # block 12 of 12
+        torch.ops.pagedllm.paged_decode_attention(q, kv, bad, lens, 0.25)

@@ -11,6 +11,11 @@
 
 #include "kernels.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -98,6 +103,116 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   });
 }
 
+#ifdef PAGEDLLM_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (softmax after the max is subtracted), to ~2 ulp: x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for exp(r), and 2^n put into the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below: exp underflows to (near) zero anyway
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// s[p] = exp(s[p] - max) / sum for p < len
+void softmax_(float* s, int64_t len) {
+  const float mx = *std::max_element(s, s + len);
+  float sum = 0.f;
+  int64_t p = 0;
+#ifdef PAGEDLLM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; p + 8 <= len; p += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + p, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum8(acc);
+#endif
+  for (; p < len; ++p) {
+    s[p] = std::exp(s[p] - mx);
+    sum += s[p];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < len; ++i) s[i] *= inv;
+}
+
+#ifdef PAGEDLLM_AVX2
+// attend_group for head_dim = 8 * NV: each key/value row is NV vectors, the accumulators stay in
+// registers
+template <int NV, class RowOffset>
+void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+                       int64_t group, float scale, float* scores, float* out) {
+  constexpr int64_t d = 8 * NV;
+  for (int64_t p = 0; p < len; ++p) {
+    const float* kr = kc + row_offset(p);
+    __m256 k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = _mm256_loadu_ps(kr + 8 * v);
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = q + h * d;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), k[0]), a1 = _mm256_setzero_ps();
+      for (int v = 1; v < NV; ++v)
+        (v % 2 ? a1 : a0) = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], v % 2 ? a1 : a0);
+      scores[h * len + p] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);
+  for (int64_t h = 0; h < group; ++h) {
+    __m256 acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
+    const float* sh = scores + h * len;
+    for (int64_t p = 0; p < len; ++p) {
+      const float* vr = vc + row_offset(p);
+      const __m256 w = _mm256_set1_ps(sh[p]);
+      for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + h * d + 8 * v, acc[v]);
+  }
+}
+#endif
+
+// One sequence and one K/V head: the `group` query heads at q (each d values) over the len
+// cached rows (row p at kc/vc + row_offset(p)); out gets group * d values.
+template <class RowOffset>
+void attend_group(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+                  int64_t group, int64_t d, float scale, float* scores, float* out) {
+#ifdef PAGEDLLM_AVX2
+  if (d == 64) return attend_group_avx2<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
+  if (d == 128) return attend_group_avx2<16>(q, kc, vc, row_offset, len, group, scale, scores, out);
+#endif
+  for (int64_t p = 0; p < len; ++p) {
+    const float* kr = kc + row_offset(p);
+    for (int64_t h = 0; h < group; ++h) {
+      float s = 0.f;
+      for (int64_t e = 0; e < d; ++e) s += q[h * d + e] * kr[e];
+      scores[h * len + p] = s * scale;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);
+  std::fill(out, out + group * d, 0.f);
+  for (int64_t p = 0; p < len; ++p) {
+    const float* vr = vc + row_offset(p);
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t e = 0; e < d; ++e) out[h * d + e] += scores[h * len + p] * vr[e];
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale) {
   check_f32(q, "q");
@@ -126,43 +241,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
-    std::vector<float> acc(group * d);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / hk, g = task % hk, len = lens[i];
       const int64_t* blocks = table + i * max_blocks;
-      scores.assign(group * len, 0.f);
-      const float* qg = qp + (i * hq + g * group) * d;
-      for (int64_t p = 0; p < len; ++p) {
-        const float* kr = kc + ((blocks[p / bs] * bs + p % bs) * hk + g) * d;
-        for (int64_t h = 0; h < group; ++h) {
-          float s = 0.f;
-          const float* qh = qg + h * d;
-#pragma omp simd reduction(+ : s)
-          for (int64_t e = 0; e < d; ++e) s += qh[e] * kr[e];
-          scores[h * len + p] = s * sc;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * len;
-        const float mx = *std::max_element(sh, sh + len);
-        float sum = 0.f;
-        for (int64_t p = 0; p < len; ++p) {
-          sh[p] = std::exp(sh[p] - mx);
-          sum += sh[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < len; ++p) sh[p] *= inv;
-      }
-      for (int64_t p = 0; p < len; ++p) {
-        const float* vr = vc + ((blocks[p / bs] * bs + p % bs) * hk + g) * d;
-        for (int64_t h = 0; h < group; ++h) {
-          const float w = scores[h * len + p];
-          float* a = acc.data() + h * d;
-          for (int64_t e = 0; e < d; ++e) a[e] += w * vr[e];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + (i * hq + g * group) * d);
+      scores.resize(group * len);
+      const auto row_offset = [&](int64_t p) { return ((blocks[p / bs] * bs + p % bs) * hk + g) * d; };
+      attend_group(qp + (i * hq + g * group) * d, kc, vc, row_offset, len, group, d, sc,
+                   scores.data(), op + (i * hq + g * group) * d);
     }
   });
   return out;

@@ -3,8 +3,8 @@
 The weight is a uint8 tensor [out_features, row_bytes]: each row is in_features / block_size
 blocks. On the CPU, pack_x8() then regroups the blocks eight rows at a time (the same bits,
 reordered; ggml_x8.cpp), and every batch size runs the int8 kernel over that layout. Weights
-left in the GGUF layout (a type without an x8 layout, or rows not a multiple of 8) run the
-per-row kernel on small batches and dequantize + BLAS GEMM on large ones.
+left in the GGUF layout (rows not a multiple of 8, or not packed) run the float32 row kernel on
+small batches and dequantize + BLAS GEMM on large ones.
 """
 from __future__ import annotations
 
@@ -92,12 +92,8 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            flat = x.reshape(-1, self.in_features)  # [M, K]
-            y = torch.ops.pagedllm.ggml_linear_x8(flat, [self.weight], [int(self.qtype)],
-                                                  self.in_features)[0]
-            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        else:
-            y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
+            return _x8_linear(x, [self])[0]
+        y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -129,12 +125,8 @@ class GGMLEmbedding(nn.Module):
                 f"packed={self.packed}")
 
 
-def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
-    when every layer holds x8 blocks, as for q/k/v and gate/up."""
-    if (len(layers) < 2 or x.device.type != "cpu"
-            or not all(isinstance(l, GGMLLinear) and l.packed for l in layers)):
-        return [layer(x) for layer in layers]
+def _x8_linear(x: torch.Tensor, layers: list[GGMLLinear]) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers] for packed layers sharing x, in one kernel call."""
     k = layers[0].in_features
     ys = torch.ops.pagedllm.ggml_linear_x8(x.reshape(-1, k), [l.weight for l in layers],
                                            [int(l.qtype) for l in layers], k)
@@ -143,6 +135,15 @@ def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
         y = y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
         outs.append(y if layer.bias is None else y + layer.bias)
     return outs
+
+
+def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
+    """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
+    when every layer holds x8 blocks, as for q/k/v and gate/up."""
+    if (len(layers) < 2 or x.device.type != "cpu"
+            or not all(isinstance(l, GGMLLinear) and l.packed for l in layers)):
+        return [layer(x) for layer in layers]
+    return _x8_linear(x, list(layers))
 
 
 def _packable(module: nn.Module) -> bool:

@@ -60,32 +60,40 @@ struct Small {
   static constexpr int64_t kSrc = 18 + 2 * kHasMin + 4 * kFifth, kRec = 8 * kSrc;
   static constexpr int64_t kQh = 2 + 2 * kHasMin, kQs = kQh + 4 * kFifth;
 
+  // The nib byte of quad c's value i (low nibble: value 4c + i, high: 16 + 4c + i) is the source
+  // qs byte 4c + i as it is, so the values move as 4-byte copies; only the fifth bits regroup:
+  // bits byte 4r + i collects bits i, i + 4, ..., i + 28 of the row's qh.
   static void pack(const uint8_t* const* src, uint8_t* rec) {
-    Values v;
+    uint8_t* bits = rec + 16 + 16 * kHasMin;
+    uint8_t* nib = rec + kRec - 128;
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(rec + 2 * r, src[r], 2);
       if (kHasMin) std::memcpy(rec + 16 + 2 * r, src[r] + 2, 2);
-      const uint32_t qh = kFifth ? u32_at(src[r] + kQh) : 0;
-      for (int j = 0; j < 32; ++j) {
-        const uint8_t q = src[r][kQs + j % 16];
-        v[r][j] = static_cast<uint8_t>((j < 16 ? q & 0xF : q >> 4) | ((qh >> j) & 1) << 4);
+      for (int c = 0; c < 4; ++c) std::memcpy(nib + 32 * c + 4 * r, src[r] + kQs + 4 * c, 4);
+      if (kFifth) {
+        const uint32_t qh = u32_at(src[r] + kQh);
+        for (int i = 0; i < 4; ++i) {
+          uint8_t byte = 0;
+          for (int c = 0; c < 8; ++c) byte |= static_cast<uint8_t>(((qh >> (4 * c + i)) & 1) << c);
+          bits[4 * r + i] = byte;
+        }
       }
     }
-    if (kFifth) put_bits<1>(v, 4, rec + 16 + 16 * kHasMin);
-    put_nib(v, rec + kRec - 128);
   }
 
   static void unpack(const uint8_t* rec, uint8_t* const* dst) {
-    Values v;
-    get_nib(rec + kRec - 128, v);
-    if (kFifth) get_bits<1>(rec + 16 + 16 * kHasMin, 4, v);
+    const uint8_t* bits = rec + 16 + 16 * kHasMin;
+    const uint8_t* nib = rec + kRec - 128;
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(dst[r], rec + 2 * r, 2);
       if (kHasMin) std::memcpy(dst[r] + 2, rec + 16 + 2 * r, 2);
-      uint32_t qh = 0;
-      for (int j = 0; j < 32; ++j) qh |= static_cast<uint32_t>(v[r][j] >> 4) << j;
-      if (kFifth) std::memcpy(dst[r] + kQh, &qh, 4);
-      for (int j = 0; j < 16; ++j) dst[r][kQs + j] = static_cast<uint8_t>((v[r][j] & 0xF) | (v[r][j + 16] & 0xF) << 4);
+      for (int c = 0; c < 4; ++c) std::memcpy(dst[r] + kQs + 4 * c, nib + 32 * c + 4 * r, 4);
+      if (kFifth) {
+        uint32_t qh = 0;
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < 8; ++c) qh |= static_cast<uint32_t>((bits[4 * r + i] >> c) & 1) << (4 * c + i);
+        std::memcpy(dst[r] + kQh, &qh, 4);
+      }
     }
   }
 };

@@ -10,11 +10,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -104,12 +100,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 }
 
 #ifdef PAGEDLLM_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using pagedllm_simd::hsum;
 
 // exp(x) for x <= 0 (softmax after the max is subtracted), to ~2 ulp: x = n ln2 + r with
 // |r| <= ln2 / 2, a degree-6 polynomial for exp(r), and 2^n put into the exponent bits.
@@ -143,7 +134,7 @@ void softmax_(float* s, int64_t len) {
     _mm256_storeu_ps(s + p, e);
     acc = _mm256_add_ps(acc, e);
   }
-  sum = hsum8(acc);
+  sum = hsum(acc);
 #endif
   for (; p < len; ++p) {
     s[p] = std::exp(s[p] - mx);
@@ -169,7 +160,7 @@ void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffs
       __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), k[0]), a1 = _mm256_setzero_ps();
       for (int v = 1; v < NV; ++v)
         (v % 2 ? a1 : a0) = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), k[v], v % 2 ? a1 : a0);
-      scores[h * len + p] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+      scores[h * len + p] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
   }
   for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);

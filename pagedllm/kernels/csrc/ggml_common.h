@@ -7,13 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace pagedllm_ggml {
 
@@ -88,6 +82,8 @@ inline GroupScale k_group(const uint8_t* p, int g) {
 void dequant_row(int64_t qtype, const uint8_t* src, float* dst, int64_t k);
 
 #ifdef PAGEDLLM_AVX2
+using pagedllm_simd::hsum;
+
 // 16 packed bytes -> 32 nibbles: low nibbles first (values 0..15), then high (16..31).
 inline __m256i nibbles32(const uint8_t* qs) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -104,13 +100,6 @@ inline __m256i fifth_bits(uint32_t qh) {
   const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), pick);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // x [M, K] float -> int8 per 32 values with scale dx and dx * sum(xq) per block.

@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "ggml_common.h"
+#include "kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -294,15 +295,6 @@ inline void dot_rows(const float* w, const float* x, int64_t k, float* out) {
 #endif
 }
 
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "ggml weight must be a contiguous CPU uint8 tensor [rows, row_bytes]");
-  const Format f = format_of(qtype);
-  TORCH_CHECK(k % f.block == 0 && k % 8 == 0, "k=", k, " is not a multiple of the block size ", f.block);
-  TORCH_CHECK(w.size(1) == k / f.block * f.bytes, "row_bytes ", w.size(1), " does not match k=", k,
-              " for ggml type ", qtype);
-}
-
 at::Tensor ggml_dequant(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
   const int64_t n = w.size(0), rb = w.size(1);
@@ -352,6 +344,15 @@ at::Tensor ggml_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
 }
 
 }  // namespace
+
+void pagedllm_ggml::check_weight(const at::Tensor& w, int64_t qtype, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "ggml weight must be a contiguous CPU uint8 tensor [rows, row_bytes]");
+  const Format f = format_of(qtype);
+  TORCH_CHECK(k % f.block == 0 && k % 8 == 0, "k=", k, " is not a multiple of the block size ", f.block);
+  TORCH_CHECK(w.size(1) == k / f.block * f.bytes, "row_bytes ", w.size(1), " does not match k=", k,
+              " for ggml type ", qtype);
+}
 
 void pagedllm_ggml::dequant_row(int64_t qtype, const uint8_t* src, float* dst, int64_t k) {
   row_fn(qtype)(src, dst, k);

@@ -211,9 +211,7 @@ void gemv_q6_k(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
 }
 
 using GemvFn = void (*)(const uint8_t*, int64_t, const XRows&, float*, int64_t);
-#endif  // PAGEDLLM_AVX2
 
-#ifdef PAGEDLLM_AVX2
 template <int C>
 GemvFn gemv_for(int64_t t) {
   switch (t) {
@@ -239,12 +237,8 @@ void check_packed(const at::Tensor& w, int64_t qtype, int64_t k) {
 }
 
 at::Tensor ggml_pack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
-  TORCH_CHECK(has_format(qtype), "ggml type ", qtype, " has no x8 layout");
   const X8Format f = format_x8(qtype);
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
-              "ggml weight must be a contiguous CPU uint8 tensor [rows, row_bytes]");
-  TORCH_CHECK(k % f.values == 0 && w.size(1) == k / f.values * f.src_bytes, "row_bytes ", w.size(1),
-              " does not match k=", k);
+  check_weight(w, qtype, k);
   TORCH_CHECK(w.size(0) % kRows == 0, "rows=", w.size(0), " is not a multiple of ", kRows);
   const int64_t groups = w.size(0) / kRows, nrec = k / f.values, rb = w.size(1);
   at::Tensor out = at::empty({groups, nrec * f.rec_bytes}, w.options());
@@ -262,6 +256,15 @@ at::Tensor ggml_pack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
 }
 
 // back to the GGUF block layout [rows, row_bytes]
+// The eight GGUF rows of record group g (its nrec records at src) into rows[r] = out + r * rb.
+void unpack_group(const X8Format& f, const uint8_t* src, int64_t nrec, uint8_t* out, int64_t rb) {
+  for (int64_t i = 0; i < nrec; ++i) {
+    uint8_t* rows[kRows];
+    for (int r = 0; r < kRows; ++r) rows[r] = out + r * rb + i * f.src_bytes;
+    f.unpack(src + i * f.rec_bytes, rows);
+  }
+}
+
 at::Tensor ggml_unpack_x8(const at::Tensor& wp, int64_t qtype, int64_t k) {
   check_packed(wp, qtype, k);
   const X8Format f = format_x8(qtype);
@@ -270,12 +273,7 @@ at::Tensor ggml_unpack_x8(const at::Tensor& wp, int64_t qtype, int64_t k) {
   const uint8_t* src = wp.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t i = 0; i < nrec; ++i) {
-        uint8_t* rows[kRows];
-        for (int r = 0; r < kRows; ++r) rows[r] = dst + (kRows * g + r) * rb + i * f.src_bytes;
-        f.unpack(src + (g * nrec + i) * f.rec_bytes, rows);
-      }
+    for (int64_t g = g0; g < g1; ++g) unpack_group(f, src + g * wp.size(1), nrec, dst + kRows * g * rb, rb);
   });
   return out;
 }
@@ -291,11 +289,7 @@ at::Tensor ggml_dequant_x8(const at::Tensor& wp, int64_t qtype, int64_t k) {
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> buf(kRows * rb);
     for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t i = 0; i < nrec; ++i) {
-        uint8_t* rows[kRows];
-        for (int r = 0; r < kRows; ++r) rows[r] = buf.data() + r * rb + i * f.src_bytes;
-        f.unpack(src + (g * nrec + i) * f.rec_bytes, rows);
-      }
+      unpack_group(f, src + g * wp.size(1), nrec, buf.data(), rb);
       for (int r = 0; r < kRows; ++r) dequant_row(qtype, buf.data() + r * rb, dst + (kRows * g + r) * k, k);
     }
   });
@@ -318,11 +312,7 @@ at::Tensor ggml_embed_x8(const at::Tensor& wp, const at::Tensor& ids_in, int64_t
     std::vector<uint8_t> buf(kRows * rb);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g = idp[t] / kRows, r = idp[t] % kRows;
-      for (int64_t i = 0; i < nrec; ++i) {
-        uint8_t* dsts[kRows];
-        for (int j = 0; j < kRows; ++j) dsts[j] = buf.data() + j * rb + i * f.src_bytes;
-        f.unpack(src + (g * nrec + i) * f.rec_bytes, dsts);
-      }
+      unpack_group(f, src + g * wp.size(1), nrec, buf.data(), rb);
       dequant_row(qtype, buf.data() + r * rb, dst + t * k, k);
     }
   });
@@ -344,27 +334,35 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   std::vector<float> xd(m * nb), xs(m * nb);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) quantize_x(xp + i * k, k, xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb);
+  struct Kernels {  // per weight, looked up once: the kernels for 4, 2 and 1 x rows
+    GemvFn c4, c2, c1;
+    int64_t nrec;
+  };
   struct Task {
     size_t w;
     int64_t group;
   };
+  std::vector<Kernels> kernels;
   std::vector<Task> tasks;
-  for (size_t j = 0; j < ws.size(); ++j)
+  for (size_t j = 0; j < ws.size(); ++j) {
+    kernels.push_back({gemv_for<4>(qtypes[j]), gemv_for<2>(qtypes[j]), gemv_for<1>(qtypes[j]),
+                       k / format_x8(qtypes[j]).values});
     for (int64_t g = 0; g < ws[j].size(0); ++g) tasks.push_back({j, g});
+  }
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Task& task = tasks[ti];
       const at::Tensor& w = ws[task.w];
-      const int64_t qtype = qtypes[task.w], n = w.size(0) * kRows;
-      const int64_t nrec = k / format_x8(qtype).values;
+      const Kernels& kn = kernels[task.w];
+      const int64_t n = w.size(0) * kRows;
       const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
       float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
       for (int64_t i = 0; i < m;) {
         const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
-        const GemvFn fn = cols == 4 ? gemv_for<4>(qtype) : (cols == 2 ? gemv_for<2>(qtype) : gemv_for<1>(qtype));
-        fn(rec, nrec, XRows{xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb, k, nb}, op + i * n, n);
+        const GemvFn fn = cols == 4 ? kn.c4 : (cols == 2 ? kn.c2 : kn.c1);
+        fn(rec, kn.nrec, XRows{xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb, k, nb}, op + i * n, n);
         i += cols;
       }
     }

@@ -99,7 +99,7 @@ struct Small {
 };
 
 struct Q8 {
-  static constexpr int64_t kSrc = 34, kRec = 272;
+  static constexpr int64_t kRec = 272;  // 8 x 34
   static void pack(const uint8_t* const* src, uint8_t* rec) {
     for (int r = 0; r < kRows; ++r) {
       std::memcpy(rec + 2 * r, src[r], 2);
@@ -150,7 +150,7 @@ struct KHeader {
 // qs[128]: groups 2i and 2i + 1 are the low and high nibbles of qs[32i .. 32i + 31].
 template <bool kFifth>
 struct KQuant {
-  static constexpr int64_t kSrc = kFifth ? 176 : 144, kGroup = kFifth ? 160 : 128;
+  static constexpr int64_t kGroup = kFifth ? 160 : 128;
   static constexpr int64_t kHeader = 160, kRec = kHeader + 8 * kGroup, kQs = kFifth ? 48 : 16;
   static const uint8_t* bits_at(const uint8_t* rec, int g) { return rec + kHeader + kGroup * g; }
   static const uint8_t* nib_at(const uint8_t* rec, int g) { return rec + kHeader + kGroup * g + kGroup - 128; }
@@ -193,7 +193,7 @@ using Q4K = KQuant<false>;
 using Q5K = KQuant<true>;
 
 struct Q6K {
-  static constexpr int64_t kSrc = 210, kRec = 1680, kBlk = 144;
+  static constexpr int64_t kRec = 1680, kBlk = 144;  // 8 x 210
   // value 32 * j + l of a super-block: a nibble of ql and two bits of qh (ggml's order)
   static int ql_at(int j, int l) { return 64 * (j / 4) + 32 * (j % 2) + l; }
   static int qh_at(int j, int l) { return 128 + 32 * (j / 4) + l; }
@@ -238,28 +238,29 @@ using PackFn = void (*)(const uint8_t* const*, uint8_t*);
 using UnpackRecFn = void (*)(const uint8_t*, uint8_t* const*);
 
 struct X8Format {
-  int64_t values;     // values of one row per record
-  int64_t src_bytes;  // bytes of one row's block(s) per record in the GGUF layout
-  int64_t rec_bytes;
+  int64_t values;     // values of one row per record: the GGUF block, or super-block
+  int64_t src_bytes;  // the bytes of those values in the GGUF layout
+  int64_t rec_bytes;  // the bytes of one record (eight rows)
   PackFn pack;
   UnpackRecFn unpack;
 };
 
-inline bool has_format(int64_t t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K;
+template <class Layout>
+X8Format x8_format(int64_t t) {
+  const Format f = format_of(t);
+  return {f.block, f.bytes, Layout::kRec, Layout::pack, Layout::unpack};
 }
 
 inline X8Format format_x8(int64_t t) {
   switch (t) {
-    case kQ4_0: return {32, Small<false, false>::kSrc, Small<false, false>::kRec, Small<false, false>::pack, Small<false, false>::unpack};
-    case kQ4_1: return {32, Small<true, false>::kSrc, Small<true, false>::kRec, Small<true, false>::pack, Small<true, false>::unpack};
-    case kQ5_0: return {32, Small<false, true>::kSrc, Small<false, true>::kRec, Small<false, true>::pack, Small<false, true>::unpack};
-    case kQ5_1: return {32, Small<true, true>::kSrc, Small<true, true>::kRec, Small<true, true>::pack, Small<true, true>::unpack};
-    case kQ8_0: return {32, Q8::kSrc, Q8::kRec, Q8::pack, Q8::unpack};
-    case kQ4_K: return {256, Q4K::kSrc, Q4K::kRec, Q4K::pack, Q4K::unpack};
-    case kQ5_K: return {256, Q5K::kSrc, Q5K::kRec, Q5K::pack, Q5K::unpack};
-    case kQ6_K: return {256, Q6K::kSrc, Q6K::kRec, Q6K::pack, Q6K::unpack};
+    case kQ4_0: return x8_format<Small<false, false>>(t);
+    case kQ4_1: return x8_format<Small<true, false>>(t);
+    case kQ5_0: return x8_format<Small<false, true>>(t);
+    case kQ5_1: return x8_format<Small<true, true>>(t);
+    case kQ8_0: return x8_format<Q8>(t);
+    case kQ4_K: return x8_format<Q4K>(t);
+    case kQ5_K: return x8_format<Q5K>(t);
+    case kQ6_K: return x8_format<Q6K>(t);
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");
 }

@@ -14,6 +14,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
                                   const at::Tensor& context_lens, double scale);
 }  // namespace pagedllm_ops
 
-namespace pagedllm_ggml {  // ggml_x8.cpp
+namespace pagedllm_ggml {
+// ggml_quants.cpp: w must be a contiguous CPU uint8 [rows, row_bytes] of ggml type qtype, k wide
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t k);
+// ggml_x8.cpp
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k);
 }  // namespace pagedllm_ggml

@@ -20,10 +20,8 @@ import torch
 
 logger = logging.getLogger("pagedllm")
 
-_SOURCES = (Path(__file__).parent / "csrc" / "ggml_quants.cpp",
-            Path(__file__).parent / "csrc" / "ggml_x8.cpp",
-            Path(__file__).parent / "csrc" / "cpu_ops.cpp",
-            Path(__file__).parent / "csrc" / "decode_stack.cpp")
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))  # every translation unit; headers are included
 _LOCK = threading.Lock()
 
 
@@ -44,7 +42,7 @@ def _cpu_flags() -> str:
 def build_key() -> str:
     """Short hash of what the compiled library depends on."""
     h = hashlib.sha256()
-    for source in sorted(p for p in _SOURCES[0].parent.iterdir() if p.is_file()):
+    for source in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         h.update(source.name.encode() + source.read_bytes())
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}".encode())
     return h.hexdigest()[:16]

@@ -14,10 +14,9 @@ PROMPTS = [
 ]
 
 
-# These tests compare token sequences across batch shapes, so they run the float32 path
-# (quantization="none"), whose numbers do not depend on the batch. With the GGUF blocks kept,
-# a small batch takes the int8-activation kernel and a large one the dequantized GEMM, so at a
-# near-tie a token can differ with the batch, as in llama.cpp and vLLM.
+# These tests compare token sequences across batch shapes. They run the float32 path
+# (quantization="none"), whose numbers do not depend on the batch, so that they test the engine
+# apart from the block kernels; the kept blocks are batch-invariant too (tests/e2e/test_quantized.py).
 @pytest.fixture(scope="module")
 def llm(smollm_gguf):
     return LLM(model=str(smollm_gguf), dtype="float32", max_num_seqs=16, quantization="none")

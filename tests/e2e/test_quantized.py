@@ -63,14 +63,29 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[tuple[list[int], float]]:
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Write a haiku about the sea."]
 
 
+class _CountingStack:
+    """The C++ decode step, counting its calls (so the comparison cannot pass without it)."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
 def test_cpp_decode_step_equals_the_python_layers(qwen_blocks):
     model = qwen_blocks.llm_engine.model
-    fused = _greedy(qwen_blocks, PROMPTS)
-    stack, model.fused_decode = model.fused_decode, None
+    stack = model.fused_decode
+    counting = model.fused_decode = _CountingStack(stack)
     try:
+        fused = _greedy(qwen_blocks, PROMPTS)
+        model.fused_decode = None
         python = _greedy(qwen_blocks, PROMPTS)
     finally:
         model.fused_decode = stack
+    # every step after the one that prefills the three prompts is decode-only
+    assert counting.calls >= max(len(tokens) for tokens, _ in fused) - 1 > 0
     assert fused == python  # same kernels in the same order: identical logprobs
 
 

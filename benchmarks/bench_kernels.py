@@ -1,6 +1,6 @@
 """Speed of the GGML block kernels against float32 GEMM (torch/MKL) on the default model's shapes.
 
-    .venv/bin/python benchmarks/bench_kernels.py [--rows 1 2 16 64 512]
+    .venv/bin/python benchmarks/bench_kernels.py [--rows 1 4 16 64 512]
 
 For each GGML type and shape: the x8 int8-activation kernel (what every batch size uses on
 the CPU), and float32 F.linear on the already-dequantized matrix (MKL; what it would take

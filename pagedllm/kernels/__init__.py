@@ -1,6 +1,6 @@
 """Compiled CPU kernels: built once per machine with the local compiler, cached, loaded as torch ops.
 
-The build is keyed by the source, the torch version and the CPU's instruction-set flags, because
+The build is keyed by the source, the compiler flags, the torch version and the CPU's instruction-set flags, because
 it is compiled for the CPU it runs on (-march=native). `python -m pagedllm.kernels` builds it ahead
 of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
 """
@@ -23,6 +23,7 @@ logger = logging.getLogger("pagedllm")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(sorted(_CSRC.glob("*.cpp")))  # every translation unit; headers are included
 _LOCK = threading.Lock()
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 
 
 class KernelBuildError(RuntimeError):
@@ -44,7 +45,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for source in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         h.update(source.name.encode() + source.read_bytes())
-    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}".encode())
+    h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|{_cpu_flags()}|{_CFLAGS}".encode())
     return h.hexdigest()[:16]
 
 
@@ -75,10 +76,9 @@ def _load() -> None:
     started = time.monotonic()
     logger.info("compiling pagedllm CPU kernels into %s (once per machine, about a minute)",
                 build_dir)
-    flags = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
     try:
         cpp_extension.load(name=f"pagedllm_ggml_{key}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
     except Exception as err:  # compiler missing, headers missing, link error

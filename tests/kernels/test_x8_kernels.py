@@ -37,7 +37,7 @@ def test_packing_is_lossless_and_dequantizes_exactly(qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(X8_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 70])  # column tiles of 4, 2 and 1, and a prefill
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 70])  # gemv tiles of 4, 2 and 1; the gemm from 8, chunks of 64
 def test_linear_matches_dequantize_then_matmul(qtype, m):
     raw = torch.from_numpy(random_blocks(qtype, 40, 768, seed=m))
     w = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(40, 768)).double()
@@ -46,8 +46,10 @@ def test_linear_matches_dequantize_then_matmul(qtype, m):
     y = ops.ggml_linear_x8(x, [packed], [int(qtype)], 768)[0]
     # x is quantized to int8 per 32 values, as llama.cpp does: ~0.5 % relative error
     assert rel_error(y, x.double() @ w.t()) < 0.02
-    # a row of x alone gives the very same numbers as in the batch (batch-invariant)
-    assert torch.equal(ops.ggml_linear_x8(x[-1:], [packed], [int(qtype)], 768)[0], y[-1:])
+    # a row of x alone gives the very same numbers as in the batch (batch-invariant), whichever
+    # kernel and chunk the batch used
+    for i in sorted({0, m - 1, min(64, m - 1)}):
+        assert torch.equal(ops.ggml_linear_x8(x[i:i + 1], [packed], [int(qtype)], 768)[0], y[i:i + 1])
 
 
 def test_several_weights_in_one_call():

@@ -145,6 +145,82 @@ void gemv_unsigned(const uint8_t* w, int64_t nrec, const XRows& x, float* out, i
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c * ldo, _mm256_add_ps(acc[c], off[c]));
 }
 
+// --- many x rows: a block of eight weight rows is decoded once and applied to a chunk of x rows.
+// (The gemv above decodes it again for every 4 x rows and keeps 16 accumulators, more than the
+// 16 AVX2 registers, so it spills.) Per x row the arithmetic is the gemv's, in the same order:
+// the integer dot of a block is exact however its sums are grouped, and the float updates run
+// block by block as there, so a row's result is the same bit for bit whichever kernel runs.
+struct XBlocks {  // x block-major: block b of x row c at q + 32 * (b * m + c); d, s at b * m + c
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t m;
+};
+constexpr int64_t kChunk = 64;  // x rows per pass over a weight group
+
+template <bool kFifth>
+inline void decode_unsigned(const uint8_t* nib, const uint8_t* bits, __m256i* v) {
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const __m256i hb = kFifth ? load32(bits) : _mm256_setzero_si256();
+  for (int q = 0; q < 4; ++q) {
+    const __m256i t = load32(nib + 32 * q);
+    v[q] = _mm256_and_si256(t, m4);
+    v[q + 4] = _mm256_and_si256(_mm256_srli_epi16(t, 4), m4);
+    if (kFifth) {
+      v[q] = _mm256_or_si256(v[q], bit_to_16(hb, q));
+      v[q + 4] = _mm256_or_si256(v[q + 4], bit_to_16(hb, q + 4));
+    }
+  }
+}
+
+// out[c * ldo + r] for x rows c0 <= c < c1 (c1 - c0 <= kChunk)
+template <class S>
+void gemm_unsigned(const uint8_t* w, int64_t nrec, const XBlocks& x, int64_t c0, int64_t c1, float* out,
+                   int64_t ldo) {
+  alignas(32) float acc[kChunk * 8], off[kChunk * 8];
+  const int64_t n = c1 - c0;
+  std::fill(acc, acc + 8 * n, 0.f);
+  std::fill(off, off + 8 * n, 0.f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t rb = 0; rb < nrec; ++rb, w += S::kRec) {
+    for (int j = 0; j < S::kBlocks; ++j) {
+      const int64_t b = rb * S::kBlocks + j;
+      __m256 scale, offset;
+      S::so(w, j, &scale, &offset);
+      __m256i v[8];
+      decode_unsigned<S::kFifthBit>(S::nib(w, j), S::bits(w, j), v);
+      const int8_t* xq = x.q + 32 * (b * x.m + c0);
+      const float* xd = x.d + b * x.m + c0;
+      const float* xs = x.s + b * x.m + c0;
+      for (int64_t c = 0; c < n; ++c, xq += 32) {
+        __m256i dot;
+        if (S::kFifthBit) {  // four maddubs of 5-bit values stay < 2^15
+          __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xq)), _mm256_maddubs_epi16(v[4], bcast4(xq + 16)));
+          p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(v[1], bcast4(xq + 4)),
+                                                   _mm256_maddubs_epi16(v[5], bcast4(xq + 20))));
+          __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xq + 8)), _mm256_maddubs_epi16(v[6], bcast4(xq + 24)));
+          p2 = _mm256_add_epi16(p2, _mm256_add_epi16(_mm256_maddubs_epi16(v[3], bcast4(xq + 12)),
+                                                     _mm256_maddubs_epi16(v[7], bcast4(xq + 28))));
+          dot = _mm256_add_epi32(_mm256_madd_epi16(p, ones), _mm256_madd_epi16(p2, ones));
+        } else {  // eight of 4-bit values do
+          __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xq)), _mm256_maddubs_epi16(v[4], bcast4(xq + 16)));
+          for (int q = 1; q < 4; ++q)
+            p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(v[q], bcast4(xq + 4 * q)),
+                                                     _mm256_maddubs_epi16(v[q + 4], bcast4(xq + 16 + 4 * q))));
+          dot = _mm256_madd_epi16(p, ones);
+        }
+        float* a = acc + 8 * c;
+        float* o = off + 8 * c;
+        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xd[c])),
+                                           _mm256_load_ps(a)));
+        _mm256_store_ps(o, _mm256_fmadd_ps(offset, _mm256_set1_ps(xs[c]), _mm256_load_ps(o)));
+      }
+    }
+  }
+  for (int64_t c = 0; c < n; ++c)
+    _mm256_storeu_ps(out + (c0 + c) * ldo, _mm256_add_ps(_mm256_load_ps(acc + 8 * c), _mm256_load_ps(off + 8 * c)));
+}
+
 // signed values: |w| * (x with w's sign); a maddubs pair of int8 may reach 2^15, so each quad
 // goes to int32 on its own
 template <int C>
@@ -225,6 +301,21 @@ GemvFn gemv_for(int64_t t) {
     case kQ6_K: return gemv_q6_k<C>;
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 kernel");
+}
+
+using GemmFn = void (*)(const uint8_t*, int64_t, const XBlocks&, int64_t, int64_t, float*, int64_t);
+constexpr int64_t kGemmRows = 8;  // from this many x rows on, the gemm (where the type has one)
+
+GemmFn gemm_for(int64_t t) {
+  switch (t) {
+    case kQ4_0: return gemm_unsigned<SmallScales<false, false>>;
+    case kQ4_1: return gemm_unsigned<SmallScales<true, false>>;
+    case kQ5_0: return gemm_unsigned<SmallScales<false, true>>;
+    case kQ5_1: return gemm_unsigned<SmallScales<true, true>>;
+    case kQ4_K: return gemm_unsigned<KScales<false>>;
+    case kQ5_K: return gemm_unsigned<KScales<true>>;
+  }
+  return nullptr;
 }
 #endif
 
@@ -334,7 +425,20 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   std::vector<float> xd(m * nb), xs(m * nb);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) quantize_x(xp + i * k, k, xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb);
-  struct Kernels {  // per weight, looked up once: the kernels for 4, 2 and 1 x rows
+  // block-major copy of x for the gemm
+  const bool many = m >= kGemmRows;
+  std::vector<int8_t> xbq(many ? m * k : 0);
+  std::vector<float> xbd(many ? m * nb : 0), xbs(many ? m * nb : 0);
+  if (many)
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t i = 0; i < m; ++i) {
+        std::memcpy(xbq.data() + 32 * (b * m + i), xq.data() + i * k + 32 * b, 32);
+        xbd[b * m + i] = xd[i * nb + b];
+        xbs[b * m + i] = xs[i * nb + b];
+      }
+  const XBlocks xb{xbq.data(), xbd.data(), xbs.data(), m};
+  struct Kernels {  // per weight, looked up once: the gemm and the kernels for 4, 2 and 1 x rows
+    GemmFn many;
     GemvFn c4, c2, c1;
     int64_t nrec;
   };
@@ -345,7 +449,7 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   std::vector<Kernels> kernels;
   std::vector<Task> tasks;
   for (size_t j = 0; j < ws.size(); ++j) {
-    kernels.push_back({gemv_for<4>(qtypes[j]), gemv_for<2>(qtypes[j]), gemv_for<1>(qtypes[j]),
+    kernels.push_back({many ? gemm_for(qtypes[j]) : nullptr, gemv_for<4>(qtypes[j]), gemv_for<2>(qtypes[j]), gemv_for<1>(qtypes[j]),
                        k / format_x8(qtypes[j]).values});
     for (int64_t g = 0; g < ws[j].size(0); ++g) tasks.push_back({j, g});
   }
@@ -359,6 +463,10 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
       const int64_t n = w.size(0) * kRows;
       const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
       float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
+      if (kn.many) {
+        for (int64_t c0 = 0; c0 < m; c0 += kChunk) kn.many(rec, kn.nrec, xb, c0, std::min(m, c0 + kChunk), op, n);
+        continue;
+      }
       for (int64_t i = 0; i < m;) {
         const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
         const GemvFn fn = cols == 4 ? kn.c4 : (cols == 2 ? kn.c2 : kn.c1);

@@ -51,6 +51,14 @@ struct XRows {
 };
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// Ask for the weight bytes 1 KiB ahead (a thread streams its groups' records in order). Measured on
+// 64 MB matrices at one x row, 2 threads: 17-21 GB/s without, 19.5-24 with (a plain torch.sum
+// reads 25); 768-1536 bytes ahead are alike, 4096 is worse.
+constexpr int64_t kAhead = 1024;
+template <int64_t kBytes>
+inline void prefetch_ahead(const uint8_t* p) {
+  for (int64_t i = 0; i < kBytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + i), _MM_HINT_T0);
+}
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -130,6 +138,7 @@ void gemv_unsigned(const uint8_t* w, int64_t nrec, const XRows& x, float* out, i
   __m256 acc[C], off[C];
   for (int c = 0; c < C; ++c) acc[c] = off[c] = _mm256_setzero_ps();
   for (int64_t rb = 0; rb < nrec; ++rb, w += S::kRec) {
+    prefetch_ahead<S::kRec>(w);
     for (int j = 0; j < S::kBlocks; ++j) {
       const int64_t b = rb * S::kBlocks + j;
       __m256 scale, offset;
@@ -229,6 +238,7 @@ void gemv_q8_0(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nrec; ++b, w += Q8::kRec) {
+    prefetch_ahead<Q8::kRec>(w);
     __m256i dots[C];
     for (int c = 0; c < C; ++c) dots[c] = _mm256_setzero_si256();
     for (int q = 0; q < 8; ++q) {
@@ -254,6 +264,7 @@ void gemv_q6_k(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
   __m256 acc[C];
   for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nrec; ++sb, w += Q6K::kRec) {
+    prefetch_ahead<Q6K::kRec>(w);
     const __m256 d = halves8(w);
     for (int j = 0; j < 8; ++j) {
       const int64_t b = 8 * sb + j;

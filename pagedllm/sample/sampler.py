@@ -58,8 +58,8 @@ class Sampler(torch.nn.Module):
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""
         if meta.all_greedy:
-            return logits.argmax(dim=-1)  # [N]
-        greedy = None if meta.all_random else logits.argmax(dim=-1)  # [N]
+            return ops.argmax(logits)  # [N]
+        greedy = None if meta.all_random else ops.argmax(logits)  # [N]
         temperature = meta.temperature.to(logits.device)  # [N]
         is_greedy = temperature < SAMPLING_EPS
         # Greedy rows get temperature 1 only to avoid dividing by zero; their draw is discarded.

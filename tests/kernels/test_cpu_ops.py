@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from pagedllm.kernels import load_kernels
 
+ops = torch.ops.pagedllm
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
@@ -66,3 +68,25 @@ def test_paged_decode_attention_reads_blocks_in_place(d):
     with pytest.raises(RuntimeError, match="block id out of range"):
         bad = torch.tensor([[7, 2, 12] + [0] * 7, [0] * 10])  # block 12 of 12
         torch.ops.pagedllm.paged_decode_attention(q, kv, bad, lens, 0.25)
+
+
+def test_silu_mul_matches_torch_and_does_not_depend_on_the_length():
+    gate = torch.randn(3, 4867) * 6
+    gate[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # no overflow at either end
+    up = torch.randn(3, 4867)
+    out = ops.silu_mul(gate, up)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(out).all()
+    # a value is the same whether it fell in an 8-wide vector or in the scalar tail
+    for start in (0, 1, 5):
+        part = ops.silu_mul(gate[:, start:].contiguous(), up[:, start:].contiguous())
+        assert torch.equal(part, out[:, start:])
+
+
+def test_argmax_rows_is_torch_argmax():
+    x = torch.randn(4, 151936)
+    x[1, 7] = x[1, 151930] = 100.0  # ties: the first index, as torch
+    x[2] = -torch.inf
+    x[3, 11] = torch.nan  # a NaN wins, as in torch
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:, :5].contiguous()), x[:, :5].argmax(dim=-1))

@@ -5,6 +5,8 @@
 //   rope_(q, k, positions, cos, sin)      rotate-half RoPE on q [T, Hq, D], k [T, Hk, D] in place
 //   paged_decode_attention(q, kv, block_table, context_lens, scale)
 //       one query token per sequence over its paged K/V, read in place (no gathered copy)
+//   silu_mul(gate, up)                    silu(gate) * up
+//   argmax_rows(x)                        torch.argmax(x, dim=-1) for [N, V] (greedy sampling)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -121,6 +124,26 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+// exp_nonpositive for one value, the same operations in the same order: bit for bit the same
+// result, so a value does not depend on whether it fell in a vector or in a tail.
+inline float exp_nonpositive1(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.f);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
 
 // s[p] = exp(s[p] - max) / sum for p < len
 void softmax_(float* s, int64_t len) {
@@ -244,6 +267,75 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   return out;
 }
 
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_f32(gate, "gate");
+  check_f32(up, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape");
+  at::Tensor out = at::empty_like(gate);
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = gate.numel();
+  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+#ifdef PAGEDLLM_AVX2
+    // silu(x) = x / (1 + e^-x); with e = exp(-|x|) <= 1 that is x / (1 + e) for x >= 0 and
+    // x e / (1 + e) below, so the exp never overflows
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= i1; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
+      const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < i1; ++i) {
+      const float e = exp_nonpositive1(-std::fabs(g[i]));
+      o[i] = (std::signbit(g[i]) ? g[i] * e : g[i]) / (1.f + e) * u[i];
+    }
+  });
+  return out;
+}
+
+// The first index of each row's maximum, as torch.argmax; rows with a NaN go to torch (which
+// returns the NaN's index).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [N, V] with V > 0");
+  const int64_t rows = x.size(0), v = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = x.data_ptr<float>() + r * v;
+    float best = p[0];
+    bool nan = false;
+    int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+    __m256 m = _mm256_set1_ps(p[0]);
+    __m256 bad = _mm256_setzero_ps();
+    for (; i + 8 <= v; i += 8) {
+      const __m256 a = _mm256_loadu_ps(p + i);
+      m = _mm256_max_ps(m, a);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    best = *std::max_element(lanes, lanes + 8);
+    nan = _mm256_movemask_ps(bad) != 0;
+#endif
+    for (; i < v; ++i) {
+      nan |= std::isnan(p[i]);
+      best = std::max(best, p[i]);
+    }
+    if (nan) {
+      op[r] = x.select(0, r).argmax().item<int64_t>();
+      continue;
+    }
+    op[r] = std::find(p, p + v, best) - p;
+  }
+  return out;
+}
+
 }  // namespace pagedllm_ops
 
 using namespace pagedllm_ops;
@@ -253,6 +345,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -260,4 +354,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -32,12 +32,15 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; never modifies the caller's tensor."""
-        logits = logits.to(torch.float32, copy=True)  # [N, V]
+        # [N, V]; no copy when already float32 (a 152k-vocabulary row is 600 KB, and the copy cost
+        # ~0.3 ms a step): only ban_tokens writes in place, and it gets its own copy
+        logits = logits.float()
         # Logprobs describe the model, so they come from the raw logits (vLLM "raw_logprobs").
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-        logits = ops.ban_tokens(logits, meta.banned_token_ids)
+        if meta.banned_token_ids:
+            logits = ops.ban_tokens(logits.clone(), meta.banned_token_ids)
         if not meta.no_penalties:
             logits = ops.apply_penalties(
                 logits,

@@ -63,14 +63,14 @@ def _ensure_ninja_on_path() -> None:
 
 @lru_cache(maxsize=1)
 def _load() -> None:
-    from torch.utils import cpp_extension
-
     key = build_key()
     build_dir = _build_dir(key)
     built = build_dir / f"pagedllm_ggml_{key}.so"
     if built.is_file():  # the key covers the sources, torch and the CPU: load it as it is
         torch.ops.load_library(str(built))
         return
+    from torch.utils import cpp_extension  # imports setuptools (~0.3 s): only to build
+
     build_dir.mkdir(parents=True, exist_ok=True)
     _ensure_ninja_on_path()
     started = time.monotonic()

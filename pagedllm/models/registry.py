@@ -39,7 +39,9 @@ def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
         model = cls(cfg, max_positions)
         if quant_plan:
             swap_quantized_modules(model, quant_plan, dtype)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()  # after to_empty, which would give each name its own tensor
+    # torch.empty per tensor, as Module.to_empty does, but without its empty_like on meta
+    # tensors: that runs through torch._refs in Python and imports sympy (~1 s of start-up)
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.tie_weights()  # after the allocation, which gives each name its own tensor
     model.rope.reset_tables(device)
     return model.eval()

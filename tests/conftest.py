@@ -19,13 +19,19 @@ _MAX_SHARD_SIZE = {QWEN: "5GB", SMOLLM: "200MB"}
 _DONE = ".pagedllm-hf-done-v2"  # bump when the export changes, so stale exports are rebuilt
 
 
-def _short_sha(path: Path) -> str:
-    """First 12 hex digits of the file's sha256 (streamed)."""
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file (streamed); the tests' own, independent of the model store's."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(16 << 20):
             digest.update(chunk)
-    return digest.hexdigest()[:12]
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def sha256() -> Callable[[str | Path], str]:
+    """sha256_file, for tests to check file contents."""
+    return sha256_file
 
 
 def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
@@ -53,7 +59,7 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
 def build_hf_dir(name: str) -> Path:
     """Cached HF checkpoint dir for a known model: cache_dir()/hf/<name>-<sha>/, built once."""
     gguf_path = ensure_gguf(name)
-    final = cache_dir() / "hf" / f"{name}-{_short_sha(gguf_path)}"
+    final = cache_dir() / "hf" / f"{name}-{sha256_file(gguf_path)[:12]}"
     if (final / _DONE).is_file():
         return final
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")

@@ -18,13 +18,6 @@ EXPECTED_CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                  "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def _sha256(path: pathlib.Path) -> str:
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -179,23 +172,23 @@ def _corrupt(path: pathlib.Path, keep_mtime: bool) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def test_flipped_byte_is_refetched(cache):
+def test_flipped_byte_is_refetched(cache, sha256):
     spec = ms.model_spec(SMOL)
     path = ms.ensure_gguf(SMOL)
     _corrupt(path, keep_mtime=False)
     assert ms.ensure_gguf(SMOL) == path
-    assert _sha256(path) == spec.sha256
+    assert sha256(path) == spec.sha256
 
 
-def test_truncated_file_is_refetched(cache):
+def test_truncated_file_is_refetched(cache, sha256):
     spec = ms.model_spec(SMOL)
     path = ms.ensure_gguf(SMOL)
     os.truncate(path, spec.size // 3)
     assert ms.ensure_gguf(SMOL) == path
-    assert path.stat().st_size == spec.size and _sha256(path) == spec.sha256
+    assert path.stat().st_size == spec.size and sha256(path) == spec.sha256
 
 
-def test_marker_skips_rehash_and_verify_forces_it(cache, monkeypatch):
+def test_marker_skips_rehash_and_verify_forces_it(cache, monkeypatch, sha256):
     spec = ms.model_spec(SMOL)
     path = ms.ensure_gguf(SMOL)
     _corrupt(path, keep_mtime=True)
@@ -205,7 +198,7 @@ def test_marker_skips_rehash_and_verify_forces_it(cache, monkeypatch):
     ms.ensure_gguf(SMOL)  # size and mtime match the marker: trusted without hashing
     assert hashed == []
     ms.ensure_gguf(SMOL, verify=True)  # full re-hash catches the corruption and refetches
-    assert hashed == [path] and _sha256(path) == spec.sha256
+    assert hashed == [path] and sha256(path) == spec.sha256
 
 
 def test_missing_marker_rehashes_without_download(cache, monkeypatch):

@@ -1,7 +1,6 @@
 """Hub downloads through huggingface_hub's real client against a loopback fake Hub (never huggingface.co)."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import subprocess
@@ -32,13 +31,6 @@ TOKEN = "hf_test_token"
 BIG_REPO = "Qwen/Qwen2-7B-Instruct"  # its real config and index, no weights
 
 
-def _sha256(path: str | Path) -> str:
-    """Hex sha256 of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(16 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +131,16 @@ def test_hf_repo_metadata_before_weights(hf_download: _Download) -> None:
     assert source == "safetensors index total_size" and 130e6 < n_params < 140e6
 
 
-def test_hf_repo_fetches_only_needed_files_and_loads(hf_download: _Download, smollm_hf_dir: Path) -> None:
+def test_hf_repo_fetches_only_needed_files_and_loads(hf_download: _Download, smollm_hf_dir: Path,
+                                                     sha256) -> None:
     shards = {f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)}
     requested = hf_download.all_requests
     assert sorted(requested) == sorted(set(requested))  # nothing fetched twice: the cache was reused
     assert set(requested) - set(hf_download.metadata_requests) == shards
     assert not [r for r in requested if r.endswith((".bin", ".pth")) or "/" in r or r == "README.md"]
     path = Path(hf_download.weights_path)
-    assert _sha256(path / "model-00003-of-00003.safetensors") == \
-        _sha256(smollm_hf_dir / "model-00003-of-00003.safetensors")
+    assert sha256(path / "model-00003-of-00003.safetensors") == \
+        sha256(smollm_hf_dir / "model-00003-of-00003.safetensors")
 
     from pagedllm import LLM, SamplingParams
 
@@ -177,7 +170,7 @@ def test_offline_uncached_repo_is_a_clear_error(env: FakeHub, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("model", [f"{GGUF_REPO}:q4_1", f"{GGUF_REPO}:{GGUF_NAME}"])
-def test_gguf_header_by_range_then_file(env: FakeHub, smollm_gguf: Path, model: str) -> None:
+def test_gguf_header_by_range_then_file(env: FakeHub, smollm_gguf: Path, model: str, sha256) -> None:
     prepared = prepare_hub_model(parse_hub_ref(model))
     size = smollm_gguf.stat().st_size
     gets = [r for r in env.log if r.method == "GET" and "/resolve/" in r.path]
@@ -189,7 +182,7 @@ def test_gguf_header_by_range_then_file(env: FakeHub, smollm_gguf: Path, model: 
 
     env.cut_once(GGUF_NAME, 10 << 20)  # the download is interrupted after 10 MiB and resumes
     path = prepared.fetch_weights()
-    assert Path(path).name == GGUF_NAME and _sha256(path) == _sha256(smollm_gguf)
+    assert Path(path).name == GGUF_NAME and sha256(path) == sha256(smollm_gguf)
     full = [r for r in env.log if r.method == "GET" and r.path.endswith(GGUF_NAME)][len(gets):]
     assert [r.range for r in full] == [None, f"bytes={10 << 20}-"]
     assert DECOY_GGUF not in env.files_requested(GGUF_REPO) + env.files_requested(GGUF_REPO, "HEAD")

@@ -1,4 +1,5 @@
-// GGML blocks regrouped eight rows at a time ("x8"), for the small-batch matmul (decode).
+// GGML blocks regrouped eight rows at a time ("x8"), and the int8-activation matmuls on them:
+// a streaming gemv for up to 7 x rows (decode) and a gemm from 8 on (prefill, large batches).
 //
 // The weights keep every bit of the GGUF blocks, only reordered (the same bytes, 2-3 % more for
 // the unpacked 6-bit scales of Q4_K and Q5_K): blocks b of rows 8g..8g+7 form one record, whose scales are
@@ -86,7 +87,7 @@ inline void dot_unsigned(const uint8_t* nib, const uint8_t* bits, const XRows& x
   const __m256i hb = kFifth ? load32(bits) : _mm256_setzero_si256();
   __m256i p16[C];
   for (int c = 0; c < C; ++c) dots[c] = p16[c] = _mm256_setzero_si256();
-  #pragma GCC unroll 8  // constant shift counts, no loop (gcc left the q loop rolled)
+  #pragma GCC unroll 8  // gcc left this loop rolled: shift counts in registers, a branch per quad
   for (int q = 0; q < 4; ++q) {
     const __m256i v = load32(nib + 32 * q);
     __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -172,7 +173,7 @@ template <bool kFifth>
 inline void decode_unsigned(const uint8_t* nib, const uint8_t* bits, __m256i* v) {
   const __m256i m4 = _mm256_set1_epi8(0xF);
   const __m256i hb = kFifth ? load32(bits) : _mm256_setzero_si256();
-  #pragma GCC unroll 8  // constant shift counts, no loop (gcc left the q loop rolled)
+  #pragma GCC unroll 8  // gcc left this loop rolled: shift counts in registers, a branch per quad
   for (int q = 0; q < 4; ++q) {
     const __m256i t = load32(nib + 32 * q);
     v[q] = _mm256_and_si256(t, m4);
@@ -243,7 +244,7 @@ void gemv_q8_0(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
     prefetch_ahead<Q8::kRec>(w);
     __m256i dots[C];
     for (int c = 0; c < C; ++c) dots[c] = _mm256_setzero_si256();
-    #pragma GCC unroll 8  // constant shift counts, no loop (gcc left the q loop rolled)
+    #pragma GCC unroll 8  // gcc left this loop rolled: shift counts in registers, a branch per quad
     for (int q = 0; q < 8; ++q) {
       const __m256i v = load32(w + 16 + 32 * q), av = _mm256_sign_epi8(v, v);
       for (int c = 0; c < C; ++c) {
@@ -275,7 +276,7 @@ void gemv_q6_k(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
       const __m256i h0 = load32(blk + 128), h1 = load32(blk + 160);
       __m256i pa[C], pb[C];
       for (int c = 0; c < C; ++c) pa[c] = pb[c] = _mm256_setzero_si256();
-      #pragma GCC unroll 8  // constant shift counts, no loop (gcc left the q loop rolled)
+      #pragma GCC unroll 8  // gcc left this loop rolled: shift counts in registers, a branch per quad
       for (int q = 0; q < 4; ++q) {
         const __m256i v = load32(blk + 32 * q);
         // high two bits of quad q sit at bits 2q of h0, of quad q + 4 at bits 2q of h1

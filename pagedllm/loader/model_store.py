@@ -23,7 +23,7 @@ DEFAULT_MODEL: str = "qwen2.5-coder-0.5b-instruct"
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
 _PIP_TAIL_LINES = 15
-_TOKENIZER_MARKER = ".tokenizer-export.json"
+TOKENIZER_MARKER = ".tokenizer-export.json"  # names a finished tokenizer export (loader.tokenizer reads it)
 # Files a tokenizer export may leave in a model dir; a config.json or weights
 # there would make the engine treat the dir as an HF checkpoint.
 _FORBIDDEN_EXPORTS = ("config.json", "model.safetensors", "model.safetensors.index.json")
@@ -332,7 +332,7 @@ def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
 def _tokenizer_done(model_dir: pathlib.Path, spec: ModelSpec) -> bool:
     """True if a finished export for this exact GGUF is recorded in the dir."""
     try:
-        done = json.loads((model_dir / _TOKENIZER_MARKER).read_text())
+        done = json.loads((model_dir / TOKENIZER_MARKER).read_text())
     except (OSError, ValueError):
         return False
     return done.get("sha256") == spec.sha256 and all((model_dir / n).is_file() for n in done.get("files", []))
@@ -346,11 +346,11 @@ def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
     with _model_lock(spec):
         if not _tokenizer_done(model_dir, spec):
             _say(f"exporting tokenizer of {spec.name} from its GGUF metadata")
-            (model_dir / _TOKENIZER_MARKER).unlink(missing_ok=True)
+            (model_dir / TOKENIZER_MARKER).unlink(missing_ok=True)
             files = _export_tokenizer(spec, model_dir)
-            marker_tmp = model_dir / (_TOKENIZER_MARKER + ".tmp")
+            marker_tmp = model_dir / (TOKENIZER_MARKER + ".tmp")
             marker_tmp.write_text(json.dumps({"sha256": spec.sha256, "files": files}))
-            os.replace(marker_tmp, model_dir / _TOKENIZER_MARKER)
+            os.replace(marker_tmp, model_dir / TOKENIZER_MARKER)
     return model_dir
 
 

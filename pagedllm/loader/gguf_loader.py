@@ -127,11 +127,8 @@ class _HeaderReader:
                     if end <= len(buf):
                         pos = end
                         continue
-                self.pos = pos  # at the end of the buffer: refill, then go on from there
-                self._need(8)
-                n = unpack(self.buf, self.pos)[0]
-                self.pos += 8
-                self.skip(n)
+                self.pos = pos  # the string runs past the buffer: read it the slow way
+                self.skip(self.scalar("<Q"))
                 buf, pos = self.buf, self.pos
             self.pos = pos
         else:  # nested arrays

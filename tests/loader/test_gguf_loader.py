@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.loader import gguf_loader
 from pagedllm.loader.gguf_loader import (arch_from_gguf, hf_name, load_gguf_weights,
                                          read_gguf_header)
 from pagedllm.loader.hf_config import arch_from_hf_config
@@ -41,7 +42,9 @@ def model_case(request, qwen_gguf, smollm_gguf, qwen_hf_dir, smollm_hf_dir):
     return {"qwen": (qwen_gguf, qwen_hf_dir), "smollm": (smollm_gguf, smollm_hf_dir)}[request.param]
 
 
-def test_header_matches_gguf_reader(smollm_gguf):
+@pytest.mark.parametrize("chunk", [1 << 22, 1000])  # 1000 bytes: refills inside strings and arrays
+def test_header_matches_gguf_reader(smollm_gguf, chunk, monkeypatch):
+    monkeypatch.setattr(gguf_loader._HeaderReader, "_CHUNK", chunk)
     with open(smollm_gguf, "rb") as fh:
         fields, tensors = read_gguf_header(fh)
     reader = gguf.GGUFReader(str(smollm_gguf))

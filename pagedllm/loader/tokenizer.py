@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from pagedllm.loader.gguf_loader import gguf_header
 from pagedllm.loader.model_store import TOKENIZER_MARKER
 
-_SPECIAL = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
+_FROM_CONFIG = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
 
 
 def _match_gguf_metadata(tok: PreTrainedTokenizerBase, gguf_path: Path) -> None:
@@ -31,7 +31,7 @@ def _load_exported(path: Path) -> PreTrainedTokenizerBase:
     Qwen2's 152k vocabulary (AutoTokenizer parses the file in Python and rebuilds it)."""
     config = json.loads((path / "tokenizer_config.json").read_text())
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"),
-                                  **{k: config[k] for k in _SPECIAL if config.get(k) is not None})
+                                  **{k: config[k] for k in _FROM_CONFIG if config.get(k) is not None})
     template = path / "chat_template.jinja"
     if template.is_file():
         tok.chat_template = template.read_text()

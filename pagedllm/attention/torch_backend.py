@@ -11,14 +11,17 @@ from pagedllm.kernels import kernels_loaded
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values [T, Hkv, D] into the layer's cache [2, NB, BS, Hkv, D]."""
+    if _cpu_kernel_applies(k, kv_cache):  # index_copy_ takes ~0.6 ms for 512 rows on the CPU
+        torch.ops.pagedllm.write_kv_(kv_cache, k, v, slot_mapping)
+        return
     _, nb, bs, h, d = kv_cache.shape
     kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v)
 
 
-def _fused_decode(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """The CPU decode kernel applies: float32 CPU tensors, kernels loaded."""
-    return (q.device.type == "cpu" and q.dtype == kv_cache.dtype == torch.float32
+def _cpu_kernel_applies(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The CPU kernels on the cache apply: float32 CPU tensors, kernels loaded."""
+    return (x.device.type == "cpu" and x.dtype == kv_cache.dtype == torch.float32
             and kv_cache.is_contiguous() and kernels_loaded())
 
 
@@ -28,7 +31,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     _, _, bs, h, d = kv_cache.shape
-    if meta.decode is not None and _fused_decode(q, kv_cache):
+    if meta.decode is not None and _cpu_kernel_applies(q, kv_cache):
         dec = meta.decode
         # reads each sequence's K/V rows where they lie in the cache: no gathered copy
         out[:dec.num_tokens] = torch.ops.pagedllm.paged_decode_attention(

@@ -17,6 +17,17 @@ from typing import Any
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}")
+    return value
+
+
 def add_bench_parser(sub) -> None:
     """`bench` with its three modes."""
     bench = sub.add_parser("bench", help="measure latency, offline throughput, or a server")
@@ -26,13 +37,13 @@ def add_bench_parser(sub) -> None:
                        ("serve", "an OpenAI-compatible server under concurrency")):
         p = modes.add_parser(name, help=text, description=text)
         p.add_argument("--model", default=None if name == "serve" else DEFAULT_MODEL)
-        p.add_argument("--input-len", type=int, default=100)
-        p.add_argument("--output-len", type=int, default=128)
-        p.add_argument("--num-prompts", type=int, default=1 if name == "latency" else 32)
+        p.add_argument("--input-len", type=_positive, default=100)
+        p.add_argument("--output-len", type=_positive, default=128)
+        p.add_argument("--num-prompts", type=_positive, default=1 if name == "latency" else 32)
         p.add_argument("--output-json", default=None, metavar="PATH")
         if name == "serve":
             p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/v1")
-            p.add_argument("--max-concurrency", type=int, default=16)
+            p.add_argument("--max-concurrency", type=_positive, default=16)
             p.add_argument("--api-key", default=None)
         else:
             p.add_argument("--dtype", default="auto")
@@ -66,17 +77,22 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     tok = llm.get_tokenizer()
     greedy = dict(temperature=0, ignore_eos=True)
     llm.generate(_token_prompts(tok, 1, 8), SamplingParams(max_tokens=2, **greedy), use_tqdm=False)
-    # two different prompts: the second run must not find the first one's prefix cached
-    first, second = _token_prompts(tok, 2, args.input_len)
-    t = time.perf_counter()
-    llm.generate([first], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-    ttft = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate([second], SamplingParams(max_tokens=args.output_len, **greedy), use_tqdm=False)
-    total = time.perf_counter() - t
-    return {"ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
-            "decode_tok_per_s": (args.output_len - 1) / max(total - ttft, 1e-9),
-            "request_latency_s": total}
+    # one request, stepped here so that its first token and its last are timed on the same run
+    engine = llm.llm_engine
+    prompt = _token_prompts(tok, 2, args.input_len)[1]  # not the warm-up's prefix
+    start = time.perf_counter()
+    first = None
+    engine.add_request("latency", prompt, SamplingParams(max_tokens=args.output_len, **greedy))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+    total = time.perf_counter() - start
+    ttft = first - start
+    result = {"ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft, "request_latency_s": total}
+    if args.output_len > 1:
+        result["decode_tok_per_s"] = (args.output_len - 1) / (total - ttft)
+    return result
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:

@@ -93,3 +93,18 @@ def test_argmax_rows_is_torch_argmax():
     x[3, 11] = torch.nan  # a NaN wins, as in torch
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(x[:, :5].contiguous()), x[:, :5].argmax(dim=-1))
+
+
+def test_write_kv_stores_rows_where_index_copy_does():
+    kv = torch.randn(2, 5, 4, 2, 8)  # [2, blocks, block_size, kv_heads, head_dim]
+    k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    slots = torch.tensor([3, 17, 0, 19, 8, 9])
+    ref = kv.clone()
+    ref[0].view(20, 2, 8).index_copy_(0, slots, k)
+    ref[1].view(20, 2, 8).index_copy_(0, slots, v)
+    ops.write_kv_(kv, k, v, slots)
+    assert torch.equal(kv, ref)
+    with pytest.raises(RuntimeError, match="slot 20 is outside the KV cache's 20 slots"):
+        ops.write_kv_(kv, k[:1], v[:1], torch.tensor([20]))
+    with pytest.raises(RuntimeError, match="kv_heads \\* head_dim values per slot"):
+        ops.write_kv_(kv, k[:, :1], v[:, :1], slots)

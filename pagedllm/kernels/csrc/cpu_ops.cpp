@@ -267,6 +267,32 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   return out;
 }
 
+// token i's keys and values [Hk, D] into slot slot_mapping[i] of a layer's cache kv [2, NB, BS, Hk, D]
+// (what index_copy_ does, without its per-row dispatch: 0.6 ms for 512 tokens, or 48 of them a
+// decode step)
+void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_mapping) {
+  check_f32(kv, "kv");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  check_f32(k, "k");
+  check_f32(v, "v");
+  const int64_t row = kv.size(3) * kv.size(4), slots = kv.size(1) * kv.size(2), t = slot_mapping.numel();
+  TORCH_CHECK(k.numel() == t * row && v.numel() == t * row, "k and v must hold kv_heads * head_dim values per slot");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 tensor");
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " is outside the KV cache's ", slots, " slots");
+  float* kc = kv.data_ptr<float>();
+  float* vc = kc + slots * row;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    std::memcpy(kc + sp[i] * row, kp + i * row, row * sizeof(float));
+    std::memcpy(vc + sp[i] * row, vp + i * row, row * sizeof(float));
+  }
+}
+
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_f32(gate, "gate");
   check_f32(up, "up");
@@ -347,6 +373,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("write_kv_(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -356,4 +383,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("write_kv_", &write_kv_);
 }

@@ -67,7 +67,7 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor q = qkv[0].view({t, hq_, d_}), k = qkv[1].view({t, hk_, d_}), v = qkv[2].view({t, hk_, d_});
       pagedllm_ops::rope_(q, k, positions, cos_, sin_);
       const at::Tensor kv = kv_caches[static_cast<int64_t>(l)];  // [2, NB, BS, Hk, D]
-      write_kv(kv, k, v, slot_mapping);
+      pagedllm_ops::write_kv_(kv, k, v, slot_mapping);
       const at::Tensor o = pagedllm_ops::paged_decode_attention(q, kv, block_table, context_lens, scale_);
       at::Tensor h = pagedllm_ggml::linear_x8(o.view({t, hq_ * d_}), {w.o}, {w.o_type}, hq_ * d_)[0];
       pagedllm_ops::add_rms_norm_(h, residual, w.norm2, eps_);
@@ -87,20 +87,6 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t n = y.size(1);
     for (int64_t r = 0; r < y.size(0); ++r)
       for (int64_t i = 0; i < n; ++i) yp[r * n + i] += bp[i];
-  }
-
-  // token i's keys and values [Hk * D] into cache slot slot_mapping[i] (what index_copy_ does,
-  // without its dispatch: 48 of them a step cost ~0.6 ms)
-  void write_kv(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) const {
-    const int64_t row = hk_ * d_, slots = kv.size(1) * kv.size(2);
-    const int64_t* sp = slot_mapping.data_ptr<int64_t>();
-    float* kc = kv.data_ptr<float>();
-    float* vc = kc + slots * row;
-    for (int64_t i = 0; i < k.size(0); ++i) {
-      TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " is outside the KV cache's ", slots, " slots");
-      std::memcpy(kc + sp[i] * row, k.data_ptr<float>() + i * row, row * sizeof(float));
-      std::memcpy(vc + sp[i] * row, v.data_ptr<float>() + i * row, row * sizeof(float));
-    }
   }
 
   int64_t hq_, hk_, d_;

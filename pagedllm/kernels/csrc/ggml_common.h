@@ -102,10 +102,13 @@ inline __m256i fifth_bits(uint32_t qh) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// x [M, K] float -> int8 per 32 values with scale dx and dx * sum(xq) per block.
-inline void quantize_x(const float* x, int64_t k, int8_t* xq, float* xd, float* xs) {
+// A row of x [K] float -> int8 per 32 values with scale dx and dx * sum(xq) per block; block b's
+// values at xq + b * q_step, its dx, dx * sum at xd, xs [b * d_step], and (where xh is given)
+// 32 x the sums of its values 0-15 and 16-31 at xh[2 * b * d_step] and the next int.
+inline void quantize_x(const float* x, int64_t k, int8_t* xq, float* xd, float* xs, int32_t* xh = nullptr,
+                       int64_t q_step = 32, int64_t d_step = 1) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < k / 32; ++b, x += 32, xq += 32) {
+  for (int64_t b = 0; b < k / 32; ++b, x += 32, xq += q_step) {
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
@@ -127,12 +130,19 @@ inline void quantize_x(const float* x, int64_t k, int8_t* xq, float* xd, float* 
     __m256i s8 = _mm256_packs_epi16(s01, s23);
     s8 = _mm256_permutevar8x32_epi32(s8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), s8);
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    const __m256i lo = _mm256_add_epi32(i32[0], i32[1]), hi = _mm256_add_epi32(i32[2], i32[3]);
+    const __m256i sum32 = _mm256_add_epi32(lo, hi);
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    xd[b] = d;
-    xs[b] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+    xd[b * d_step] = d;
+    xs[b * d_step] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+    if (xh != nullptr) {  // [lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3] per 128-bit half, then both halves
+      const __m256i h = _mm256_hadd_epi32(lo, hi);
+      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+      u = _mm_slli_epi32(_mm_hadd_epi32(u, u), 5);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(xh + 2 * b * d_step), u);
+    }
   }
 }
 

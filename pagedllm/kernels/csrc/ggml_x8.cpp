@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -165,6 +166,7 @@ struct XBlocks {  // x block-major: block b of x row c at q + 32 * (b * m + c); 
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* h;  // 32 x the sums of q over values 0-15 and 16-31 of a block at h[2 * (b * m + c)] (Q6_K)
   int64_t m;
 };
 constexpr int64_t kChunk = 64;  // x rows per pass over a weight group
@@ -302,6 +304,53 @@ void gemv_q6_k(const uint8_t* w, int64_t nrec, const XRows& x, float* out, int64
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c * ldo, acc[c]);
 }
 
+// Q6_K for many x rows: the 6-bit values stay unsigned (0-63) so that x needs no sign per row,
+// and 32 * (sum of x over the half-block) comes off the integer dot: the same integers as the
+// gemv's dot of (q - 32) with x, then the same float updates, so the same numbers per row.
+// A maddubs pair of 6-bit values reaches 2 * 63 * 127: two of them sum safely in int16.
+void gemm_q6_k(const uint8_t* w, int64_t nrec, const XBlocks& x, int64_t c0, int64_t c1, float* out, int64_t ldo) {
+  alignas(32) float acc[kChunk * 8];
+  const int64_t n = c1 - c0;
+  std::fill(acc, acc + 8 * n, 0.f);
+  const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  for (int64_t sb = 0; sb < nrec; ++sb, w += Q6K::kRec) {
+    const __m256 d = halves8(w);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * sb + j;
+      const uint8_t* blk = w + Q6K::kBlk + 192 * j;
+      const __m256i h0 = load32(blk + 128), h1 = load32(blk + 160);
+      __m256i v[8];
+      #pragma GCC unroll 8  // gcc left this loop rolled: shift counts in registers, a branch per quad
+      for (int q = 0; q < 4; ++q) {
+        const __m256i t = load32(blk + 32 * q);
+        const __m256i hl = _mm256_and_si256(q < 2 ? _mm256_slli_epi16(h0, 4 - 2 * q) : _mm256_srli_epi16(h0, 2 * q - 4), m2);
+        const __m256i hh = _mm256_and_si256(q < 2 ? _mm256_slli_epi16(h1, 4 - 2 * q) : _mm256_srli_epi16(h1, 2 * q - 4), m2);
+        v[q] = _mm256_or_si256(_mm256_and_si256(t, m4), hl);
+        v[q + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(t, 4), m4), hh);
+      }
+      const __m256 sa = _mm256_mul_ps(d, i8x8(w + 16 + 8 * (2 * j))), sb2 = _mm256_mul_ps(d, i8x8(w + 16 + 8 * (2 * j + 1)));
+      const int8_t* xq = x.q + 32 * (b * x.m + c0);
+      const float* xd = x.d + b * x.m + c0;
+      const int32_t* xh = x.h + 2 * (b * x.m + c0);
+      for (int64_t c = 0; c < n; ++c, xq += 32, xh += 2) {
+        const __m256i a01 = _mm256_add_epi16(_mm256_maddubs_epi16(v[0], bcast4(xq)), _mm256_maddubs_epi16(v[1], bcast4(xq + 4)));
+        const __m256i a23 = _mm256_add_epi16(_mm256_maddubs_epi16(v[2], bcast4(xq + 8)), _mm256_maddubs_epi16(v[3], bcast4(xq + 12)));
+        const __m256i b01 = _mm256_add_epi16(_mm256_maddubs_epi16(v[4], bcast4(xq + 16)), _mm256_maddubs_epi16(v[5], bcast4(xq + 20)));
+        const __m256i b23 = _mm256_add_epi16(_mm256_maddubs_epi16(v[6], bcast4(xq + 24)), _mm256_maddubs_epi16(v[7], bcast4(xq + 28)));
+        const __m256i da = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(a01, ones), _mm256_madd_epi16(a23, ones)),
+                                            _mm256_set1_epi32(xh[0]));
+        const __m256i db = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(b01, ones), _mm256_madd_epi16(b23, ones)),
+                                            _mm256_set1_epi32(xh[1]));
+        const __m256 dx = _mm256_set1_ps(xd[c]);
+        float* a = acc + 8 * c;
+        __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(da), _mm256_mul_ps(sa, dx), _mm256_load_ps(a));
+        _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(db), _mm256_mul_ps(sb2, dx), r));
+      }
+    }
+  }
+  for (int64_t c = 0; c < n; ++c) _mm256_storeu_ps(out + (c0 + c) * ldo, _mm256_load_ps(acc + 8 * c));
+}
+
 using GemvFn = void (*)(const uint8_t*, int64_t, const XRows&, float*, int64_t);
 
 template <int C>
@@ -330,9 +379,11 @@ GemmFn gemm_for(int64_t t) {
     case kQ5_1: return gemm_unsigned<SmallScales<true, true>>;
     case kQ4_K: return gemm_unsigned<KScales<false>>;
     case kQ5_K: return gemm_unsigned<KScales<true>>;
+    case kQ6_K: return gemm_q6_k;
   }
   return nullptr;
 }
+
 #endif
 
 void check_packed(const at::Tensor& w, int64_t qtype, int64_t k) {
@@ -437,41 +488,46 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   std::vector<at::Tensor> outs;
   for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, x.options()));
 #ifdef PAGEDLLM_AVX2
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xd(m * nb), xs(m * nb);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i) quantize_x(xp + i * k, k, xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb);
-  // block-major copy of x for the gemm
-  const bool many = m >= kGemmRows;
-  std::vector<int8_t> xbq(many ? m * k : 0);
-  std::vector<float> xbd(many ? m * nb : 0), xbs(many ? m * nb : 0);
-  if (many)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t i = 0; i < m; ++i) {
-        std::memcpy(xbq.data() + 32 * (b * m + i), xq.data() + i * k + 32 * b, 32);
-        xbd[b * m + i] = xd[i * nb + b];
-        xbs[b * m + i] = xs[i * nb + b];
-      }
-  const XBlocks xb{xbq.data(), xbd.data(), xbs.data(), m};
   struct Kernels {  // per weight, looked up once: the gemm and the kernels for 4, 2 and 1 x rows
     GemmFn many;
     GemvFn c4, c2, c1;
     int64_t nrec;
   };
+  std::vector<Kernels> kernels;
+  bool gemv = false, gemm = false;  // which layouts of x the kernels read
+  for (size_t j = 0; j < ws.size(); ++j) {
+    kernels.push_back({m >= kGemmRows ? gemm_for(qtypes[j]) : nullptr, gemv_for<4>(qtypes[j]),
+                       gemv_for<2>(qtypes[j]), gemv_for<1>(qtypes[j]), k / format_x8(qtypes[j]).values});
+    (kernels.back().many ? gemm : gemv) = true;
+  }
+  // x quantized row-major for the gemv and block-major for the gemm (see XBlocks), in parallel:
+  // at 512 rows of 4864 values this took ~10 % of a matmul on one thread
+  const std::unique_ptr<int8_t[]> xq(new int8_t[gemv ? m * k : 0]), bq(new int8_t[gemm ? m * k : 0]);
+  const std::unique_ptr<float[]> xd(new float[gemv ? 2 * m * nb : 0]), bd(new float[gemm ? 2 * m * nb : 0]);
+  const std::unique_ptr<int32_t[]> bh(new int32_t[gemm ? 2 * m * nb : 0]);
+  const XRows xr{xq.get(), xd.get(), xd.get() + m * nb, k, nb};
+  const XBlocks xb{bq.get(), bd.get(), bd.get() + m * nb, bh.get(), m};
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / k), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (gemv) quantize_x(xp + i * k, k, xq.get() + i * k, xd.get() + i * nb, xd.get() + m * nb + i * nb);
+      if (gemm) quantize_x(xp + i * k, k, bq.get() + 32 * i, bd.get() + i, bd.get() + m * nb + i, bh.get() + 2 * i, 32 * m, m);
+    }
+  });
   struct Task {
     size_t w;
     int64_t group;
   };
-  std::vector<Kernels> kernels;
   std::vector<Task> tasks;
-  for (size_t j = 0; j < ws.size(); ++j) {
-    kernels.push_back({many ? gemm_for(qtypes[j]) : nullptr, gemv_for<4>(qtypes[j]), gemv_for<2>(qtypes[j]), gemv_for<1>(qtypes[j]),
-                       k / format_x8(qtypes[j]).values});
+  for (size_t j = 0; j < ws.size(); ++j)
     for (int64_t g = 0; g < ws[j].size(0); ++g) tasks.push_back({j, g});
-  }
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  // the gemm's chunks of x rows in the outer loop: a chunk (64 rows of up to ~5k values) stays in
+  // the cache while a thread's weight groups stream past it
+  const int64_t nchunks = gemm ? (m + kChunk - 1) / kChunk : 1;
   at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t ch = 0; ch < nchunks; ++ch)
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Task& task = tasks[ti];
       const at::Tensor& w = ws[task.w];
@@ -480,13 +536,14 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
       const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
       float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
       if (kn.many) {
-        for (int64_t c0 = 0; c0 < m; c0 += kChunk) kn.many(rec, kn.nrec, xb, c0, std::min(m, c0 + kChunk), op, n);
+        kn.many(rec, kn.nrec, xb, ch * kChunk, std::min(m, (ch + 1) * kChunk), op, n);
         continue;
       }
+      if (ch > 0) continue;  // the gemv took every row in the first pass
       for (int64_t i = 0; i < m;) {
         const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
         const GemvFn fn = cols == 4 ? kn.c4 : (cols == 2 ? kn.c2 : kn.c1);
-        fn(rec, kn.nrec, XRows{xq.data() + i * k, xd.data() + i * nb, xs.data() + i * nb, k, nb}, op + i * n, n);
+        fn(rec, kn.nrec, XRows{xr.q + i * k, xr.d + i * nb, xr.s + i * nb, k, nb}, op + i * n, n);
         i += cols;
       }
     }

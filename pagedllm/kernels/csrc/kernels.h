@@ -13,6 +13,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+void write_kv_(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 }  // namespace pagedllm_ops
 
 namespace pagedllm_ggml {

@@ -19,8 +19,6 @@ from pagedllm.worker.memory import InsufficientMemoryError, MemoryPlan, footprin
 
 logger = logging.getLogger("pagedllm")
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -68,7 +66,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     half-size dtype when float32 weights do not fit."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batched = args.max_num_batched_tokens or platform.default_max_num_batched_tokens(
+        ckpt.arch.intermediate_size)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
@@ -114,7 +113,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     quantization = resolve_quantization(args, ckpt, choice.platform)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
     logger.info("%s", mem_plan.summary())
-    batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batched = args.max_num_batched_tokens or choice.platform.default_max_num_batched_tokens(
+        ckpt.arch.intermediate_size)
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype,
         device=str(choice.platform.device()),

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm.platforms import cgroup
 from pagedllm.platforms.interface import MemoryInfo, Platform, fmt_bytes
+from pagedllm.platforms.malloc import MAX_MMAP_THRESHOLD, keep_freed_memory
 
 # ISA features that change which kernels and dtypes are fast
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
@@ -102,8 +103,17 @@ class CpuPlatform(Platform):
         return memory_info(vm.available, vm.total, cgroup.memory_limit())
 
     def apply_threads(self) -> None:
-        """Set torch's intra-op threads to the cores this process may use."""
+        """Set torch's intra-op threads to the cores this process may use, and let malloc keep
+        freed activation buffers for the next step (malloc.py)."""
         torch.set_num_threads(self.info.threads)
+        keep_freed_memory()
+
+    def default_max_num_batched_tokens(self, intermediate_size: int) -> int:
+        """The most tokens a step computes: at most 2048, and few enough that the largest
+        activation (float32 [tokens, intermediate_size]) stays under glibc's 32 MiB mmap
+        ceiling, in multiples of 256 (at least 256)."""
+        fits = MAX_MMAP_THRESHOLD // (4 * intermediate_size)
+        return max(256, min(2048, fits // 256 * 256))
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

@@ -5,6 +5,7 @@ import torch
 
 from pagedllm.platforms import cgroup
 from pagedllm.platforms.cpu import CpuInfo, CpuPlatform, memory_info, parse_cpuinfo, usable_threads
+from pagedllm.platforms.malloc import MAX_MMAP_THRESHOLD, keep_freed_memory
 
 GiB = 1024 ** 3
 
@@ -68,3 +69,19 @@ def test_isa_features_choose_the_default_dtype():
     assert amx.default_dtype("float32") is torch.float32
     avx2 = CpuPlatform(CpuInfo("AMD EPYC", ("avx2",), 2, "test"))
     assert avx2.default_dtype("bfloat16") is torch.float32
+
+
+def test_cpu_token_budget_keeps_the_largest_activation_under_the_mmap_ceiling():
+    cpu = CpuPlatform(CpuInfo("AMD EPYC", ("avx2",), 2, "test"))
+    # float32 [tokens, intermediate] under 32 MiB, in steps of 256, between 256 and 2048
+    assert cpu.default_max_num_batched_tokens(4864) == 1536  # Qwen2.5-0.5B: 1724 fit
+    assert cpu.default_max_num_batched_tokens(1536) == 2048  # SmolLM2-135M: capped
+    assert cpu.default_max_num_batched_tokens(8960) == 768  # Qwen2-1.5B: 936 fit
+    assert cpu.default_max_num_batched_tokens(18944) == 256  # Qwen2-7B: 442 fit, the floor
+    for size in (896, 4864, 8960, 18944):
+        tokens = cpu.default_max_num_batched_tokens(size)
+        assert tokens * size * 4 < MAX_MMAP_THRESHOLD or tokens == 256
+
+
+def test_glibc_keeps_freed_memory():
+    assert keep_freed_memory()  # this machine runs glibc: both mallopt calls are accepted

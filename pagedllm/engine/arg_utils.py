@@ -22,6 +22,8 @@ GPU_ONLY_ARGS = frozenset({
     "mm_processor_kwargs", "limit_mm_per_prompt", "task", "num_scheduler_steps",
 })
 
+USAGE_CONTEXTS = ("llm", "api_server")
+
 _IGNORED_WHY = {
     "swap_space": "preempted requests are recomputed, so no CPU swap space is reserved",
     "enforce_eager": "the engine always runs eagerly",
@@ -53,6 +55,9 @@ class EngineArgs:
     model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
     # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
     quantization: Optional[str] = None
+    # who drives the engine, as vLLM's UsageContext: "llm" (offline LLM class) or "api_server";
+    # it picks the default token budget (a server keeps steps short for time to first token)
+    usage_context: str = "llm"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -89,5 +94,8 @@ class EngineArgs:
         if self.model_source not in (None, "huggingface", "modelscope"):
             raise ValueError("model_source must be 'huggingface' or 'modelscope', got "
                              f"{self.model_source!r}")
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got "
+                             f"{self.usage_context!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

@@ -67,7 +67,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
     batched = args.max_num_batched_tokens or platform.default_max_num_batched_tokens(
-        ckpt.arch.intermediate_size)
+        ckpt.arch.intermediate_size, args.usage_context == "api_server")
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
@@ -114,7 +114,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
     logger.info("%s", mem_plan.summary())
     batched = args.max_num_batched_tokens or choice.platform.default_max_num_batched_tokens(
-        ckpt.arch.intermediate_size)
+        ckpt.arch.intermediate_size, args.usage_context == "api_server")
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype,
         device=str(choice.platform.device()),

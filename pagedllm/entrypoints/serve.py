@@ -59,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source,
-        quantization=args.quantization))
+        quantization=args.quantization, usage_context="api_server"))
     name = args.served_model_name or args.model
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
                         engine.config.scheduler.max_model_len, chat_template)

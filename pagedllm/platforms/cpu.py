@@ -108,10 +108,15 @@ class CpuPlatform(Platform):
         torch.set_num_threads(self.info.threads)
         keep_freed_memory()
 
-    def default_max_num_batched_tokens(self, intermediate_size: int) -> int:
+    def default_max_num_batched_tokens(self, intermediate_size: int, serving: bool) -> int:
         """The most tokens a step computes: at most 2048, and few enough that the largest
         activation (float32 [tokens, intermediate_size]) stays under glibc's 32 MiB mmap
-        ceiling, in multiples of 256 (at least 256)."""
+        ceiling, in multiples of 256 (at least 256). A server takes 256: a step then holds ~1 s
+        of prefill here, so the prompts of requests that arrive together are spread over steps
+        and the first of them answer sooner (TTFT p50 at concurrency 16 on the default model:
+        3.2-3.5 s against 7.0-7.1 s with 1536, for ~7 % less output throughput)."""
+        if serving:
+            return 256
         fits = MAX_MMAP_THRESHOLD // (4 * intermediate_size)
         return max(256, min(2048, fits // 256 * 256))
 

@@ -65,8 +65,9 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on the CPU)."""
 
-    def default_max_num_batched_tokens(self, intermediate_size: int) -> int:
-        """The token budget of a step when max_num_batched_tokens is not given."""
+    def default_max_num_batched_tokens(self, intermediate_size: int, serving: bool) -> int:
+        """The token budget of a step when max_num_batched_tokens is not given (serving: for
+        the OpenAI server rather than the offline LLM class)."""
         return 2048
 
     def describe(self) -> dict[str, Any]:

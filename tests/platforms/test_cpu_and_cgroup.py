@@ -74,13 +74,15 @@ def test_isa_features_choose_the_default_dtype():
 def test_cpu_token_budget_keeps_the_largest_activation_under_the_mmap_ceiling():
     cpu = CpuPlatform(CpuInfo("AMD EPYC", ("avx2",), 2, "test"))
     # float32 [tokens, intermediate] under 32 MiB, in steps of 256, between 256 and 2048
-    assert cpu.default_max_num_batched_tokens(4864) == 1536  # Qwen2.5-0.5B: 1724 fit
-    assert cpu.default_max_num_batched_tokens(1536) == 2048  # SmolLM2-135M: capped
-    assert cpu.default_max_num_batched_tokens(8960) == 768  # Qwen2-1.5B: 936 fit
-    assert cpu.default_max_num_batched_tokens(18944) == 256  # Qwen2-7B: 442 fit, the floor
+    assert cpu.default_max_num_batched_tokens(4864, False) == 1536  # Qwen2.5-0.5B: 1724 fit
+    assert cpu.default_max_num_batched_tokens(1536, False) == 2048  # SmolLM2-135M: capped
+    assert cpu.default_max_num_batched_tokens(8960, False) == 768  # Qwen2-1.5B: 936 fit
+    assert cpu.default_max_num_batched_tokens(18944, False) == 256  # Qwen2-7B: 442 fit, the floor
     for size in (896, 4864, 8960, 18944):
-        tokens = cpu.default_max_num_batched_tokens(size)
+        tokens = cpu.default_max_num_batched_tokens(size, False)
         assert tokens * size * 4 < MAX_MMAP_THRESHOLD or tokens == 256
+        # the server keeps steps short for the time to first token
+        assert cpu.default_max_num_batched_tokens(size, True) == 256
 
 
 def test_glibc_keeps_freed_memory():

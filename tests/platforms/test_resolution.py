@@ -6,6 +6,8 @@ import torch
 
 from pagedllm import platforms
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.config_builder import make_engine_config
+from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms import gpu
 
 
@@ -69,3 +71,16 @@ def test_engine_args_validation_names_the_field():
         EngineArgs(model="x", max_model_len=-5)
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         EngineArgs.from_kwargs("x", bogus=1)
+    with pytest.raises(ValueError, match="usage_context must be one of llm, api_server, got 'cli'"):
+        EngineArgs(model="x", usage_context="cli")
+
+
+def test_default_token_budget_depends_on_who_drives_the_engine(smollm_gguf):
+    ckpt = resolve_checkpoint(str(smollm_gguf))
+    offline = make_engine_config(EngineArgs(model=str(smollm_gguf)), ckpt)
+    server = make_engine_config(EngineArgs(model=str(smollm_gguf), usage_context="api_server"), ckpt)
+    given = make_engine_config(EngineArgs(model=str(smollm_gguf), usage_context="api_server",
+                                          max_num_batched_tokens=1000), ckpt)
+    assert offline.scheduler.max_num_batched_tokens == 2048  # SmolLM2's [2048, 1536] is 12 MiB
+    assert server.scheduler.max_num_batched_tokens == 256
+    assert given.scheduler.max_num_batched_tokens == 1000

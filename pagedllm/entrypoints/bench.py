@@ -17,15 +17,22 @@ from typing import Any
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 
-def _positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer of at least {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
 
 
 def add_bench_parser(sub) -> None:
@@ -41,6 +48,11 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-len", type=_positive, default=128)
         p.add_argument("--num-prompts", type=_positive, default=1 if name == "latency" else 32)
         p.add_argument("--output-json", default=None, metavar="PATH")
+        if name == "latency":
+            p.add_argument("--num-iters", type=_positive, default=3,
+                           help="requests timed, one after another (the mean is reported)")
+            p.add_argument("--num-iters-warmup", type=_non_negative, default=1,
+                           help="requests run first and not timed")
         if name == "serve":
             p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/v1")
             p.add_argument("--max-concurrency", type=_positive, default=16)
@@ -68,30 +80,36 @@ def _token_prompts(tokenizer, n: int, length: int) -> list[dict]:
             for i in range(n)]
 
 
-def run_latency(args: argparse.Namespace) -> dict[str, Any]:
-    """One stream, in-process."""
-    from pagedllm import LLM, SamplingParams
-
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
-    tok = llm.get_tokenizer()
-    greedy = dict(temperature=0, ignore_eos=True)
-    llm.generate(_token_prompts(tok, 1, 8), SamplingParams(max_tokens=2, **greedy), use_tqdm=False)
-    # one request, stepped here so that its first token and its last are timed on the same run
-    engine = llm.llm_engine
-    prompt = _token_prompts(tok, 2, args.input_len)[1]  # not the warm-up's prefix
+def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float, float]:
+    """(time to the first token, time to the last) of one request stepped alone."""
     start = time.perf_counter()
     first = None
-    engine.add_request("latency", prompt, SamplingParams(max_tokens=args.output_len, **greedy))
+    engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if first is None and out.outputs[0].token_ids:
                 first = time.perf_counter()
-    total = time.perf_counter() - start
-    ttft = first - start
-    result = {"ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft, "request_latency_s": total}
+    return first - start, time.perf_counter() - start
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """One stream, in-process: the mean of --num-iters requests after --num-iters-warmup."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    # a different prompt each time, so that none finds another's prefix cached
+    prompts = _token_prompts(llm.get_tokenizer(), args.num_iters_warmup + args.num_iters,
+                             args.input_len)
+    times = [_timed_request(llm.llm_engine, f"latency-{i}", prompt, params)
+             for i, prompt in enumerate(prompts)][args.num_iters_warmup:]
+    ttft = statistics.mean(first for first, _ in times)
+    result = {"num_iters": args.num_iters, "ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
+              "request_latency_s": statistics.mean(total for _, total in times)}
     if args.output_len > 1:
-        result["decode_tok_per_s"] = (args.output_len - 1) / (total - ttft)
+        decode_s = statistics.mean(total - first for first, total in times)
+        result["decode_tok_per_s"] = (args.output_len - 1) / decode_s
     return result
 
 

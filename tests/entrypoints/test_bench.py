@@ -34,16 +34,20 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
     assert all(result[k] > 0 for k in keys)
     if mode == "throughput":
         assert result["output_tokens"] == 4 * 8
-    else:  # first and last token of one request: decode time is what follows the first token
+    else:  # first and last token of each request: decode time is what follows the first token
+        assert result["num_iters"] == 3  # the default, after one warm-up request
         decode_s = 7 / result["decode_tok_per_s"]
         assert result["ttft_s"] + decode_s == pytest.approx(result["request_latency_s"])
 
 
-@pytest.mark.parametrize("flag", ["--input-len", "--output-len", "--num-prompts"])
-def test_lengths_and_counts_must_be_positive(flag):
-    proc = subprocess.run(CLI + ["latency", flag, "0"], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("flag,value,least", [("--input-len", "0", 1), ("--output-len", "0", 1),
+                                              ("--num-prompts", "0", 1), ("--num-iters", "0", 1),
+                                              ("--num-iters-warmup", "-1", 0)])
+def test_lengths_and_counts_are_checked(flag, value, least):
+    proc = subprocess.run(CLI + ["latency", flag, value], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 2
-    assert f"argument {flag}: must be an integer of at least 1, got '0'" in proc.stderr
+    assert f"argument {flag}: must be an integer of at least {least}, got '{value}'" in proc.stderr
 
 
 def test_serve_mode_against_a_running_server(server, tmp_path):

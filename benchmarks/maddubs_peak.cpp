@@ -22,31 +22,27 @@ alignas(32) int8_t buf[4096];
 
 // 8 independent instructions per loop on register operands; with_adds: 4 maddubs and 4 adds.
 // Returns G maddubs per second.
+#define TIMED_LOOP(INSTRUCTIONS)                                                                      \
+  for (long i = 0; i < n; i++)                                                                        \
+    __asm__ volatile(INSTRUCTIONS                                                                     \
+                     : [r0] "=x"(r0), [r1] "=x"(r1), [r2] "=x"(r2), [r3] "=x"(r3), [r4] "=x"(r4),     \
+                       [r5] "=x"(r5), [r6] "=x"(r6), [r7] "=x"(r7)                                    \
+                     : [a] "x"(a0), [b] "x"(a1), [x] "x"(x0));
 double alone(bool with_adds) {
   const __m256i a0 = _mm256_set1_epi8(1), a1 = _mm256_set1_epi8(2), x0 = _mm256_set1_epi8(3);
   __m256i r0, r1, r2, r3, r4, r5, r6, r7;
   const long n = 100000000;
   const auto t0 = std::chrono::steady_clock::now();
   if (with_adds) {
-    for (long i = 0; i < n; i++)
-      __asm__ volatile(
-          "vpmaddubsw %[x], %[a], %[r0]\n\tvpaddw %[x], %[b], %[r1]\n\t"
-          "vpmaddubsw %[x], %[b], %[r2]\n\tvpaddw %[x], %[a], %[r3]\n\t"
-          "vpmaddubsw %[a], %[b], %[r4]\n\tvpaddw %[a], %[b], %[r5]\n\t"
-          "vpmaddubsw %[b], %[a], %[r6]\n\tvpaddw %[b], %[a], %[r7]\n\t"
-          : [r0] "=x"(r0), [r1] "=x"(r1), [r2] "=x"(r2), [r3] "=x"(r3), [r4] "=x"(r4), [r5] "=x"(r5),
-            [r6] "=x"(r6), [r7] "=x"(r7)
-          : [a] "x"(a0), [b] "x"(a1), [x] "x"(x0));
+    TIMED_LOOP("vpmaddubsw %[x], %[a], %[r0]\n\tvpaddw %[x], %[b], %[r1]\n\t"
+               "vpmaddubsw %[x], %[b], %[r2]\n\tvpaddw %[x], %[a], %[r3]\n\t"
+               "vpmaddubsw %[a], %[b], %[r4]\n\tvpaddw %[a], %[b], %[r5]\n\t"
+               "vpmaddubsw %[b], %[a], %[r6]\n\tvpaddw %[b], %[a], %[r7]\n\t")
   } else {
-    for (long i = 0; i < n; i++)
-      __asm__ volatile(
-          "vpmaddubsw %[x], %[a], %[r0]\n\tvpmaddubsw %[x], %[b], %[r1]\n\t"
-          "vpmaddubsw %[a], %[b], %[r2]\n\tvpmaddubsw %[b], %[a], %[r3]\n\t"
-          "vpmaddubsw %[x], %[a], %[r4]\n\tvpmaddubsw %[x], %[b], %[r5]\n\t"
-          "vpmaddubsw %[a], %[b], %[r6]\n\tvpmaddubsw %[b], %[a], %[r7]\n\t"
-          : [r0] "=x"(r0), [r1] "=x"(r1), [r2] "=x"(r2), [r3] "=x"(r3), [r4] "=x"(r4), [r5] "=x"(r5),
-            [r6] "=x"(r6), [r7] "=x"(r7)
-          : [a] "x"(a0), [b] "x"(a1), [x] "x"(x0));
+    TIMED_LOOP("vpmaddubsw %[x], %[a], %[r0]\n\tvpmaddubsw %[x], %[b], %[r1]\n\t"
+               "vpmaddubsw %[a], %[b], %[r2]\n\tvpmaddubsw %[b], %[a], %[r3]\n\t"
+               "vpmaddubsw %[x], %[a], %[r4]\n\tvpmaddubsw %[x], %[b], %[r5]\n\t"
+               "vpmaddubsw %[a], %[b], %[r6]\n\tvpmaddubsw %[b], %[a], %[r7]\n\t")
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return n * (with_adds ? 4 : 8) / s / 1e9;

@@ -12,7 +12,6 @@ the CPU's default token budget keeps a step's largest activation under that (cpu
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 from typing import Optional
 
@@ -25,11 +24,8 @@ TRIM_THRESHOLD = 256 * 1024 * 1024
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
         libc.gnu_get_libc_version  # only glibc has it (not musl, not macOS)
     except (OSError, AttributeError):
         return None

@@ -383,7 +383,6 @@ GemmFn gemm_for(int64_t t) {
   }
   return nullptr;
 }
-
 #endif
 
 void check_packed(const at::Tensor& w, int64_t qtype, int64_t k) {
@@ -527,24 +526,25 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   // the cache while a thread's weight groups stream past it
   const int64_t nchunks = gemm ? (m + kChunk - 1) / kChunk : 1;
   at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t ch = 0; ch < nchunks; ++ch)
-    for (int64_t ti = t0; ti < t1; ++ti) {
-      const Task& task = tasks[ti];
-      const at::Tensor& w = ws[task.w];
-      const Kernels& kn = kernels[task.w];
-      const int64_t n = w.size(0) * kRows;
-      const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
-      float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
-      if (kn.many) {
-        kn.many(rec, kn.nrec, xb, ch * kChunk, std::min(m, (ch + 1) * kChunk), op, n);
-        continue;
-      }
-      if (ch > 0) continue;  // the gemv took every row in the first pass
-      for (int64_t i = 0; i < m;) {
-        const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
-        const GemvFn fn = cols == 4 ? kn.c4 : (cols == 2 ? kn.c2 : kn.c1);
-        fn(rec, kn.nrec, XRows{xr.q + i * k, xr.d + i * nb, xr.s + i * nb, k, nb}, op + i * n, n);
-        i += cols;
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      for (int64_t ti = t0; ti < t1; ++ti) {
+        const Task& task = tasks[ti];
+        const at::Tensor& w = ws[task.w];
+        const Kernels& kn = kernels[task.w];
+        const int64_t n = w.size(0) * kRows;
+        const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
+        float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
+        if (kn.many) {
+          kn.many(rec, kn.nrec, xb, ch * kChunk, std::min(m, (ch + 1) * kChunk), op, n);
+          continue;
+        }
+        if (ch > 0) continue;  // the gemv took every row in the first pass
+        for (int64_t i = 0; i < m;) {
+          const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
+          const GemvFn fn = cols == 4 ? kn.c4 : (cols == 2 ? kn.c2 : kn.c1);
+          fn(rec, kn.nrec, XRows{xr.q + i * k, xr.d + i * nb, xr.s + i * nb, k, nb}, op + i * n, n);
+          i += cols;
+        }
       }
     }
   });

@@ -18,8 +18,6 @@ EXPECTED_CHAT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                  "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-
-
 @pytest.fixture(scope="module")
 def smol_cache(tmp_path_factory):
     """A temp cache holding the real SmolLM2 model, fetched once for the module."""

@@ -20,6 +20,12 @@ from pagedllm.worker.memory import InsufficientMemoryError, MemoryPlan, footprin
 logger = logging.getLogger("pagedllm")
 
 
+def _max_num_batched_tokens(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> int:
+    """The token budget asked for, or the platform's default for this model and caller."""
+    return args.max_num_batched_tokens or platform.default_max_num_batched_tokens(
+        ckpt.arch.intermediate_size, args.usage_context == "api_server")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -66,8 +72,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     half-size dtype when float32 weights do not fit."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
-    batched = args.max_num_batched_tokens or platform.default_max_num_batched_tokens(
-        ckpt.arch.intermediate_size, args.usage_context == "api_server")
+    batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
@@ -113,8 +118,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     quantization = resolve_quantization(args, ckpt, choice.platform)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
     logger.info("%s", mem_plan.summary())
-    batched = args.max_num_batched_tokens or choice.platform.default_max_num_batched_tokens(
-        ckpt.arch.intermediate_size, args.usage_context == "api_server")
+    batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype,
         device=str(choice.platform.device()),

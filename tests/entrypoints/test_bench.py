@@ -40,6 +40,14 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
         assert result["ttft_s"] + decode_s == pytest.approx(result["request_latency_s"])
 
 
+def test_latency_at_the_smallest_counts_reports_no_decode_rate(tmp_path, smollm_gguf):
+    result = _run(["latency", "--model", MODEL, "--dtype", "float32", "--input-len", "1",
+                   "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0"],
+                  tmp_path / "r.json")
+    assert result["num_iters"] == 1 and result["ttft_s"] > 0
+    assert "decode_tok_per_s" not in result  # one token: nothing after the first to time
+
+
 @pytest.mark.parametrize("flag,value,least", [("--input-len", "0", 1), ("--output-len", "0", 1),
                                               ("--num-prompts", "0", 1), ("--num-iters", "0", 1),
                                               ("--num-iters-warmup", "-1", 0)])

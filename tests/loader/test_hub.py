@@ -31,8 +31,6 @@ TOKEN = "hf_test_token"
 BIG_REPO = "Qwen/Qwen2-7B-Instruct"  # its real config and index, no weights
 
 
-
-
 @pytest.fixture(scope="module")
 def hub(smollm_hf_dir: Path, smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     """The fake Hub serving SmolLM2 as an HF repo (with decoys), as GGUF repos, and a .bin-only repo."""

@@ -272,7 +272,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
 // decode step)
 void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_mapping) {
   check_f32(kv, "kv");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv must be a [2, blocks, block_size, kv_heads, head_dim] tensor");
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   check_f32(k, "k");
   check_f32(v, "v");

@@ -34,6 +34,7 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
     assert all(result[k] > 0 for k in keys)
     if mode == "throughput":
         assert result["output_tokens"] == 4 * 8
+        assert result["system_cpu_s"] >= 0 and result["minor_page_faults"] >= 0
     else:  # first and last token of each request: decode time is what follows the first token
         assert result["num_iters"] == 3  # the default, after one warm-up request
         decode_s = 7 / result["decode_tok_per_s"]

@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.models.fused_decode import enable_fused_decode
+from pagedllm.worker.captured_decode import CapturedDecode
 
 
 def step_ms(llm: LLM, steps: int) -> float:
@@ -38,11 +38,12 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(model=args.model)
     full = step_ms(llm, args.steps)
-    model = llm.llm_engine.model
+    runner = llm.llm_engine.engine_core.executor.model_runner
+    model = runner.model
     n = len(model.model.layers)
-    model.model.layers = model.model.layers[:1]  # the forward zips layers with the KV cache
-    if model.fused_decode is not None:  # the C++ decode step holds its own list of layers
-        enable_fused_decode(model)
+    model.model.layers = model.model.layers[:1]
+    if runner.captured_decode is not None:  # the captured step holds its own list of layers
+        runner.captured_decode = CapturedDecode.capture(model, True)
     one = step_ms(llm, args.steps)
     hidden = torch.randn(1, model.config.hidden_size)
     with torch.inference_mode():
@@ -54,7 +55,7 @@ def main() -> None:
     print(f"decode step, {n} layers: {full:.2f} ms; cut to 1 layer: {one:.2f} ms, of which the "
           f"output head {head:.2f} ms: the rest of the step outside the layers is "
           f"{one - head:.2f} ms including one layer (C++ decode step: "
-          f"{model.fused_decode is not None})")
+          f"{runner.captured_decode is not None})")
 
 
 if __name__ == "__main__":

@@ -69,10 +69,16 @@ class EngineConfig:
 
     model_path: str
     arch: ModelArchConfig
-    dtype: Any  # torch.dtype
-    device: str
+    dtype: Any  # torch.dtype of activations, float weights and the KV cache
+    platform: Any  # pagedllm.platforms.Platform (untyped here: config sits below platforms)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     max_logprobs: int = 20
     quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4" or "none"
+    eos_token_ids: tuple[int, ...] = ()  # model, generation_config and tokenizer ids together
+
+    @property
+    def device(self) -> Any:
+        """The torch device the platform runs on."""
+        return self.platform.device()

@@ -1,20 +1,40 @@
-"""EngineCore: the step loop — schedule, execute, update."""
+"""EngineCore: the step loop (schedule, execute, update) over an executor."""
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.request import Request
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
-    """Owns the scheduler and the model runner; one step() is one forward pass."""
+    """Owns the executor and the scheduler; one step() is one forward pass."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
-        self.scheduler = scheduler
-        self.runner = runner
+    def __init__(self, config: EngineConfig,
+                 executor_class: type[Executor] = UniProcExecutor) -> None:
+        self.config = config
+        self.executor = executor_class(config)
+        num_blocks = self._initialize_kv_cache()
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                         config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+
+    def _initialize_kv_cache(self) -> int:
+        """Size the KV cache from what the workers may hold, allocate it; the number of blocks."""
+        available = self.executor.determine_available_memory()
+        num_blocks = available // self.executor.kv_block_bytes()
+        if num_blocks <= 0:
+            raise ValueError(f"no memory left for the KV cache ({available} bytes)")
+        self.executor.initialize_kv_cache(num_blocks)
+        return num_blocks
 
     def add_request(self, request: Request) -> None:
         """Queue a request."""
@@ -31,5 +51,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report each request's progress."""
         sched = self.scheduler.schedule()
-        out = self.runner.execute(sched)
+        out = self.executor.execute_model(sched)
         return self.scheduler.update_from_output(sched, out)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers."""
+        self.executor.shutdown()

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
-from pagedllm.kernels import kernels_loaded
+from pagedllm.layers.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """silu(gate) * up for two tensors of the same shape."""
 
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if (gate.device.type == "cpu" and gate.dtype == up.dtype == torch.float32
-                and gate.is_contiguous() and up.is_contiguous() and kernels_loaded()):
-            # one fused pass; the C++ decode step calls the same op, so both give the same numbers
-            return torch.ops.pagedllm.silu_mul(gate, up)
+    def forward_native(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up in PyTorch."""
         return F.silu(gate).mul_(up)
+
+    def forward_cpu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """One fused C++ pass over float32 rows; the captured decode step calls the same op, so
+        both give the same numbers."""
+        return torch.ops.pagedllm.silu_mul(gate.contiguous(), up.contiguous())

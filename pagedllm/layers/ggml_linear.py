@@ -8,26 +8,15 @@ small batches and dequantize + BLAS GEMM on large ones.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-# GGML types the kernels handle (pagedllm/kernels/csrc/ggml_quants.cpp).
-KERNEL_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
+from pagedllm.kernels.types import KERNEL_TYPES, X8_TYPES  # noqa: F401 (re-exported)
 
-# GGML types with an eight-row layout (pagedllm/kernels/csrc/ggml_x8.cpp).
-X8_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-})
 X8_ROWS = 8
 
 # Weights left in the GGUF layout (rows not a multiple of 8): from this many rows on, dequantize
@@ -92,8 +81,11 @@ class GGMLLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return _x8_linear(x, [self])[0]
-        y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
+            y = torch.ops.pagedllm.ggml_linear_x8(x.reshape(-1, self.in_features), [self.weight],
+                                                  [int(self.qtype)], self.in_features)[0]
+            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        else:
+            y = ggml_matmul(x, self.weight, self.qtype, self.in_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -125,30 +117,69 @@ class GGMLEmbedding(nn.Module):
                 f"packed={self.packed}")
 
 
-def _x8_linear(x: torch.Tensor, layers: list[GGMLLinear]) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers] for packed layers sharing x, in one kernel call."""
-    k = layers[0].in_features
-    ys = torch.ops.pagedllm.ggml_linear_x8(x.reshape(-1, k), [l.weight for l in layers],
-                                           [int(l.qtype) for l in layers], k)
-    outs = []
-    for layer, y in zip(layers, ys):
-        y = y.to(x.dtype).view(*x.shape[:-1], layer.out_features)
-        outs.append(y if layer.bias is None else y + layer.bias)
-    return outs
+class GGMLMergedLinear(nn.Module):
+    """A MergedLinear (q/k/v, gate/up) whose shards stay in GGML block formats, each its own type
+    (a Q4_K_M file mixes them); packed, all shards run in one kernel call (x quantized once)."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], shard_names: Sequence[str],
+                 qtypes: Sequence[GGMLQuantizationType], bias: bool,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes, self.shard_names = tuple(output_sizes), tuple(shard_names)
+        self.qtypes = tuple(qtypes)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.empty(n, row_bytes(qt, in_features), dtype=torch.uint8),
+                         requires_grad=False) for n, qt in zip(output_sizes, qtypes))
+        self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype)) if bias else None
+        self.packed = False  # True once pack_x8() has regrouped every shard
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., in_features] -> one [..., size_i] tensor per shard."""
+        flat = x.reshape(-1, self.in_features)
+        if self.packed:
+            ys = torch.ops.pagedllm.ggml_linear_x8(flat, list(self.weights),
+                                                   [int(t) for t in self.qtypes], self.in_features)
+        else:
+            ys = [ggml_matmul(flat, w, qt, self.in_features)
+                  for w, qt in zip(self.weights, self.qtypes)]
+        outs, start = [], 0
+        for y, n in zip(ys, self.output_sizes):
+            y = y.to(x.dtype).view(*x.shape[:-1], n)
+            if self.bias is not None:
+                y = y.add_(self.bias[start:start + n])
+            outs.append(y)
+            start += n
+        return tuple(outs)
+
+    def shard_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-relative names ("q_proj.weight", ...) -> the tensors they load into."""
+        out, start = {}, 0
+        for name, w, n in zip(self.shard_names, self.weights, self.output_sizes):
+            out[f"{name}.weight"] = w
+            if self.bias is not None:
+                out[f"{name}.bias"] = self.bias[start:start + n]
+            start += n
+        return out
+
+    def extra_repr(self) -> str:
+        types = ", ".join(f"{n}={t.name}" for n, t in zip(self.shard_names, self.qtypes))
+        return f"in_features={self.in_features}, {types}, bias={self.bias is not None}, packed={self.packed}"
 
 
-def linear_many(x: torch.Tensor, *layers: nn.Module) -> list[torch.Tensor]:
-    """[layer(x) for layer in layers]; one kernel call (x quantized once, one parallel region)
-    when every layer holds x8 blocks, as for q/k/v and gate/up."""
-    if (len(layers) < 2 or x.device.type != "cpu"
-            or not all(isinstance(l, GGMLLinear) and l.packed for l in layers)):
-        return [layer(x) for layer in layers]
-    return _x8_linear(x, list(layers))
+BlockModule = (GGMLLinear, GGMLEmbedding, GGMLMergedLinear)
 
 
 def _packable(module: nn.Module) -> bool:
+    if isinstance(module, GGMLMergedLinear):
+        return all(qt in X8_TYPES and n % X8_ROWS == 0 and w.device.type == "cpu"
+                   for qt, n, w in zip(module.qtypes, module.output_sizes, module.weights))
     rows = module.out_features if isinstance(module, GGMLLinear) else module.num_embeddings
     return module.qtype in X8_TYPES and rows % X8_ROWS == 0 and module.weight.device.type == "cpu"
+
+
+def _pack(weight: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> nn.Parameter:
+    return nn.Parameter(torch.ops.pagedllm.ggml_pack_x8(weight, int(qtype), k), requires_grad=False)
 
 
 @torch.no_grad()
@@ -156,18 +187,23 @@ def pack_x8(model: nn.Module) -> int:
     """Regroup the CPU block weights of model eight rows at a time for the x8 kernels, in place;
     a weight shared by several modules (tied embedding and head) is packed once and stays
     shared. Returns the number of tensors packed."""
-    modules = [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]
-    by_weight: dict[int, list[nn.Module]] = {}
-    for m in modules:
-        by_weight.setdefault(id(m.weight), []).append(m)
     packed = 0
+    by_weight: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        if isinstance(m, GGMLMergedLinear):
+            if not m.packed and _packable(m):
+                for i, (w, qt) in enumerate(zip(m.weights, m.qtypes)):
+                    m.weights[i] = _pack(w, qt, m.in_features)
+                m.packed = True
+                packed += len(m.weights)
+        elif isinstance(m, (GGMLLinear, GGMLEmbedding)):
+            by_weight.setdefault(id(m.weight), []).append(m)
     for users in by_weight.values():
         first = users[0]
         if first.packed or not all(_packable(m) for m in users):
             continue
         k = first.in_features if isinstance(first, GGMLLinear) else first.embedding_dim
-        weight = nn.Parameter(torch.ops.pagedllm.ggml_pack_x8(first.weight, int(first.qtype), k),
-                              requires_grad=False)
+        weight = _pack(first.weight, first.qtype, k)
         for m in users:
             m.weight, m.packed = weight, True
         packed += 1

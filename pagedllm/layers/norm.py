@@ -6,38 +6,38 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from pagedllm.kernels import kernels_loaded
+from pagedllm.layers.custom_op import CustomOp
+
+NormOut = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale; optionally adds a residual first."""
+class RMSNorm(CustomOp):
+    """Root-mean-square layer norm with a learned scale; optionally adds a residual first.
+
+    With a residual, returns (norm(x + residual), x + residual): the residual stream is summed
+    by the next norm, in one fused op on the CPU.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
-                ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """norm(x) [T, H] in the weight's dtype; with a residual, (norm(x + residual), x + residual)."""
-        if _fused(x, self.weight, residual):
-            if residual is None:
-                return torch.ops.pagedllm.rms_norm(x, self.weight, self.eps)
-            torch.ops.pagedllm.add_rms_norm_(x, residual, self.weight, self.eps)
-            return x, residual  # x now holds the norm, residual the sum (both in place)
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
+        """norm(x) [T, H] in the weight's dtype (and the summed residual when one is given)."""
         if residual is not None:
             residual = residual + x
             return self._norm(residual), residual
         return self._norm(x)
 
+    def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
+        """The same in one C++ pass over float32 rows; with a residual, both in place."""
+        if residual is None:
+            return torch.ops.pagedllm.rms_norm(x, self.weight, self.eps)
+        torch.ops.pagedllm.add_rms_norm_(x, residual, self.weight, self.eps)
+        return x, residual  # x now holds the norm, residual the sum
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(self.weight.dtype)
-
-
-def _fused(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
-    """The one-op CPU kernel applies: float32 CPU tensors, kernels loaded."""
-    ok = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and kernels_loaded()
-    return ok and x.is_contiguous() and (residual is None or (
-        residual.dtype == torch.float32 and residual.is_contiguous()))

@@ -16,12 +16,14 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear
+from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLMergedLinear
+from pagedllm.layers.linear import MergedLinear
 
 # quantization= values: None picks "gguf" for a GGUF on the CPU and none otherwise.
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "none")
 
-# module name (e.g. "model.layers.0.mlp.up_proj") -> block format of its weight
+# checkpoint module name (e.g. "model.layers.0.mlp.up_proj") -> block format of its weight; a
+# merged module (gate_up_proj) is swapped when every one of its shards is in the plan
 QuantPlan = dict[str, GGMLQuantizationType]
 
 Q8_0, Q4_1 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
@@ -40,19 +42,43 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(path) if path else model), attr
 
 
-def _quantized_like(old: nn.Module, qtype: GGMLQuantizationType, dtype: torch.dtype) -> nn.Module:
+def _shard_names(path: str, module: MergedLinear) -> list[str]:
+    """Checkpoint module names of a merged module's shards ("...self_attn.q_proj", ...)."""
+    parent = path.rpartition(".")[0]
+    return [f"{parent}.{name}" if parent else name for name in module.shard_names]
+
+
+def _quantized_like(old: nn.Module, qtypes: list[GGMLQuantizationType],
+                    dtype: torch.dtype) -> nn.Module:
+    if isinstance(old, MergedLinear):
+        return GGMLMergedLinear(old.in_features, old.output_sizes, old.shard_names, qtypes,
+                                old.bias is not None, dtype)
     if isinstance(old, nn.Embedding):
-        return GGMLEmbedding(old.num_embeddings, old.embedding_dim, qtype)
+        return GGMLEmbedding(old.num_embeddings, old.embedding_dim, qtypes[0])
     if isinstance(old, nn.Linear):
-        return GGMLLinear(old.in_features, old.out_features, qtype, old.bias is not None, dtype)
+        return GGMLLinear(old.in_features, old.out_features, qtypes[0], old.bias is not None, dtype)
     raise TypeError(f"cannot quantize {type(old).__name__}")
 
 
+def _planned(model: nn.Module, plan: QuantPlan) -> list[tuple[str, list[GGMLQuantizationType]]]:
+    """(module path, block format of each of its matrices) for the modules plan covers whole."""
+    out = []
+    for path, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            names = _shard_names(path, module)
+            if all(n in plan for n in names):
+                out.append((path, [plan[n] for n in names]))
+        elif isinstance(module, (nn.Linear, nn.Embedding)) and path in plan:
+            out.append((path, [plan[path]]))
+    return out
+
+
 def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
-    """Replace each planned nn.Linear / nn.Embedding by its block-format twin (weights unset)."""
-    for name, qtype in plan.items():
-        parent, attr = _parent(model, name)
-        setattr(parent, attr, _quantized_like(getattr(parent, attr), qtype, dtype))
+    """Replace each planned nn.Linear / nn.Embedding / MergedLinear by its block-format twin
+    (weights unset). A merged module with a shard outside the plan stays dense."""
+    for path, qtypes in _planned(model, plan):
+        parent, attr = _parent(model, path)
+        setattr(parent, attr, _quantized_like(getattr(parent, attr), qtypes, dtype))
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -82,31 +108,43 @@ _QUANTIZERS = {Q8_0: quantize_q8_0, Q4_1: quantize_q4_1}
 
 
 def float_quant_plan(model: nn.Module, method: str) -> QuantPlan:
-    """Block format per module for quantizing a float model with int8 or int4."""
+    """Block format per checkpoint module for quantizing a float model with int8 or int4."""
     plan: QuantPlan = {}
     for name, module in model.named_modules():
         if name in ("model.embed_tokens", "lm_head"):
             plan[name] = Q8_0
         elif isinstance(module, nn.Linear):
             plan[name] = Q8_0 if method == "int8" else Q4_1
+        elif isinstance(module, MergedLinear):
+            for shard in _shard_names(name, module):
+                plan[shard] = Q8_0 if method == "int8" else Q4_1
     return plan
+
+
+def _quantize_rows(w: torch.Tensor, qtype: GGMLQuantizationType) -> nn.Parameter:
+    return nn.Parameter(_QUANTIZERS[qtype](w), requires_grad=False)
 
 
 @torch.no_grad()
 def quantize_float_model(model: nn.Module, method: str) -> None:
     """Quantize a loaded float model's linear layers and embedding in place (int8 or int4)."""
-    plan = float_quant_plan(model, method)
     done: dict[int, nn.Parameter] = {}  # tied weights are quantized once and stay shared
-    for name, qtype in plan.items():
-        parent, attr = _parent(model, name)
+    for path, qtypes in _planned(model, float_quant_plan(model, method)):
+        parent, attr = _parent(model, path)
         old = getattr(parent, attr)
-        key = id(old.weight)
-        if key not in done:
-            done[key] = nn.Parameter(_QUANTIZERS[qtype](old.weight), requires_grad=False)
         with torch.device("meta"):
-            new = _quantized_like(old, qtype, old.weight.dtype)
+            new = _quantized_like(old, qtypes, old.weight.dtype)
         new = new.to_empty(device=old.weight.device)
-        new.weight = done[key]
+        if isinstance(old, MergedLinear):
+            start = 0
+            for i, (rows, qtype) in enumerate(zip(old.output_sizes, qtypes)):
+                new.weights[i] = _quantize_rows(old.weight[start:start + rows], qtype)
+                start += rows
+        else:
+            key = id(old.weight)
+            if key not in done:
+                done[key] = _quantize_rows(old.weight, qtypes[0])
+            new.weight = done[key]
         if getattr(old, "bias", None) is not None:
             new.bias = old.bias
         setattr(parent, attr, new)

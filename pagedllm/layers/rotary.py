@@ -6,8 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.kernels import kernels_loaded
-from torch import nn
+from pagedllm.layers.custom_op import CustomOp
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -75,7 +74,7 @@ def rope_inv_freq(base: float, dim: int, scaling: Optional[dict[str, Any]],
                      "none (default), linear, llama3, yarn")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Precomputed cos/sin tables indexed by absolute position."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float,
@@ -99,13 +98,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos.to(device or "cpu"), persistent=False)
         self.register_buffer("sin", sin.to(device or "cpu"), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate float32 q and k in place in one C++ op (a merged projection's split views are
+        strided, so they are made contiguous first)."""
+        q, k = q.contiguous(), k.contiguous()
+        torch.ops.pagedllm.rope_(q, k, positions, self.cos, self.sin)
+        return q, k
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T]."""
-        if (q.device.type == "cpu" and q.dtype == k.dtype == torch.float32 and kernels_loaded()
-                and q.is_contiguous() and k.is_contiguous()):
-            torch.ops.pagedllm.rope_(q, k, positions, self.cos, self.sin)  # in place, one op
-            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

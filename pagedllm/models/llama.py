@@ -2,46 +2,47 @@
 
 Qwen2 is Llama with biases on the q/k/v projections (config.attention_bias) and, for the small
 models, embeddings tied to the output head (config.tie_word_embeddings). Parameter names follow
-Hugging Face, so checkpoints load by name.
+Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
+separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
+swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
+when the layers were built (layers/custom_op.py); fast paths that replace this layer loop live in
+the model runner.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import paged_attention
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.ggml_linear import linear_many
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
-class Attention(nn.Module):
-    """Self-attention with grouped K/V heads reading and writing the paged cache."""
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention: merged q/k/v projection, RoPE, paged attention, o_proj."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (q, kv, kv), ("q_proj", "k_proj", "v_proj"),
+                                     bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.rope = [rope]  # shared with every layer; a list keeps it out of this module's children
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = linear_many(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.qkv_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(t, -1))
+        q, k = self.rope[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v).reshape(t, -1))  # [T, H]
 
 
 class MLP(nn.Module):
@@ -49,32 +50,32 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, (i, i), ("gate_proj", "up_proj"),
+                                         bias=False)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(*linear_many(x, self.gate_proj, self.up_proj)))
+        return self.down_proj(self.act(*self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = SelfAttention(cfg, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-                rope: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it is added) - the next norm adds
+        """(this layer's output, the residual stream before it is added): the next norm adds
         them, in one fused op on the CPU."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x = self.self_attn(x, positions)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -82,13 +83,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embeddings, the layer stack and the final norm."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         # an explicit (uninitialised) weight skips nn.Embedding's normal_() init, which on the
         # meta device goes through a decomposition that imports torch._dynamo (~1.5 s)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -98,28 +99,23 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
-        # a C++ pass over all layers for decode-only steps (models/fused_decode.py), or None
-        self.fused_decode = None
+        self.model = DecoderModel(cfg, self.rope)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, H] for flattened tokens input_ids [T] at positions [T]."""
-        # the residual stream stays in float32 whatever the weights' dtype: in bf16 its rounding
-        # error would otherwise flip near-tied greedy choices
-        residual = self.model.embed_tokens(input_ids).float()  # [T, H]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream [T, H] of tokens [T], in float32 whatever the weights' dtype: in
+        bf16 its rounding error would flip near-tied greedy choices."""
+        return self.model.embed_tokens(input_ids).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, H] for flattened tokens input_ids [T] at positions [T]; attention
+        reads the step's metadata from the forward context."""
+        residual = self.embed(input_ids)  # [T, H]
         x = torch.zeros_like(residual)  # the first norm adds it: residual stays the embedding
-        if self.fused_decode is not None and meta.decode is not None and not meta.prefills:
-            dec = meta.decode
-            x, residual = self.fused_decode.forward(x, residual, positions, kv_caches,
-                                                    meta.slot_mapping, dec.block_table,
-                                                    dec.context_lens)
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
-                x, residual = layer(x, residual, positions, self.rope, kv_cache, meta)
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions)
         return self.model.norm(x, residual)[0]
 
     def tie_weights(self) -> None:
@@ -130,6 +126,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [N, V] for hidden states [N, H]."""
         return self.lm_head(hidden)
+
+    def checkpoint_params(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the tensor it loads into: parameters by their own names,
+        merged modules' shards by the checkpoint's names (q_proj.weight, ...)."""
+        params: dict[str, torch.Tensor] = {}
+        merged = {path: m for path, m in self.named_modules() if hasattr(m, "shard_tensors")}
+        in_merged = {id(p) for m in merged.values() for p in m.parameters()}
+        for name, param in self.named_parameters():
+            if id(param) not in in_merged:
+                params[name] = param
+        for path, module in merged.items():
+            parent = path.rpartition(".")[0]
+            for local, tensor in module.shard_tensors().items():
+                params[f"{parent}.{local}"] = tensor
+        return params
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -10,9 +10,13 @@ from typing import Any, Optional
 import psutil
 import torch
 
+from pagedllm import kernels
 from pagedllm.platforms import cgroup
 from pagedllm.platforms.interface import MemoryInfo, Platform, fmt_bytes
 from pagedllm.platforms.malloc import MAX_MMAP_THRESHOLD, keep_freed_memory
+
+# C++ paged decode attention over a float32 cache, PyTorch SDPA for prompt chunks
+CPU_ATTN_BACKEND = "pagedllm.attention.backends.cpu.CpuAttentionBackend"
 
 # ISA features that change which kernels and dtypes are fast
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
@@ -86,6 +90,30 @@ class CpuPlatform(Platform):
 
     def __init__(self, info: Optional[CpuInfo] = None) -> None:
         self.info = info or read_cpu_info()
+
+    def init_device(self) -> None:
+        self.apply_threads()
+
+    def block_types(self) -> frozenset:
+        from pagedllm.kernels.types import KERNEL_TYPES  # imports gguf: only when asked
+
+        return KERNEL_TYPES
+
+    def load_kernels(self) -> bool:
+        return kernels.kernels_available()
+
+    @property
+    def kernels_ready(self) -> bool:
+        return kernels.kernels_loaded()
+
+    def op_impl(self, dtype: torch.dtype) -> str:
+        # the C++ ops (kernels/csrc/cpu_ops.cpp) take float32 tensors
+        return "cpu" if dtype == torch.float32 and self.kernels_ready else "native"
+
+    def get_attn_backend(self, dtype: torch.dtype) -> str:
+        if dtype == torch.float32 and self.kernels_ready:
+            return CPU_ATTN_BACKEND
+        return super().get_attn_backend(dtype)
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         if self.info.native_bf16:

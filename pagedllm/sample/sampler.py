@@ -28,7 +28,13 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """penalties -> greedy | temperature -> min-p -> top-k/top-p -> sample (vLLM v1 order)."""
+    """penalties -> greedy | temperature -> min-p -> top-k/top-p -> sample (vLLM v1 order).
+
+    cpu_ops: take the greedy argmax with pagedllm's C++ op (the platform decides, once)."""
+
+    def __init__(self, cpu_ops: bool = False) -> None:
+        super().__init__()
+        self._argmax = ops.argmax_cpu if cpu_ops else ops.argmax
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; never modifies the caller's tensor."""
@@ -61,8 +67,8 @@ class Sampler(torch.nn.Module):
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""
         if meta.all_greedy:
-            return ops.argmax(logits)  # [N]
-        greedy = None if meta.all_random else ops.argmax(logits)  # [N]
+            return self._argmax(logits)  # [N]
+        greedy = None if meta.all_random else self._argmax(logits)  # [N]
         temperature = meta.temperature.to(logits.device)  # [N]
         is_greedy = temperature < SAMPLING_EPS
         # Greedy rows get temperature 1 only to avoid dividing by zero; their draw is discarded.

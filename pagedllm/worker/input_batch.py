@@ -1,12 +1,15 @@
-"""Per-request state the runner keeps across steps, and the flattened inputs of one step."""
+"""Per-request state the runner keeps across steps, and the flattened inputs of one step, written
+into buffers allocated once and reused every step (no tensor built from a Python list per token).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from pagedllm.attention.metadata import CommonAttentionInputs, DecodeBatch, PrefillSeq
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,52 +53,104 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Tensors for one forward pass."""
+    """Tensors for one forward pass (views into the persistent buffers, valid for this step)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
+    attn: CommonAttentionInputs
     seqs: list[ScheduledSeq]  # decode requests first, then prefills, in row order
 
 
+class InputBuffers:
+    """int64 step inputs allocated once: token ids, positions and slots per row; block table and
+    context length per decode request. numpy views write into the same memory.
+
+        block_table  [max_reqs * max_blocks] flat; a step with B decodes and M blocks at most
+                     uses the first B * M entries as a contiguous [B, M] table
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.max_blocks = max_blocks
+        self._alloc_rows(max_tokens)
+        self.block_table = torch.zeros(max_reqs * max_blocks, dtype=torch.int64)
+        self.context_lens = torch.zeros(max_reqs, dtype=torch.int64)
+        self.block_table_np, self.context_lens_np = self.block_table.numpy(), self.context_lens.numpy()
+
+    def _alloc_rows(self, rows: int) -> None:
+        self.input_ids = torch.zeros(rows, dtype=torch.int64)
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.slot_mapping = torch.zeros(rows, dtype=torch.int64)
+        self.input_ids_np, self.positions_np = self.input_ids.numpy(), self.positions.numpy()
+        self.slot_mapping_np = self.slot_mapping.numpy()
+
+    def ensure_rows(self, rows: int) -> None:
+        """Grow the per-row buffers if a step has more tokens than planned."""
+        if rows > self.input_ids.numel():
+            self._alloc_rows(rows)
+
+    def ensure_table(self, reqs: int, blocks: int) -> None:
+        """Grow the block table if a step needs more than planned."""
+        if reqs * blocks > self.block_table.numel():
+            self.block_table = torch.zeros(reqs * blocks, dtype=torch.int64)
+            self.block_table_np = self.block_table.numpy()
+        if reqs > self.context_lens.numel():
+            self.context_lens = torch.zeros(reqs, dtype=torch.int64)
+            self.context_lens_np = self.context_lens.numpy()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer view on the engine's device (the view itself on the CPU)."""
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
 def build_step_inputs(states: list[CachedRequestState], num_tokens: list[int], block_size: int,
-                      device: torch.device) -> StepInputs:
-    """Flatten the scheduled tokens of every request; decodes (one token) go first."""
+                      buffers: InputBuffers) -> StepInputs:
+    """Flatten the scheduled tokens of every request into the buffers; decodes (one token) go
+    first."""
     order = sorted(range(len(states)), key=lambda i: num_tokens[i] != 1)
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    total = sum(num_tokens)
+    buffers.ensure_rows(total)
+    ids, pos, slots = buffers.input_ids_np, buffers.positions_np, buffers.slot_mapping_np
     seqs: list[ScheduledSeq] = []
+    row = 0
     for i in order:
         st, n = states[i], num_tokens[i]
-        start_pos = st.num_computed_tokens
-        seqs.append(ScheduledSeq(st, len(ids), n))
-        for pos in range(start_pos, start_pos + n):
-            ids.append(st.token_ids[pos])
-            positions.append(pos)
-            slots.append(st.block_ids[pos // block_size] * block_size + pos % block_size)
-
-    def long(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
+        start = st.num_computed_tokens
+        seqs.append(ScheduledSeq(st, row, n))
+        if n == 1:
+            ids[row] = st.token_ids[start]
+            pos[row] = start
+            slots[row] = st.block_ids[start // block_size] * block_size + start % block_size
+        else:
+            p = np.arange(start, start + n)
+            ids[row:row + n] = st.token_ids[start:start + n]
+            pos[row:row + n] = p
+            slots[row:row + n] = np.asarray(st.block_ids)[p // block_size] * block_size + p % block_size
+        row += n
     decodes = [s for s in seqs if s.num_tokens == 1]
-    attn = AttentionMetadata(
-        slot_mapping=long(slots),
-        decode=_decode_batch(decodes, block_size, device) if decodes else None,
-        prefills=[_prefill_seq(s, block_size, device) for s in seqs if s.num_tokens > 1])
-    return StepInputs(long(ids), long(positions), attn, seqs)
+    attn = CommonAttentionInputs(
+        slot_mapping=buffers.to_device(buffers.slot_mapping[:total]),
+        decode=_decode_batch(decodes, block_size, buffers) if decodes else None,
+        prefills=[_prefill_seq(s, block_size, buffers.device) for s in seqs if s.num_tokens > 1])
+    return StepInputs(buffers.to_device(buffers.input_ids[:total]),
+                      buffers.to_device(buffers.positions[:total]), attn, seqs)
 
 
-def _decode_batch(seqs: list[ScheduledSeq], block_size: int, device: torch.device) -> DecodeBatch:
+def _decode_batch(seqs: list[ScheduledSeq], block_size: int, buffers: InputBuffers) -> DecodeBatch:
+    b = len(seqs)
     ctx = [s.state.num_computed_tokens + 1 for s in seqs]
-    max_blocks = -(-max(ctx) // block_size)
-    table = [s.state.block_ids[:max_blocks] + [0] * (max_blocks - len(s.state.block_ids[:max_blocks]))
-             for s in seqs]
-    ctx_t = torch.tensor(ctx, dtype=torch.int64, device=device)
-    mask = torch.arange(max_blocks * block_size, device=device)[None, :] < ctx_t[:, None]
-    return DecodeBatch(num_tokens=len(seqs),
-                       block_table=torch.tensor(table, dtype=torch.int64, device=device),
-                       mask=mask[:, None, None, :], context_lens=ctx_t)
+    width = -(-max(ctx) // block_size)
+    buffers.ensure_table(b, width)
+    table = buffers.block_table_np[:b * width].reshape(b, width)
+    table.fill(0)
+    for r, (s, c) in enumerate(zip(seqs, ctx)):
+        used = -(-c // block_size)
+        table[r, :used] = s.state.block_ids[:used]
+    buffers.context_lens_np[:b] = ctx
+    return DecodeBatch(num_tokens=b,
+                       block_table=buffers.to_device(buffers.block_table[:b * width].view(b, width)),
+                       context_lens=buffers.to_device(buffers.context_lens[:b]))
 
 
 def _prefill_seq(seq: ScheduledSeq, block_size: int, device: torch.device) -> PrefillSeq:

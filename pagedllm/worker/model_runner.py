@@ -1,59 +1,91 @@
-"""ModelRunner: SchedulerOutput in, one forward pass over all scheduled tokens, ModelRunnerOutput out."""
+"""ModelRunner: SchedulerOutput in, one forward pass over all scheduled tokens, ModelRunnerOutput out.
+
+It owns the model (load_model), the KV cache (initialize_kv_cache), the per-request state, the
+persistent input buffers, the attention backend's metadata builder, the sampler, and the
+captured decode step that replaces the model's layer loop for decode-only steps where it can.
+"""
 from __future__ import annotations
 
-import math
-from typing import Optional, Sequence
-
-import numpy as np
+from typing import Optional
 
 import torch
 from torch import nn
 
+from pagedllm.attention.metadata import set_forward_context
+from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.layers.attention import bind_kv_cache
+from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
-from pagedllm.worker.input_batch import (CachedRequestState, ScheduledSeq, StepInputs,
+from pagedllm.worker.captured_decode import CapturedDecode
+from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
                                          build_step_inputs)
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The whole KV cache in one allocation: [layers, 2 (k, v), blocks, block_size, kv_heads, head_dim]."""
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # calloc'd memory reads as zeros but the OS commits a page only when it is first written,
-    # so resident memory grows with the tokens actually cached, not with the planned size
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(math.prod(shape) * itemsize, dtype=np.uint8))
-    return raw.view(dtype).view(shape)
+from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
+from pagedllm.worker.model_loader import load_model
 
 
 class ModelRunner:
     """Keeps per-request state, builds step inputs, runs the model and the sampler."""
 
-    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 eos_token_ids: Sequence[int], device: torch.device) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.eos_token_ids = list(eos_token_ids)
-        self.vocab_size = model.config.vocab_size
-        self.device = device
-        self.sampler = Sampler()
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = config.platform
+        self.device = self.platform.device()
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = list(config.eos_token_ids)
+        self.vocab_size = config.arch.vocab_size
+        self.model: Optional[nn.Module] = None
+        self.kv_cache: Optional[torch.Tensor] = None
+        self.captured_decode: Optional[CapturedDecode] = None
+        self.attn_builder = attn_backend_for(self.platform, config.dtype).builder_cls(self.block_size)
+        self.sampler = Sampler(cpu_ops=self.platform.op_impl(torch.float32) == "cpu")
+        sched = config.scheduler
+        self.buffers = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                    sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
+                                    self.device)
         self.requests: dict[str, CachedRequestState] = {}
 
+    def load_model(self) -> None:
+        """Build and load the model; capture its decode step where the platform can."""
+        self.model = load_model(self.config)
+        self.captured_decode = CapturedDecode.capture(self.model, self.platform.kernels_ready)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block over all layers."""
+        return kv_block_bytes(self.config.arch, self.block_size, self.config.dtype)
+
+    def determine_available_memory(self) -> int:
+        """Bytes this runner may give the KV cache: the memory plan's figure, made from the
+        checkpoint's metadata before loading (worker/memory.py)."""
+        if self.config.cache.num_blocks is None:
+            raise ValueError("the engine config has no planned KV cache size (cache.num_blocks)")
+        return self.config.cache.num_blocks * self.kv_block_bytes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV cache and bind each Attention layer to its slice."""
+        arch = self.config.arch
+        self.kv_cache = allocate_kv_cache(arch.num_hidden_layers, num_blocks, self.block_size,
+                                          arch.num_key_value_heads, arch.head_dim,
+                                          self.config.dtype, self.device)
+        bind_kv_cache(self.model, self.kv_cache)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step."""
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput(sampled={})
         states = [self.requests[r] for r in sched.num_scheduled_tokens]
         step = build_step_inputs(states, list(sched.num_scheduled_tokens.values()),
-                                 self.block_size, self.device)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.attn)  # [T, H]
+                                 self.block_size, self.buffers)
+        meta = self.attn_builder.build(step.attn)
+        with set_forward_context(meta):
+            if self.captured_decode is not None and meta.decode_only:
+                hidden = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta)
+            else:
+                hidden = self.model(step.input_ids, step.positions)  # [T, H]
         out = ModelRunnerOutput(sampled={})
         self._prompt_logprobs(step, hidden, out)
         self._sample(step, hidden, out)
@@ -127,6 +159,3 @@ def _row_logprobs(lp: LogprobsTensors, row: int, k: int) -> TokenLogprobs:
     """Row `row` of batched logprobs, keeping the chosen token and the top k."""
     return TokenLogprobs(lp.token_ids[row, :k + 1].tolist(), lp.logprobs[row, :k + 1].tolist(),
                          int(lp.ranks[row]))
-
-
-__all__ = ["ModelRunner", "allocate_kv_cache", "ScheduledSeq"]

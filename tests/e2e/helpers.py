@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.worker.input_batch import CachedRequestState, build_step_inputs
-from pagedllm.worker.model_runner import allocate_kv_cache
+from pagedllm.attention.metadata import set_forward_context
+from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedRequestState, InputBuffers, build_step_inputs
+from pagedllm.worker.kv_cache import allocate_kv_cache
+from pagedllm.worker.model_runner import ModelRunner
 
 # Raw text, code, Chinese and chat-templated prompts. Each keeps a top-1/top-2 logit margin of at
 # least ~0.2 over its first 8 greedy tokens on both models, so a bfloat16 run can be held to the
@@ -32,10 +35,16 @@ def parity_prompts(tokenizer) -> list[str]:
     return RAW_PROMPTS + chats
 
 
+def model_runner(llm) -> ModelRunner:
+    """The model runner of an offline LLM's in-process worker."""
+    return llm.llm_engine.engine_core.executor.model_runner
+
+
 @torch.no_grad()
 def last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Logits [V] after a prompt, from the engine's model over a scratch paged cache."""
-    model = llm.llm_engine.model
+    runner = model_runner(llm)
+    model = runner.model
     cfg = model.config
     bs = 16
     nblocks = -(-len(token_ids) // bs)
@@ -44,6 +53,12 @@ def last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     # blocks in reverse order, so the test also exercises a non-trivial block table
     state = CachedRequestState("x", list(token_ids), len(token_ids), SamplingParams(), None,
                                list(range(nblocks, 0, -1)), 0)
-    step = build_step_inputs([state], [len(token_ids)], bs, torch.device("cpu"))
-    hidden = model(step.input_ids, step.positions, kv, step.attn)
+    buffers = InputBuffers(len(token_ids), 1, nblocks, torch.device("cpu"))
+    step = build_step_inputs([state], [len(token_ids)], bs, buffers)
+    bind_kv_cache(model, kv)
+    try:
+        with set_forward_context(runner.attn_builder.build(step.attn)):
+            hidden = model(step.input_ids, step.positions)
+    finally:
+        bind_kv_cache(model, runner.kv_cache)
     return model.compute_logits(hidden[-1:])[0].float()

@@ -27,7 +27,7 @@ def _tokens(outs):
 
 
 def _all_blocks_free(llm) -> bool:
-    pool = llm.llm_engine.kv_manager.pool
+    pool = llm.llm_engine.engine_core.kv_manager.pool
     return pool.num_free_blocks == pool.num_blocks
 
 
@@ -71,16 +71,16 @@ def test_chunked_prefill_and_preemption_keep_outputs(smollm_gguf, llm, alone):
                 quantization="none",
                 max_num_batched_tokens=16, max_model_len=128)
     assert _tokens(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == alone
-    assert small.llm_engine.core.scheduler.num_preemptions > 0
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert _all_blocks_free(small)
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
     assert (_tokens(small.generate(PROMPTS, seeded, use_tqdm=False))
             == _tokens(llm.generate(PROMPTS, seeded, use_tqdm=False)))
     # prompt logprobs come back once per prompt position even when chunked and recomputed
     with_lp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
-    before = small.llm_engine.core.scheduler.num_preemptions
+    before = small.llm_engine.engine_core.scheduler.num_preemptions
     chunked = small.generate(PROMPTS, with_lp, use_tqdm=False)
-    assert small.llm_engine.core.scheduler.num_preemptions > before
+    assert small.llm_engine.engine_core.scheduler.num_preemptions > before
     for got, ref in zip(chunked, llm.generate(PROMPTS, with_lp, use_tqdm=False)):
         assert len(got.prompt_logprobs) == len(got.prompt_token_ids)
         for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
@@ -101,7 +101,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 def test_prefix_cache_hit_gives_same_output(llm):
     prompt = PROMPTS[1] * 3  # > 2 blocks
     a = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    kv = llm.llm_engine.kv_manager
+    kv = llm.llm_engine.engine_core.kv_manager
     hits_before = kv.prefix_hits
     b = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert kv.prefix_hits - hits_before >= 32

@@ -54,7 +54,7 @@ def test_gguf_float32_matches_hf(reference, smollm_gguf, qwen_gguf):
     # quantization="none": the blocks dequantized to float32, as transformers loads a GGUF
     llm = LLM(model=str(gguf), dtype="float32", quantization="none")
     _check_llm(llm, prompts, tokens, logits)
-    assert llm.llm_engine.kv_manager.pool.num_free_blocks == llm.llm_engine.kv_manager.pool.num_blocks
+    assert llm.llm_engine.engine_core.kv_manager.pool.num_free_blocks == llm.llm_engine.engine_core.kv_manager.pool.num_blocks
 
 
 def test_hf_directory_float32_matches_hf(reference):

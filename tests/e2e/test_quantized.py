@@ -1,5 +1,7 @@
 """The default model with its GGUF blocks kept: compact, coherent, as good as float32, the
-same alone or batched, and the same through the C++ decode step as through the Python layers.
+same alone or batched, and the same through the captured (C++) decode step as through the
+model's layer loop, whatever the CPU: dtype 'auto' computes kept-block models in float32, so the
+captured step is on with and without native bf16.
 
 Perplexity is measured on the text shipped in pagedllm/eval/data (first 1024 tokens, to keep the
 suite fast), through the x8 int8-activation kernels that every batch size uses.
@@ -13,7 +15,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.eval.perplexity import perplexity
-from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear
+from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLMergedLinear
+from pagedllm.layers.linear import MergedLinear
+from helpers import model_runner
 
 PPL_TOKENS = 1024
 
@@ -39,21 +43,23 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 def test_default_model_keeps_its_blocks_compact(qwen_blocks, qwen_gguf):
     engine = qwen_blocks.llm_engine
     assert engine.config.quantization == "gguf"
+    assert engine.config.dtype == torch.float32  # dtype 'auto' with kept blocks, on any CPU
     # a step's [tokens, 4864] float32 activations stay under glibc's 32 MiB mmap ceiling
     assert engine.config.scheduler.max_num_batched_tokens == 1536
-    model = engine.model
+    model = model_runner(qwen_blocks).model
     kinds = {type(m) for m in model.modules()}
-    assert GGMLLinear in kinds and GGMLEmbedding in kinds
-    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert {GGMLLinear, GGMLEmbedding, GGMLMergedLinear} <= kinds
+    assert not any(isinstance(m, (torch.nn.Linear, MergedLinear)) for m in model.modules())
     # resident weights: the file's blocks plus float32 norms and biases
     assert _weight_bytes(model) <= 1.2 * qwen_gguf.stat().st_size
 
 
 def test_blocks_are_regrouped_and_decode_runs_in_cpp(qwen_blocks):
-    model = qwen_blocks.llm_engine.model
-    blocks = [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]
+    runner = model_runner(qwen_blocks)
+    blocks = [m for m in runner.model.modules()
+              if isinstance(m, (GGMLLinear, GGMLEmbedding, GGMLMergedLinear))]
     assert all(m.packed for m in blocks)
-    assert model.fused_decode is not None
+    assert runner.captured_decode is not None
 
 
 def _greedy(llm: LLM, prompts: list[str]) -> list[tuple[list[int], float]]:
@@ -65,27 +71,27 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[tuple[list[int], float]]:
 PROMPTS = ["def quicksort(arr):", "The capital of France is", "Write a haiku about the sea."]
 
 
-class _CountingStack:
-    """The C++ decode step, counting its calls (so the comparison cannot pass without it)."""
+class _CountingStep:
+    """The captured decode step, counting its calls (so the comparison cannot pass without it)."""
 
-    def __init__(self, stack) -> None:
-        self.stack, self.calls = stack, 0
+    def __init__(self, step) -> None:
+        self.step, self.calls = step, 0
 
-    def forward(self, *args):
+    def __call__(self, *args):
         self.calls += 1
-        return self.stack.forward(*args)
+        return self.step(*args)
 
 
 def test_cpp_decode_step_equals_the_python_layers(qwen_blocks):
-    model = qwen_blocks.llm_engine.model
-    stack = model.fused_decode
-    counting = model.fused_decode = _CountingStack(stack)
+    runner = model_runner(qwen_blocks)
+    captured = runner.captured_decode
+    counting = runner.captured_decode = _CountingStep(captured)
     try:
         fused = _greedy(qwen_blocks, PROMPTS)
-        model.fused_decode = None
+        runner.captured_decode = None
         python = _greedy(qwen_blocks, PROMPTS)
     finally:
-        model.fused_decode = stack
+        runner.captured_decode = captured
     # every step after the one that prefills the three prompts is decode-only
     assert counting.calls >= max(len(tokens) for tokens, _ in fused) - 1 > 0
     assert fused == python  # same kernels in the same order: identical logprobs
@@ -114,12 +120,12 @@ def test_example_prompt_is_coherent(qwen_blocks):
 def test_float_checkpoint_quantized_at_load(smollm_hf_dir, method, bound):
     base = LLM(model=str(smollm_hf_dir), dtype="float32", max_model_len=2048)
     ref = perplexity(base, max_tokens=PPL_TOKENS)
-    dense_bytes = _weight_bytes(base.llm_engine.model)
+    dense_bytes = _weight_bytes(model_runner(base).model)
     del base
     llm = LLM(model=str(smollm_hf_dir), dtype="float32", quantization=method, max_model_len=2048,
               max_num_batched_tokens=16)
     assert llm.llm_engine.config.quantization == method
-    assert _weight_bytes(llm.llm_engine.model) < dense_bytes * (0.3 if method == "int8" else 0.25)
+    assert _weight_bytes(model_runner(llm).model) < dense_bytes * (0.3 if method == "int8" else 0.25)
     ppl = perplexity(llm, max_tokens=PPL_TOKENS)
     print(f"SmolLM2-135M {method}: perplexity {ppl:.3f} vs float32 {ref:.3f}")
     assert abs(ppl - ref) / ref < bound, (ppl, ref)

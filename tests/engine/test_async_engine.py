@@ -50,7 +50,7 @@ def test_streams_and_overload(engine):
                     break
                 await asyncio.sleep(0.05)
             assert not engine.has_unfinished_requests()
-            assert engine.kv_manager.usage == 0
+            assert engine.kv_cache_usage == 0
             with pytest.raises(ValueError, match="max_model_len is 512"):
                 llm.add_request("bad", "hello " * 2000, GREEDY)
             assert llm._pending == 0

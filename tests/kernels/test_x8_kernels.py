@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedllm.kernels import load_kernels
 from pagedllm.layers.ggml_linear import (KERNEL_TYPES, X8_TYPES, GGMLEmbedding, GGMLLinear,
-                                         linear_many, pack_x8)
+                                         GGMLMergedLinear, pack_x8)
 
 from test_ggml_kernels import _real_tensors, random_blocks, rel_error
 
@@ -78,9 +78,29 @@ def test_pack_x8_keeps_tied_weights_shared_and_skips_rows_not_a_multiple_of_8():
     assert rel_error(head(x), before[0]) < 0.02
     torch.testing.assert_close(emb(ids), before[1], rtol=0, atol=0)
     assert pack_x8(model) == 0  # packing twice is a no-op
-    # a mix of packed and unpacked layers still works through linear_many
-    mixed = linear_many(x, head, odd)
-    assert rel_error(mixed[0], before[0]) < 0.02 and rel_error(mixed[1], before[2]) < 0.02
+
+
+def test_merged_block_linear_runs_its_shards_in_one_call_with_their_own_types():
+    types = (T.Q5_0, T.Q6_K, T.Q8_0)  # a Q4_K_M file mixes types within q/k/v
+    sizes = (16, 8, 8)
+    merged = GGMLMergedLinear(256, sizes, ("q_proj", "k_proj", "v_proj"), types, bias=True,
+                              dtype=torch.float32)
+    raws = [torch.from_numpy(random_blocks(t, n, 256)) for t, n in zip(types, sizes)]
+    for w, raw in zip(merged.weights, raws):
+        w.data = raw
+    merged.bias.data = torch.randn(sum(sizes))
+    shards = merged.shard_tensors()
+    assert shards["k_proj.weight"] is merged.weights[1]
+    assert torch.equal(shards["v_proj.bias"], merged.bias[24:])
+    x = torch.randn(3, 256)
+    before = merged(x)
+    refs = [x.double() @ torch.from_numpy(gguf_dequantize(raw.numpy(), t).reshape(n, 256)).double().t()
+            for raw, t, n in zip(raws, types, sizes)]
+    assert pack_x8(nn.ModuleDict({"m": merged})) == 3 and merged.packed
+    after = merged(x)
+    for y0, y1, ref, b in zip(before, after, refs, merged.bias.split(sizes)):
+        assert rel_error(y1 - b, ref) < 0.02 and rel_error(y0 - b, ref) < 0.02
+        assert y1.shape == y0.shape
 
 
 def test_bad_shapes_are_clear_errors():

@@ -1,0 +1,58 @@
+"""The CPU backend: C++ K/V writes and batched paged decode attention over a float32 cache
+(kernels/csrc/cpu_ops.cpp), PyTorch SDPA for prompt chunks.
+
+Decode reads each request's K/V rows where they lie in the cache: no gathered copy, no mask.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention.backends.torch_ref import prefill_attention
+from pagedllm.attention.metadata import AttentionMetadata, CommonAttentionInputs
+
+
+class CpuMetadataBuilder:
+    """CommonAttentionInputs -> AttentionMetadata: the C++ kernel reads the block table and
+    context lengths as they are."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build(self, common: CommonAttentionInputs) -> AttentionMetadata:
+        """The common inputs, unchanged."""
+        return AttentionMetadata(common.slot_mapping, common.decode, common.prefills)
+
+
+class CpuAttentionImpl:
+    """Paged attention through pagedllm's C++ ops (float32 CPU tensors)."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over each request's paged context; returns [T, Hq, D]."""
+        # memcpy per slot: index_copy_ took ~0.6 ms for 512 rows
+        torch.ops.pagedllm.write_kv_(kv_cache, k.contiguous(), v.contiguous(), meta.slot_mapping)
+        if meta.decode is not None and not meta.prefills:
+            dec = meta.decode
+            return torch.ops.pagedllm.paged_decode_attention(q.contiguous(), kv_cache,
+                                                             dec.block_table, dec.context_lens,
+                                                             self.scale)
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            dec = meta.decode
+            out[:dec.num_tokens] = torch.ops.pagedllm.paged_decode_attention(
+                q[:dec.num_tokens].contiguous(), kv_cache, dec.block_table, dec.context_lens,
+                self.scale)
+        for seq in meta.prefills:
+            prefill_attention(q, k, v, kv_cache, seq, self.scale, out)
+        return out
+
+
+class CpuAttentionBackend:
+    """The C++ CPU backend (float32 KV cache, kernels loaded)."""
+
+    name = "cpu"
+    impl_cls = CpuAttentionImpl
+    builder_cls = CpuMetadataBuilder

@@ -1,0 +1,98 @@
+"""Plain-PyTorch paged attention: every platform's fallback and the oracle for other backends.
+
+K/V are written with index_copy_; decode reads each request's blocks through a padded block table
+with a boolean mask; prompt chunks run scaled_dot_product_attention over their context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata, CommonAttentionInputs, PrefillSeq
+
+
+@dataclass(frozen=True)
+class TorchAttentionMetadata(AttentionMetadata):
+    """The common metadata plus the decode mask SDPA needs."""
+
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+class TorchMetadataBuilder:
+    """CommonAttentionInputs -> TorchAttentionMetadata."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build(self, common: CommonAttentionInputs) -> TorchAttentionMetadata:
+        """Add the decode rows' attention mask."""
+        mask = None
+        if common.decode is not None:
+            dec = common.decode
+            width = dec.block_table.shape[1] * self.block_size
+            keys = torch.arange(width, device=dec.context_lens.device)
+            mask = (keys[None, :] < dec.context_lens[:, None])[:, None, None, :]
+        return TorchAttentionMetadata(common.slot_mapping, common.decode, common.prefills, mask)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values [T, Hkv, D] into the layer's cache [2, NB, BS, Hkv, D]."""
+    _, nb, bs, h, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      seq: PrefillSeq, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of one prompt chunk's rows of q over its context, into out's rows."""
+    _, _, _, h, d = kv_cache.shape
+    rows = slice(seq.start, seq.start + seq.num_tokens)
+    qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
+    if seq.mask is None:  # the whole context is this chunk: no need to read the cache
+        ks, vs = k[rows], v[rows]
+    else:
+        ks = kv_cache[0][seq.block_ids].view(-1, h, d)[:seq.context_len]
+        vs = kv_cache[1][seq.block_ids].view(-1, h, d)[:seq.context_len]
+    ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, C, D]
+    vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                       scale=scale, enable_gqa=True)
+    out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+class TorchAttentionImpl:
+    """Paged attention in PyTorch ops."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: TorchAttentionMetadata) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over each request's paged context; returns [T, Hq, D]."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        _, _, _, h, d = kv_cache.shape
+        if meta.decode is not None:
+            dec = meta.decode
+            b = dec.num_tokens
+            keys = kv_cache[0][dec.block_table].view(b, -1, h, d).transpose(1, 2)  # [B, Hkv, L, D]
+            vals = kv_cache[1][dec.block_table].view(b, -1, h, d).transpose(1, 2)
+            qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qd, keys.to(q.dtype), vals.to(q.dtype),
+                                               attn_mask=meta.decode_mask, scale=self.scale,
+                                               enable_gqa=True)
+            out[:b] = o.squeeze(2)
+        for seq in meta.prefills:
+            prefill_attention(q, k, v, kv_cache, seq, self.scale, out)
+        return out
+
+
+class TorchAttentionBackend:
+    """The plain-PyTorch backend."""
+
+    name = "torch"
+    impl_cls = TorchAttentionImpl
+    builder_cls = TorchMetadataBuilder

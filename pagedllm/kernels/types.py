@@ -1,0 +1,9 @@
+"""The GGML block formats the compiled kernels handle."""
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as T
+
+# types with row kernels (csrc/ggml_quants.cpp): kept in block form on the CPU
+KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+# types with an eight-row layout and its int8 gemv/gemm (csrc/ggml_x8.cpp)
+X8_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})

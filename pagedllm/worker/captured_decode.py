@@ -1,0 +1,77 @@
+"""The captured decode step: every decoder layer of a decode-only step in one C++ call
+(kernels/csrc/decode_stack.cpp), where the model's weights are all x8 block matrices on the CPU.
+
+At one token a step, the Python between a layer's ops (module calls, views, ~25 dispatched ops)
+costs about a third of the layer's matmuls. The stack runs the same kernels in the same order
+without it, so its numbers equal the layer loop's (tested). It replaces the model's layer loop
+for steps in which every request adds one token; it is the slot where CUDA-graph replay will sit
+on a GPU. Steps with a prompt chunk run the model's loop.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
+
+
+def _packed(*modules: nn.Module) -> bool:
+    return all(isinstance(m, (GGMLLinear, GGMLMergedLinear)) and m.packed for m in modules)
+
+
+def _float32(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+def _layer_args(layer: nn.Module) -> Optional[tuple]:
+    """DecodeStack.add_layer() arguments for a Llama/Qwen2 decoder layer, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
+    if not _packed(qkv, attn.o_proj, gate_up, mlp.down_proj):
+        return None
+    if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or gate_up.bias is not None:
+        return None
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if not _float32(qkv.bias, *norms):
+        return None
+    biases = [] if qkv.bias is None else list(qkv.bias.split(qkv.output_sizes))
+    weights = [*qkv.weights, attn.o_proj.weight, *gate_up.weights, mlp.down_proj.weight]
+    qtypes = [*qkv.qtypes, attn.o_proj.qtype, *gate_up.qtypes, mlp.down_proj.qtype]
+    return weights, [int(t) for t in qtypes], biases, *norms
+
+
+class CapturedDecode:
+    """embed -> the C++ layer stack -> final norm, for decode-only steps."""
+
+    def __init__(self, model: nn.Module, stack) -> None:
+        self.model, self.stack = model, stack
+
+    @classmethod
+    def capture(cls, model: nn.Module, kernels_ready: bool) -> Optional["CapturedDecode"]:
+        """The captured step of a Llama-family model whose layers can all take it, else None."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not kernels_ready or not layers or not _float32(model.rope.cos):
+            return None
+        args = [_layer_args(layer) for layer in layers]
+        if any(a is None for a in args):
+            return None
+        attn, norm = layers[0].self_attn, layers[0].input_layernorm
+        stack = torch.classes.pagedllm.DecodeStack(attn.num_heads, attn.num_kv_heads,
+                                                   attn.head_dim, norm.eps, attn.attn.scale,
+                                                   model.rope.cos, model.rope.sin)
+        for a in args:
+            stack.add_layer(*a)
+        return cls(model, stack)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [B, H] of a decode-only step, as model(input_ids, positions) gives."""
+        residual = self.model.embed(input_ids)  # [B, H] float32
+        x = torch.zeros_like(residual)
+        dec = meta.decode
+        x, residual = self.stack.forward(x, residual, positions, kv_cache, meta.slot_mapping,
+                                         dec.block_table, dec.context_lens)
+        return self.model.model.norm(x, residual)[0]

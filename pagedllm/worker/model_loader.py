@@ -1,0 +1,45 @@
+"""load_model: checkpoint -> a ready nn.Module on the engine's platform.
+
+    resolve the checkpoint -> plan which GGUF matrices keep their blocks -> build the plain model
+    (on the meta device, inside the platform's build context) -> swap in block-format modules ->
+    load the weights by checkpoint name -> quantize a float model (int8/int4) -> regroup blocks
+    for the CPU kernels
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from pagedllm.config import EngineConfig
+from pagedllm.layers.custom_op import build_context
+from pagedllm.layers.ggml_linear import pack_x8
+from pagedllm.layers.quantization import quantize_float_model
+from pagedllm.loader.checkpoint import load_weights, resolve_checkpoint
+from pagedllm.loader.gguf_loader import gguf_quant_plan
+from pagedllm.models.registry import build_model
+
+logger = logging.getLogger("pagedllm")
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """The model of config.model_path with its weights, on config.platform, ready to run."""
+    started = time.monotonic()
+    platform, quant = config.platform, config.quantization
+    device = platform.device()
+    ckpt = resolve_checkpoint(config.model_path)
+    plan = gguf_quant_plan(ckpt.path, platform.block_types()) if quant == "gguf" else None
+    with build_context(platform, config.dtype):
+        model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan)
+    with torch.no_grad():
+        load_weights(ckpt, model.checkpoint_params())
+    if quant in ("int8", "int4"):
+        quantize_float_model(model, quant)
+    if quant != "none":
+        pack_x8(model)  # the eight-row layout of the CPU kernels
+    logger.info("loaded %s (%s, %s, quantization %s) in %.1f s", ckpt.path,
+                config.arch.architecture, str(config.dtype).removeprefix("torch."), quant,
+                time.monotonic() - started)
+    return model

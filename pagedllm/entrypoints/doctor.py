@@ -35,7 +35,8 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
 def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                  max_model_len: Optional[int] = None) -> dict[str, Any]:
     """Whether MODEL fits here and with which sizes, from its metadata."""
-    from pagedllm.engine.config_builder import plan_engine_memory, resolve_quantization
+    from pagedllm.engine.config_builder import (block_model_dtype, plan_engine_memory,
+                                                resolve_quantization)
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
     from pagedllm.loader.sources import locate_model
@@ -45,7 +46,6 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     choice = resolve_platform(device)
     args = EngineArgs(model=model, dtype=dtype, device=device or "auto",
                       max_model_len=max_model_len)
-    chosen = resolve_dtype(dtype, ckpt.arch.torch_dtype, choice.platform)
     num_params, source = checkpoint_num_params(ckpt)
     out: dict[str, Any] = {"model": model, "path": str(ckpt.path), "format": ckpt.kind,
                            "architecture": ckpt.arch.architecture, "parameters": num_params,
@@ -53,6 +53,8 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                            "max_position_embeddings": ckpt.arch.max_position_embeddings}
     quantization = resolve_quantization(args, ckpt, choice.platform, build_kernels=False)
     out["quantization"] = quantization
+    chosen = block_model_dtype(dtype, quantization) or resolve_dtype(
+        dtype, ckpt.arch.torch_dtype, choice.platform)
     try:
         plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:

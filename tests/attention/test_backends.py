@@ -1,0 +1,118 @@
+"""The CPU attention backend against the plain-PyTorch reference on random paged caches, and the
+reference against dense causal attention computed from scratch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagedllm.attention.backends.cpu import CpuAttentionBackend
+from pagedllm.attention.backends.torch_ref import TorchAttentionBackend
+from pagedllm.attention.metadata import CommonAttentionInputs, DecodeBatch, PrefillSeq
+from pagedllm.kernels import load_kernels
+
+BS, HQ, HKV, D = 4, 6, 2, 16
+NUM_BLOCKS = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    load_kernels()
+
+
+def _layout(seed: int):
+    """Two decoding requests and two prompt chunks (one fresh, one continuing a cached prefix)
+    with scattered, shuffled block ids, plus each request's full history of K/V."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(NUM_BLOCKS - 1, generator=g) + 1  # block 0 is only padding
+    # (tokens already in the cache, tokens this step)
+    reqs = [(9, 1), (2, 1), (0, 7), (6, 5)]
+    owned, cursor = [], 0
+    for done, new in reqs:
+        n = -(-(done + new) // BS)
+        owned.append(blocks[cursor:cursor + n].tolist())
+        cursor += n
+    hist = [(torch.randn(done + new, HKV, D, generator=g), torch.randn(done + new, HKV, D, generator=g))
+            for done, new in reqs]
+    return reqs, owned, hist, g
+
+
+def _inputs(reqs, owned, hist, g):
+    cache = torch.zeros(2, NUM_BLOCKS, BS, HKV, D)
+    slots, qs, ks, vs, prefills = [], [], [], [], []
+    row = 0
+    for i, ((done, new), ids, (k, v)) in enumerate(zip(reqs, owned, hist)):
+        for p in range(done):  # what earlier steps cached
+            cache[0, ids[p // BS], p % BS] = k[p]
+            cache[1, ids[p // BS], p % BS] = v[p]
+        slots += [ids[p // BS] * BS + p % BS for p in range(done, done + new)]
+        ks.append(k[done:]), vs.append(v[done:]), qs.append(torch.randn(new, HQ, D, generator=g))
+        if new > 1:
+            ctx = done + new
+            mask = None
+            if done:
+                mask = torch.arange(ctx)[None, :] <= (done + torch.arange(new))[:, None]
+            prefills.append(PrefillSeq(row, new, ctx, torch.tensor(ids), mask))
+        row += new
+    decodes = [(done + 1, ids) for (done, new), ids in zip(reqs, owned) if new == 1]
+    width = max(-(-c // BS) for c, _ in decodes)
+    table = torch.tensor([ids[:-(-c // BS)] + [0] * (width - len(ids[:-(-c // BS)]))
+                          for c, ids in decodes])
+    dec = DecodeBatch(len(decodes), table, torch.tensor([c for c, _ in decodes]))
+    common = CommonAttentionInputs(torch.tensor(slots), dec, prefills)
+    return cache, torch.cat(qs), torch.cat(ks), torch.cat(vs), common
+
+
+def _run(backend, cache, q, k, v, common):
+    meta = backend.builder_cls(BS).build(common)
+    out = backend.impl_cls(D ** -0.5).forward(q, k, v, cache, meta)
+    return out, cache
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_backend_matches_the_reference_on_a_mixed_batch(seed):
+    reqs, owned, hist, g = _layout(seed)
+    ref_in = _inputs(reqs, owned, hist, torch.Generator().manual_seed(seed + 100))
+    cpu_in = _inputs(reqs, owned, hist, torch.Generator().manual_seed(seed + 100))
+    ref, ref_cache = _run(TorchAttentionBackend, *ref_in)
+    out, cpu_cache = _run(CpuAttentionBackend, *cpu_in)
+    assert torch.equal(cpu_cache, ref_cache)  # the same K/V bytes in the same slots
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_backend_decode_only_step_matches_the_reference():
+    reqs, owned, hist, _ = _layout(5)
+    reqs, owned, hist = reqs[:2], owned[:2], hist[:2]  # the two decoding requests alone
+    args = _inputs(reqs, owned, hist, torch.Generator().manual_seed(7))
+    ref, _ = _run(TorchAttentionBackend, *[a.clone() if torch.is_tensor(a) else a for a in args])
+    out, _ = _run(CpuAttentionBackend, *args)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_equals_dense_causal_attention():
+    reqs, owned, hist, _ = _layout(3)
+    cache, q, k, v, common = _inputs(reqs, owned, hist, torch.Generator().manual_seed(9))
+    out, _ = _run(TorchAttentionBackend, cache, q, k, v, common)
+    row = 0
+    for (done, new), (kh, vh) in zip(reqs, hist):
+        qs = q[row:row + new].transpose(0, 1)  # [Hq, S, D]
+        keys = kh.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)  # [Hq, C, D]
+        vals = vh.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+        scores = qs @ keys.transpose(1, 2) * D ** -0.5  # [Hq, S, C]
+        visible = torch.arange(done + new)[None, :] <= (done + torch.arange(new))[:, None]
+        want = F.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vals
+        torch.testing.assert_close(out[row:row + new], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        row += new
+
+
+def test_metadata_builders():
+    reqs, owned, hist, g = _layout(0)
+    common = _inputs(reqs, owned, hist, g)[-1]
+    ref = TorchAttentionBackend.builder_cls(BS).build(common)
+    cpu = CpuAttentionBackend.builder_cls(BS).build(common)
+    # the reference masks padded keys; the C++ kernel reads context_lens instead
+    ctx = common.decode.context_lens
+    assert ref.decode_mask.shape == (2, 1, 1, common.decode.block_table.shape[1] * BS)
+    assert ref.decode_mask.sum(-1).flatten().tolist() == ctx.tolist()
+    assert not hasattr(cpu, "decode_mask") and cpu.decode is common.decode
+    assert not ref.decode_only and not cpu.decode_only

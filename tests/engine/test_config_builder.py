@@ -1,0 +1,76 @@
+"""The dtype and code-path choices on both kinds of CPU the project meets: AVX2 only (float32
+fastest) and AVX-512 with native bf16. Whichever this machine is, both choices run here, by
+handing the engine a CPU platform with the other feature set."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagedllm.engine import config_builder
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
+from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.platforms import PlatformChoice
+from pagedllm.platforms.cpu import CpuInfo, CpuPlatform
+from pagedllm.sampling_params import SamplingParams
+
+CPUS = {
+    "avx2": ("avx2",),  # AMD Zen 3
+    "avx512_bf16": ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"),  # Zen 4/5, Cooper Lake on
+}
+
+
+@pytest.fixture(params=sorted(CPUS))
+def cpu(request, monkeypatch) -> CpuPlatform:
+    """The engine's platform, as if the CPU had this feature set."""
+    platform = CpuPlatform(CpuInfo("test cpu", CPUS[request.param], 2, "test"))
+    choice = PlatformChoice(platform, (), "cpu", "test")
+    monkeypatch.setattr(config_builder, "resolve_platform", lambda device: choice)
+    return platform
+
+
+def _config(model, checkpoint_dtype=None, **kwargs):
+    args = EngineArgs(model=str(model), max_model_len=512, **kwargs)
+    ckpt = resolve_checkpoint(model)
+    if checkpoint_dtype:  # as a bf16 checkpoint says in its config.json
+        ckpt = dataclasses.replace(ckpt, arch=dataclasses.replace(ckpt.arch,
+                                                                  torch_dtype=checkpoint_dtype))
+    return config_builder.make_engine_config(args, ckpt)
+
+
+def test_kept_blocks_compute_in_float32_on_every_cpu(cpu, smollm_gguf):
+    config = _config(smollm_gguf)
+    assert config.quantization == "gguf" and config.dtype == torch.float32
+    assert config.platform is cpu
+    assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
+    with pytest.raises(ValueError, match="dtype='bfloat16' with quantization='gguf'"):
+        _config(smollm_gguf, dtype="bfloat16")
+
+
+def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
+    config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
+    want = torch.bfloat16 if cpu.info.native_bf16 else torch.float32
+    assert config.quantization == "none" and config.dtype == want
+    # bf16 runs the PyTorch ops and attention; float32 the C++ ones
+    assert cpu.attention_backend(want) == ("torch" if want == torch.bfloat16 else "cpu")
+    assert cpu.op_impl(want) == ("native" if want == torch.bfloat16 else "cpu")
+
+
+def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf, monkeypatch):
+    ckpt = resolve_checkpoint(smollm_gguf)
+    tokenizer, gen = load_tokenizer(ckpt.tokenizer_path), generation_config(ckpt)
+    results = {}
+    for name, features in CPUS.items():
+        choice = PlatformChoice(CpuPlatform(CpuInfo("test cpu", features, 2, "test")), (),
+                                "cpu", "test")
+        monkeypatch.setattr(config_builder, "resolve_platform", lambda device: choice)
+        engine = LLMEngine(_config(smollm_gguf), tokenizer, gen)
+        assert engine.engine_core.executor.model_runner.captured_decode is not None, name
+        engine.add_request("r", "def add(a, b):", SamplingParams(temperature=0, max_tokens=12))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                results[name] = list(out.outputs[0].token_ids)
+    assert len(results["avx2"]) == 12 and results["avx2"] == results["avx512_bf16"]

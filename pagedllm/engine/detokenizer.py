@@ -17,7 +17,17 @@ class IncrementalDetokenizer:
         self._stops = params.stop or []
         self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # the end of the text that may still become a stop string, and so be cut, is held back
+        # from unfinished outputs: a stream never shows text it later takes back (as vLLM does)
+        self._hold = self._max_stop_len - 1 if self._stops and not self._include_stop else 0
         self.text = ""
+
+    def output_text(self, finished: bool) -> str:
+        """The text to show: all of it once the sequence is finished, else without the last
+        (longest stop string - 1) characters, which a stop string may still claim."""
+        if finished or not self._hold:
+            return self.text
+        return self.text[:max(0, len(self.text) - self._hold)]
 
     def update(self, token_ids: list[int]) -> Optional[str]:
         """Append tokens' text; return the stop string if one now appears (text is cut there)."""

@@ -137,7 +137,8 @@ class OutputProcessor:
 
     def _make_output(self, parent: _ParentState) -> RequestOutput:
         outputs = [CompletionOutput(
-            index=s.index, text=s.detokenizer.text if s.detokenizer else "",
+            index=s.index,
+            text=s.detokenizer.output_text(s.finish_reason is not None) if s.detokenizer else "",
             token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.samples]

@@ -90,14 +90,16 @@ def test_stop_string_on_the_core_s_last_token_is_not_aborted(qwen_tokenizer):
         "Hello", "stop", " world")
 
 
-@pytest.mark.xfail(strict=True, reason="no hold-back: text that may begin a stop string is shown, "
-                   "then cut when the stop string completes (streams send it to clients)")
 def test_streamed_text_is_never_taken_back(smollm_tokenizer):
     tok = smollm_tokenizer
     ids = tok.encode("The answer is: STOP here")
     op = _processor(tok, SamplingParams(stop="STOP"))
-    texts = [op.process([EngineCoreOutput("r", [i])])[0][0].outputs[0].text for i in ids[:6]]
+    outs = [op.process([EngineCoreOutput("r", [i])])[0][0] for i in ids[:6]]
+    texts = [o.outputs[0].text for o in outs]
     assert all(texts[-1].startswith(t) for t in texts)
+    assert outs[-1].finished and texts[-1] == "The answer is: "
+    # while unfinished, the last len("STOP") - 1 characters wait: they could begin "STOP"
+    assert "ST" not in "".join(texts[:-1])
 
 
 def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(qwen_tokenizer):

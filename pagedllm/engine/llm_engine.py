@@ -134,6 +134,16 @@ class LLMEngine:
         return SamplingParams(**{k: self.generation_config[k] for k in keys
                                  if self.generation_config.get(k) is not None})
 
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's vocabulary: valid token ids are [0, vocab_size)."""
+        return self.config.arch.vocab_size
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV-cache blocks in use (0-1)."""
+        return self.kv_manager.usage
+
 
 def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:
     ids = set(arch.eos_token_ids)

@@ -103,7 +103,7 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(req.model)
-        vocab = ctx.engine.engine.config.arch.vocab_size
+        vocab = ctx.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"tokens must be ids in [0, {vocab}), got {bad[0]}", 400, "tokens")

@@ -1,8 +1,8 @@
 """pagedllm: a vLLM-compatible LLM inference engine that runs on the device the machine has."""
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 

@@ -33,6 +33,16 @@ class ModelArchConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
+    def num_params(self) -> int:
+        """Parameters of a Llama/Qwen2 decoder from its shapes."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + head + self.num_hidden_layers * per_layer + h
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -10,7 +10,8 @@ from typing import Callable
 
 import pytest
 
-from pagedllm.loader.model_store import cache_dir, ensure_gguf
+from pagedllm.loader.model_store import ensure_gguf
+from pagedllm.paths import cache_dir
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"

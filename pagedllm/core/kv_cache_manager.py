@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from pagedllm.core.block_pool import BlockPool, KVBlock
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,8 +14,8 @@ from typing import Iterable, Optional
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.engine.request import Request, RequestStatus
 
 
 class Scheduler:

@@ -41,6 +41,15 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error."""
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load, for metrics."""
+
+    num_running: int  # sequences being computed
+    num_waiting: int  # sequences queued or preempted
+    kv_cache_usage: float  # fraction of KV-cache blocks in use (0-1)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -68,6 +77,20 @@ class AsyncLLM:
     def tokenizer(self):
         """The engine's tokenizer."""
         return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's vocabulary: valid token ids are [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults."""
+        return self.engine.default_sampling_params()
+
+    def stats(self) -> EngineStats:
+        """Running and waiting sequences and KV-cache usage, read now."""
+        return EngineStats(self.engine.num_running, self.engine.num_waiting,
+                           self.engine.kv_cache_usage)
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams) -> AsyncIterator[RequestOutput]:

@@ -7,7 +7,7 @@ from typing import Iterable
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.uniproc import UniProcExecutor

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]

@@ -91,16 +91,15 @@ class LLMEngine:
         return SamplingParams(**{k: self.generation_config[k] for k in keys
                                  if self.generation_config.get(k) is not None})
 
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's vocabulary: valid token ids are [0, vocab_size)."""
+        return self.config.arch.vocab_size
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use (0-1)."""
+        """Fraction of KV-cache blocks in use (0-1)."""
         return self.engine_core.kv_manager.usage
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size."""
-        return self.config.arch.vocab_size
 
 
 def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:

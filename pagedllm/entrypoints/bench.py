@@ -94,7 +94,8 @@ def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     """One stream, in-process: the mean of --num-iters requests after --num-iters-warmup."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)
@@ -115,7 +116,8 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """N prompts through LLM.generate."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)

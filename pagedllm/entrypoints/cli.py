@@ -6,17 +6,17 @@ import logging
 import sys
 from typing import Optional
 
-import pagedllm
 from pagedllm.entrypoints.bench import add_bench_parser, run_bench
 from pagedllm.entrypoints.chat_cli import add_client_parsers, run_chat, run_complete
 from pagedllm.entrypoints.serve import add_serve_parser, run_serve
+from pagedllm.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser with one sub-command per job."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: a vLLM-compatible "
                                      "LLM engine for the device this machine has")
-    parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_client_parsers(sub)

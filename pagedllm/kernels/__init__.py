@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.paths import cache_dir
+
 logger = logging.getLogger("pagedllm")
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -50,7 +52,6 @@ def build_key() -> str:
 
 
 def _build_dir(key: str) -> Path:
-    from pagedllm.loader.model_store import cache_dir
     return cache_dir() / "kernels" / key
 
 

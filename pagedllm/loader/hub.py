@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from pagedllm.paths import cache_dir
+
 _META_FILES = frozenset({
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
@@ -168,8 +170,6 @@ def _hf_selection(repo_id: str, names: list[str]) -> tuple[list[str], list[str]]
 
 def _header_dir() -> Path:
     """Where header-only stubs live: $PAGEDLLM_CACHE_DIR/hub-headers (never inside the HF cache)."""
-    from pagedllm.loader.model_store import cache_dir  # lazy: model_store may import this module
-
     return cache_dir() / "hub-headers"
 
 
@@ -191,7 +191,7 @@ def _range_reader(ref: HubRef, s: _Settings, filename: str, commit: str) -> Call
 
 def _fetch_gguf_header(read: Callable[[int, int], bytes], size: int) -> bytes:
     """The smallest prefix of a remote GGUF (growing x4) that holds its whole header."""
-    from pagedllm.loader.gguf_loader import read_gguf_header
+    from pagedllm.loader.gguf_loader import read_gguf_header  # numpy, torch, gguf: load only here
 
     data = b""
     want = _HEADER_FIRST_READ

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.gguf_loader import gguf_header
-from pagedllm.worker.memory import count_params
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,7 +36,7 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
         itemsize = _DTYPE_BYTES.get(ckpt.arch.torch_dtype or "", 0)
         if total and itemsize:
             return int(total) // itemsize, "safetensors index total_size"
-    return count_params(ckpt.arch), "config.json shapes"
+    return ckpt.arch.num_params(), "config.json shapes"
 
 
 def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int) -> int:

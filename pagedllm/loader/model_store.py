@@ -19,11 +19,12 @@ from typing import BinaryIO, Iterator, Optional
 
 from tqdm import tqdm
 
+from pagedllm.paths import TOKENIZER_MARKER, cache_dir
+
 DEFAULT_MODEL: str = "qwen2.5-coder-0.5b-instruct"
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
 _PIP_TAIL_LINES = 15
-TOKENIZER_MARKER = ".tokenizer-export.json"  # names a finished tokenizer export (loader.tokenizer reads it)
 # Files a tokenizer export may leave in a model dir; a config.json or weights
 # there would make the engine treat the dir as an HF checkpoint.
 _FORBIDDEN_EXPORTS = ("config.json", "model.safetensors", "model.safetensors.index.json")
@@ -119,12 +120,6 @@ def _require_spec(name: str) -> ModelSpec:
     if spec is None:
         raise ValueError(f"name={name!r} is not a known model; known models: {', '.join(known_models())}")
     return spec
-
-
-def cache_dir() -> pathlib.Path:
-    """Root of the model cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
-    env = os.environ.get("PAGEDLLM_CACHE_DIR")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagedllm"
 
 
 def _model_dir(spec: ModelSpec) -> pathlib.Path:
@@ -305,6 +300,7 @@ def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path
 
 def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
     """Export HF tokenizer files from the GGUF into model_dir; return their names."""
+    # transformers takes seconds to import: only when a tokenizer is exported
     from transformers import AutoTokenizer
 
     from pagedllm.loader.tokenizer import load_tokenizer

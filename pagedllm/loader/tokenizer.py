@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.loader.gguf_loader import gguf_header
-from pagedllm.loader.model_store import TOKENIZER_MARKER
+from pagedllm.paths import TOKENIZER_MARKER
 
 _FROM_CONFIG = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length")
 

@@ -71,17 +71,6 @@ class MemoryPlan:
                 f"available {fmt_bytes(self.available.available_bytes)} ({self.available.source})")
 
 
-def count_params(arch: ModelArchConfig) -> int:
-    """Parameters of a Llama/Qwen2 decoder from its shapes."""
-    h, i, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
-    if arch.attention_bias:
-        per_layer += q + 2 * kv
-    head = 0 if arch.tie_word_embeddings else v * h
-    return v * h + head + arch.num_hidden_layers * per_layer + h
-
-
 def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
     """K and V of one token across all layers."""
     return arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * itemsize

@@ -1,6 +1,6 @@
 """KVCacheManager: block tables, prefix hits and their limits on a toy cache."""
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -2,8 +2,8 @@
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import ModelRunnerOutput
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 0

@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLM, EngineOverloadedError
+from pagedllm.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStats
 from pagedllm.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -23,10 +23,14 @@ def test_streams_and_overload(engine):
     async def main():
         llm = AsyncLLM(engine, max_waiting=2)
         try:
+            assert llm.stats() == EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0)
+            assert llm.vocab_size == 49152  # SmolLM2's
             # a long request holds the only sequence slot, so the next ones wait
             hog = llm.add_request("hog", "Hello there", SamplingParams(max_tokens=2000,
                                                                      ignore_eos=True))
             await hog.__anext__()
+            stats = llm.stats()
+            assert stats.num_running == 1 and 0 < stats.kv_cache_usage < 1
             streams = [llm.add_request(f"r{i}", "Hello there", GREEDY) for i in range(2)]
             with pytest.raises(EngineOverloadedError, match="2 requests are already waiting"):
                 llm.add_request("r2", "Hello there", GREEDY)
@@ -50,7 +54,7 @@ def test_streams_and_overload(engine):
                     break
                 await asyncio.sleep(0.05)
             assert not engine.has_unfinished_requests()
-            assert engine.kv_cache_usage == 0
+            assert llm.stats().kv_cache_usage == 0
             with pytest.raises(ValueError, match="max_model_len is 512"):
                 llm.add_request("bad", "hello " * 2000, GREEDY)
             assert llm._pending == 0

@@ -11,7 +11,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.memory import (InsufficientMemoryError, count_params, footprint,
+from pagedllm.worker.memory import (InsufficientMemoryError, footprint,
                                     kv_bytes_per_token, plan_memory)
 
 GiB = 1024 ** 3
@@ -28,7 +28,7 @@ def qwen7b_footprint(itemsize=2, name="bfloat16"):
 def test_parameter_count_from_config_matches_the_real_shapes():
     ckpt = resolve_checkpoint(QWEN7B)
     shapes = json.loads((QWEN7B / "shapes.json").read_text())["shapes"]
-    assert count_params(ckpt.arch) == sum(math.prod(s) for s in shapes.values()) == 7_615_616_512
+    assert ckpt.arch.num_params() == sum(math.prod(s) for s in shapes.values()) == 7_615_616_512
     assert checkpoint_num_params(ckpt) == (7_615_616_512, "safetensors index total_size")
     index = json.loads((QWEN7B / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(shapes)

@@ -8,8 +8,6 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-import pagedllm
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -18,6 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, now
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
 
@@ -33,7 +32,7 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
 
 def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application."""
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app = FastAPI(title="pagedllm", version=__version__)
     metrics = ServerMetrics(ctx.engine, ctx.served_model_names[0])
     ctx.engine.listener = metrics
 
@@ -66,7 +65,7 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": pagedllm.__version__}
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -104,7 +103,7 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(req.model)
-        vocab = ctx.engine.engine.config.arch.vocab_size
+        vocab = ctx.engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"tokens must be ids in [0, {vocab}), got {bad[0]}", 400, "tokens")

@@ -15,17 +15,17 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
-        core = engine.engine
 
         def gauge(name: str, doc: str, fn) -> None:
             g = Gauge(name, doc, list(labels), registry=self.registry)
             g.labels(**labels).set_function(fn)
 
-        gauge("vllm:num_requests_running", "Sequences being computed.", lambda: core.num_running)
+        gauge("vllm:num_requests_running", "Sequences being computed.",
+              lambda: engine.stats().num_running)
         gauge("vllm:num_requests_waiting", "Sequences waiting or preempted.",
-              lambda: core.num_waiting)
+              lambda: engine.stats().num_waiting)
         gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-              lambda: core.kv_manager.usage)
+              lambda: engine.stats().kv_cache_usage)
         self._prompt = Counter("vllm:prompt_tokens", "Prompt tokens processed.", list(labels),
                                registry=self.registry).labels(**labels)
         self._gen = Counter("vllm:generation_tokens", "Tokens generated.", list(labels),

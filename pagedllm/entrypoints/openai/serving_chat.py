@@ -63,7 +63,7 @@ def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)  # None: until max_model_len
     try:
-        return req.sampling_params(max_tokens, ctx.engine.engine.default_sampling_params(),
+        return req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
                                    logprobs)
     except ValueError as err:
         raise bad_request(err) from None

@@ -31,7 +31,7 @@ def _params(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
     check_n(req.n, req.best_of)
     try:
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return req.sampling_params(max_tokens, ctx.engine.engine.default_sampling_params(),
+        return req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
                                    req.logprobs)
     except ValueError as err:
         raise bad_request(err) from None

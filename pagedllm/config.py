@@ -5,6 +5,18 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+# quantization= values: None picks "gguf" for a GGUF on the CPU and "none" otherwise.
+QUANTIZATION_METHODS = ("gguf", "int8", "int4", "none")
+
+
+def check_quantization(value: Optional[str]) -> Optional[str]:
+    """The quantization method, or a ValueError listing the allowed ones."""
+    if value is None or value in QUANTIZATION_METHODS:
+        return value
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
+                     f"got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""

@@ -153,3 +153,29 @@ def test_imports_go_down_the_layers():
     assert not unplaced, f"modules missing from LAYERS: {unplaced}"
     bad = upward_edges(graph)
     assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
+
+
+# The engine reaches the model only through the executor: what runs below it (model code, its
+# layers, kernels, attention, sampling, the worker) is the executor's business. Memory planning
+# is pure functions over metadata that the config builder calls before anything is loaded.
+ENGINE_MAY_NOT_IMPORT = ("pagedllm.models", "pagedllm.layers", "pagedllm.kernels",
+                         "pagedllm.attention", "pagedllm.sample", "pagedllm.worker")
+ENGINE_EXCEPTIONS = ("pagedllm.worker.memory",)
+
+
+def engine_reaches_below_the_executor(graph: Graph) -> list[str]:
+    """'importer -> imported' for each engine module importing what the executor hides."""
+    def hidden(m: str) -> bool:
+        return m not in ENGINE_EXCEPTIONS and any(m == p or m.startswith(p + ".")
+                                                  for p in ENGINE_MAY_NOT_IMPORT)
+    return [f"{a} -> {b}" for a in sorted(graph) if a.startswith("pagedllm.engine")
+            for b in sorted(graph[a]) if hidden(b)]
+
+
+def test_engine_imports_nothing_below_the_executor():
+    graph = build_graph(PACKAGE_DIR)
+    assert engine_reaches_below_the_executor(
+        {"pagedllm.engine.x": {"pagedllm.layers.norm", "pagedllm.worker.memory"}}) == [
+        "pagedllm.engine.x -> pagedllm.layers.norm"]
+    bad = engine_reaches_below_the_executor(graph)
+    assert not bad, "the engine imports below the executor:\n" + "\n".join(bad)

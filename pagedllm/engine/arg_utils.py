@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from pagedllm.layers.quantization import check_quantization
+from pagedllm.config import check_quantization
 
 logger = logging.getLogger("pagedllm")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedllm.layers.quantization import QUANTIZATION_METHODS
+from pagedllm.config import QUANTIZATION_METHODS
 import logging
 import os
 import sys

@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -19,22 +17,11 @@ from torch import nn
 from pagedllm.layers.ggml_linear import GGMLEmbedding, GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 
-# quantization= values: None picks "gguf" for a GGUF on the CPU and none otherwise.
-QUANTIZATION_METHODS = ("gguf", "int8", "int4", "none")
-
 # checkpoint module name (e.g. "model.layers.0.mlp.up_proj") -> block format of its weight; a
 # merged module (gate_up_proj) is swapped when every one of its shards is in the plan
 QuantPlan = dict[str, GGMLQuantizationType]
 
 Q8_0, Q4_1 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
-
-
-def check_quantization(value: Optional[str]) -> Optional[str]:
-    """The quantization method, or a ValueError listing the allowed ones."""
-    if value is None or value in QUANTIZATION_METHODS:
-        return value
-    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, "
-                     f"got {value!r}")
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -186,21 +186,24 @@ def _pack(weight: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> nn.Param
 def pack_x8(model: nn.Module) -> int:
     """Regroup the CPU block weights of model eight rows at a time for the x8 kernels, in place;
     a weight shared by several modules (tied embedding and head) is packed once and stays
-    shared. Returns the number of tensors packed."""
-    packed = 0
-    by_weight: dict[int, list[nn.Module]] = {}
+    shared. Returns the number of tensors packed. Weights are packed in module order, so each
+    layer's matrices are allocated together, in the order a step reads them."""
+    groups: dict[int, list[nn.Module]] = {}  # first weight's id -> modules sharing it
     for m in model.modules():
         if isinstance(m, GGMLMergedLinear):
-            if not m.packed and _packable(m):
-                for i, (w, qt) in enumerate(zip(m.weights, m.qtypes)):
-                    m.weights[i] = _pack(w, qt, m.in_features)
-                m.packed = True
-                packed += len(m.weights)
+            groups[id(m)] = [m]
         elif isinstance(m, (GGMLLinear, GGMLEmbedding)):
-            by_weight.setdefault(id(m.weight), []).append(m)
-    for users in by_weight.values():
+            groups.setdefault(id(m.weight), []).append(m)
+    packed = 0
+    for users in groups.values():
         first = users[0]
         if first.packed or not all(_packable(m) for m in users):
+            continue
+        if isinstance(first, GGMLMergedLinear):
+            for i, (w, qt) in enumerate(zip(first.weights, first.qtypes)):
+                first.weights[i] = _pack(w, qt, first.in_features)
+            first.packed = True
+            packed += len(first.weights)
             continue
         k = first.in_features if isinstance(first, GGMLLinear) else first.embedding_dim
         weight = _pack(first.weight, first.qtype, k)

@@ -64,6 +64,63 @@ def _check_stop_token_ids(value: Any) -> list[int]:
     return list(value)
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's StructuredOutputsParams options that pagedllm's grammar backend does not implement:
+# refused when set, never silently dropped
+_UNSUPPORTED = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                "whitespace_pattern": None, "structural_tag": None}
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a JSON schema, a regex, a choice of strings, a grammar
+    (Lark or GBNF) or any JSON object: exactly one of them (vLLM's names)."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_fallback: bool = False  # one grammar backend: nothing to fall back to
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+    structural_tag: Optional[str] = None
+    # the request field this came from, for error messages (e.g. "response_format")
+    field_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{self.field_name or 'structured_outputs'} must set exactly one of "
+                             f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) or 'none'}")
+        for name, default in _UNSUPPORTED.items():
+            if getattr(self, name) != default:
+                raise ValueError(f"structured_outputs.{name} is not supported by pagedllm")
+        kind = given[0]
+        label = self.label
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (str, dict)):
+            raise ValueError(f"{label} must be a JSON schema (an object or its JSON text)")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"{label} must be a non-empty string")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"{label} must be a non-empty list of non-empty strings")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"{label} must be true")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _CONSTRAINTS if getattr(self, k) not in (None, False))
+
+    @property
+    def label(self) -> str:
+        """The request field to name in an error about this constraint."""
+        return self.field_name or f"structured_outputs.{self.kind}"
+
+
 @dataclass
 class SamplingParams:
     """Decoding options of one request (OpenAI / vLLM semantics)."""
@@ -89,6 +146,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -98,6 +156,10 @@ class SamplingParams:
         self._check_flags()
         self.stop = _check_stop(self.stop)
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(so).__name__}")
         if self.temperature < SAMPLING_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

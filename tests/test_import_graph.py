@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pagedllm.version"),
     ("pagedllm.kernels",),
     ("pagedllm.platforms",),
+    ("pagedllm.structured_output",),
     ("pagedllm.core",),
     ("pagedllm.loader",),
     ("pagedllm.sample",),

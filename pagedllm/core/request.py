@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagedllm.core.block_hash import BlockHash, hash_block_tokens
 from pagedllm.sampling_params import SamplingParams
@@ -44,6 +44,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: Union[int, str, None] = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # structured_output.grammar.GrammarState: where the output is in its grammar (None: free)
+    grammar: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self._update_block_hashes()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -28,6 +29,14 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """The ids each constrained request may sample this step."""
+
+    req_ids: list[str]  # row r of the bitmask belongs to req_ids[r]
+    bitmask: Any  # torch int32 [rows, ceil(vocab / 32)], bit set = allowed
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What to compute this step: per request, how many tokens from num_computed_tokens on."""
 
@@ -35,6 +44,7 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step, in batch order
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
+    grammar: Optional[GrammarBitmask] = None  # None when no sampling request is constrained
 
     @property
     def is_empty(self) -> bool:

@@ -8,6 +8,7 @@ preempted: its blocks are freed and it is recomputed from scratch later.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Iterable, Optional
 
@@ -15,14 +16,20 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.sched_output import (CachedRequestData, GrammarBitmask, NewRequestData,
+                                        SchedulerOutput)
+from pagedllm.structured_output.bitmask import allocate_bitmask
+
+logger = logging.getLogger("pagedllm")
 
 
 class Scheduler:
     """Decides, step by step, which requests compute how many tokens."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 vocab_size: int = 0) -> None:
         self.config = config
+        self.vocab_size = vocab_size  # width of the grammar bitmask
         self.kv = kv
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -105,7 +112,20 @@ class Scheduler:
             self._known_to_runner.add(request.request_id)
 
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished)
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
+                               self._grammar_bitmask(num_scheduled))
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> Optional[GrammarBitmask]:
+        """The allowed ids of each constrained request that samples this step (its grammar has
+        consumed every output token so far, preemption or not)."""
+        rows = [r for r in (self.requests[i] for i in num_scheduled) if r.grammar is not None
+                and r.num_computed_tokens + num_scheduled[r.request_id] == r.num_tokens]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)
+        for row, request in enumerate(rows):
+            request.grammar.fill_bitmask(bitmask, row)
+        return GrammarBitmask([r.request_id for r in rows], bitmask)
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -122,6 +142,9 @@ class Scheduler:
             token = out.sampled.get(req_id)
             if token is not None:
                 request.append_output_token(token)
+                if request.grammar is not None and not request.grammar.accept(token):
+                    logger.warning("request %s: the grammar rejected token %d (%s)", req_id,
+                                   token, request.grammar.error)
                 core_out.new_token_ids.append(token)
                 if req_id in out.logprobs:
                     core_out.new_logprobs.append(out.logprobs[req_id])
@@ -139,6 +162,9 @@ class Scheduler:
         params = request.sampling_params
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if request.grammar is not None and (request.grammar.is_terminated
+                                            or request.grammar.error is not None):
+            return RequestStatus.FINISHED_STOPPED  # the output is complete (or cannot go on)
         if request.num_output_tokens < params.min_tokens:
             return None
         if not params.ignore_eos and token in request.eos_token_ids:

@@ -25,7 +25,7 @@ class EngineCore:
         num_blocks = self._initialize_kv_cache()
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size)
 
     def _initialize_kv_cache(self) -> int:
         """Size the KV cache from what the workers may hold, allocate it; the number of blocks."""

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.grammar import GrammarCompiler
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -31,6 +32,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def process(self, request_id: str, prompt: PromptType,
                 params: SamplingParams) -> ProcessedPrompt:
@@ -44,6 +46,9 @@ class InputProcessor:
                                  f"got {value}")
         text, ids = self._tokenize(prompt)
         self._check_length(ids)
+        # compiled here, on the caller's thread (a 400 for an invalid spec; never the engine's)
+        grammar = (self.grammars.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -54,8 +59,10 @@ class InputProcessor:
             if params.n > 1 and params.seed is not None:
                 child_params = replace(params, seed=params.seed + i)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            requests.append(Request(child_id, list(ids), child_params, max_tokens,
-                                    self.eos_token_ids, self.block_size, now))
+            request = Request(child_id, list(ids), child_params, max_tokens,
+                              self.eos_token_ids, self.block_size, now)
+            request.grammar = grammar.new_state() if grammar is not None else None
+            requests.append(request)
         return ProcessedPrompt(text, ids, requests)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -27,6 +27,8 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]  # per row (used by repetition penalty)
     output_token_ids: list[list[int]]  # per row, tokens generated so far
     banned_token_ids: dict[int, list[int]]  # row -> ids that must not be sampled (min_tokens)
+    # [N, ceil(V / 32)] int32 of the ids each row may sample (structured outputs), or None
+    grammar_bitmask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_params(

@@ -8,6 +8,7 @@ import torch
 from pagedllm.sample import ops
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SAMPLING_EPS
+from pagedllm.structured_output.bitmask import apply_bitmask_
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Sampler(torch.nn.Module):
         # [N, V]; no copy when already float32 (a 152k-vocabulary row is 600 KB, and the copy cost
         # ~0.3 ms a step): only ban_tokens writes in place, and it gets its own copy
         logits = logits.float()
+        if meta.grammar_bitmask is not None:  # structured outputs: disallowed ids never drawn
+            logits = apply_bitmask_(logits.clone(), meta.grammar_bitmask)
         # Logprobs describe the model, so they come from the raw logits (vLLM "raw_logprobs").
         raw_logprobs = None
         if meta.max_num_logprobs is not None:

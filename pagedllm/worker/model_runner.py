@@ -14,7 +14,7 @@ from torch import nn
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, TokenLogprobs
-from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
@@ -88,7 +88,7 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions)  # [T, H]
         out = ModelRunnerOutput(sampled={})
         self._prompt_logprobs(step, hidden, out)
-        self._sample(step, hidden, out)
+        self._sample(step, hidden, out, sched.grammar)
         for seq in step.seqs:
             seq.state.num_computed_tokens += seq.num_tokens
         return out
@@ -114,7 +114,8 @@ class ModelRunner:
             return None
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _sample(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
+                grammar: Optional[GrammarBitmask]) -> None:
         seqs = [s for s in step.seqs if s.samples]
         if not seqs:
             return
@@ -126,6 +127,9 @@ class ModelRunner:
             [st.sampling_params for st in states], [st.prompt_token_ids for st in states],
             [st.output_token_ids for st in states], generators, self.vocab_size,
             self.eos_token_ids, self.device)
+        if grammar is not None:
+            meta.grammar_bitmask = _bitmask_rows(grammar, [st.req_id for st in states],
+                                                 self.device)
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
         for i, (st, token) in enumerate(zip(states, tokens)):
@@ -153,6 +157,18 @@ class ModelRunner:
             lp = compute_prompt_logprobs(logits, targets, k)
             out.prompt_logprobs[st.req_id] = [_row_logprobs(lp, i, k) for i in range(last - first)]
             st.num_prompt_logprobs = last
+
+
+def _bitmask_rows(grammar: GrammarBitmask, req_ids: list[str],
+                  device: torch.device) -> torch.Tensor:
+    """The scheduler's bitmask rows in the order of this step's sampling rows; rows of free
+    requests allow every id."""
+    where = {r: i for i, r in enumerate(grammar.req_ids)}
+    rows = torch.full((len(req_ids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+    for i, req_id in enumerate(req_ids):
+        if req_id in where:
+            rows[i] = grammar.bitmask[where[req_id]]
+    return rows.to(device)
 
 
 def _row_logprobs(lp: LogprobsTensors, row: int, k: int) -> TokenLogprobs:

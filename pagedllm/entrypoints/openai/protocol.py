@@ -5,7 +5,11 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_BACKENDS = (None, "auto", "guidance", "llguidance")  # pagedllm's one grammar backend
 
 
 class OpenAIBaseModel(BaseModel):
@@ -18,6 +22,13 @@ class StreamOptions(OpenAIBaseModel):
     """stream_options of a streaming request."""
 
     include_usage: Optional[bool] = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+
+    type: str = "text"
+    json_schema: Optional[dict[str, Any]] = None
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -47,6 +58,37 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one output constraint the request sets, or None; ValueError naming the field."""
+        if self.guided_decoding_backend not in _BACKENDS:
+            raise ValueError(f"guided_decoding_backend must be one of 'auto', 'guidance' (pagedllm "
+                             f"runs llguidance), got {self.guided_decoding_backend!r}")
+        fmt = self.response_format
+        given = [name for name in ("structured_outputs", *_GUIDED) if getattr(self, name) is not None]
+        if fmt is not None and fmt.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} cannot be combined with {', '.join(given[1:])}: set one "
+                             "output constraint")
+        if not given:
+            if fmt is not None and fmt.type != "text":  # an unknown type
+                return _response_format(fmt)
+            return None
+        name = given[0]
+        if name == "response_format":
+            return _response_format(fmt)
+        if name == "structured_outputs":
+            return _structured_outputs(self.structured_outputs)
+        return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)}, field_name=name)
 
     def sampling_params(self, max_tokens: Optional[int], defaults: SamplingParams,
                         logprobs: Optional[int]) -> SamplingParams:
@@ -65,7 +107,31 @@ class SamplingFields(OpenAIBaseModel):
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
+
+
+def _response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True, field_name="response_format")
+    if fmt.type != "json_schema":
+        raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema', "
+                         f"got {fmt.type!r}")
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+    return StructuredOutputsParams(json=schema, field_name="response_format.json_schema.schema")
+
+
+def _structured_outputs(fields: Any) -> StructuredOutputsParams:
+    if not isinstance(fields, dict):
+        raise ValueError("structured_outputs must be an object")
+    known = set(StructuredOutputsParams.__dataclass_fields__) - {"field_name"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return StructuredOutputsParams(**fields)
 
 
 class CompletionRequest(SamplingFields):

@@ -67,8 +67,8 @@ def _check_stop_token_ids(value: Any) -> list[int]:
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options that pagedllm's grammar backend does not implement:
 # refused when set, never silently dropped
-_UNSUPPORTED = {"disable_any_whitespace": False, "disable_additional_properties": False,
-                "whitespace_pattern": None, "structural_tag": None}
+_UNSUPPORTED = {"structural_tag": None}
+_JSON_ONLY = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
 @dataclass
@@ -99,6 +99,10 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} is not supported by pagedllm")
         kind = given[0]
         label = self.label
+        for name in _JSON_ONLY:
+            if getattr(self, name) not in (None, False) and kind not in ("json", "json_object"):
+                raise ValueError(f"structured_outputs.{name} applies to json and json_object "
+                                 f"constraints, not {kind}")
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, (str, dict)):
             raise ValueError(f"{label} must be a JSON schema (an object or its JSON text)")

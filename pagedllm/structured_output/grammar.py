@@ -64,6 +64,30 @@ class CompiledGrammar:
         return GrammarState(self._prototype.deep_copy())
 
 
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties false on every object that does not set it."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def _json_grammar(schema: dict, params: StructuredOutputsParams) -> str:
+    """JSON-schema grammar with the request's whitespace and closed-object options."""
+    if params.disable_additional_properties:
+        schema = _closed(schema)
+    overrides: dict[str, Any] = {}
+    if params.disable_any_whitespace:  # compact JSON: no whitespace between tokens
+        overrides["whitespace_flexible"] = False
+    if params.whitespace_pattern is not None:
+        overrides["whitespace_pattern"] = params.whitespace_pattern
+    return LLMatcher.grammar_from_json_schema(schema, overrides=overrides or None)
+
+
 def _grammar_text(params: StructuredOutputsParams) -> str:
     """llguidance's grammar for a constraint (ValueError naming the field if malformed)."""
     kind, value = params.kind, getattr(params, params.kind)
@@ -72,9 +96,9 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
             schema = json.loads(value) if isinstance(value, str) else value
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.grammar_from("json_schema", json.dumps(schema))
+            return _json_grammar(schema, params)
         if kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+            return _json_grammar({"type": "object"}, params)
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(list(value)))
         return llguidance.grammar_from("regex" if kind == "regex" else "grammar", value)

@@ -1,0 +1,114 @@
+"""Constraint checks, grammar compilation (errors name the field; the cache), and bitmasks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
+from pagedllm.structured_output.bitmask import allocate_bitmask, apply_bitmask_, bitmask_to_bool
+from pagedllm.structured_output.grammar import GrammarCompiler
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm_gguf):
+    return load_tokenizer(resolve_checkpoint(smollm_gguf).tokenizer_path)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "must set exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
+    ({"regex": "  "}, "structured_outputs.regex must be a non-empty string"),
+    ({"grammar": ""}, "structured_outputs.grammar must be a non-empty string"),
+    ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+    ({"choice": ["a", ""]}, "structured_outputs.choice must be a non-empty list"),
+    ({"json": 3}, "structured_outputs.json must be a JSON schema"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be true"),
+    ({"regex": "a", "whitespace_pattern": " "}, "whitespace_pattern applies to json and"),
+    ({"json": {}, "structural_tag": "x"}, "structural_tag is not supported"),
+    ({"guided": 1}, None),
+])
+def test_constraint_checks_name_the_field(kwargs, message):
+    if message is None:
+        with pytest.raises(TypeError):
+            SO(**kwargs)
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        SO(**kwargs)
+
+
+def test_sampling_params_takes_only_structured_outputs_params():
+    assert SamplingParams(structured_outputs=SO(regex="a+")).structured_outputs.kind == "regex"
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+@pytest.mark.parametrize("params,message", [
+    (SO(regex="("), "(?s)structured_outputs.regex is not a valid regex: .*unclosed group"),
+    (SO(json={"type": "nonsense"}), "structured_outputs.json is not a valid json: .*nonsense"),
+    (SO(json="{not json"), "structured_outputs.json is not a valid json"),
+    (SO(json="[1, 2]"), "structured_outputs.json is not a valid json: a JSON schema must be"),
+    (SO(grammar="root ::= ("), "structured_outputs.grammar is not a valid grammar"),
+    (SO(regex="(", field_name="guided_regex"), "guided_regex is not a valid regex"),
+])
+def test_invalid_specs_are_value_errors_naming_the_field(compiler, params, message):
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(params)
+
+
+def test_compiled_grammars_are_cached_by_spec_and_bounded(compiler):
+    first = compiler.compile(SO(regex="[ab]+"))
+    assert compiler.compile(SO(regex="[ab]+")) is first  # same spec: the cached grammar
+    assert compiler.compile(SO(regex="[ab]+", field_name="guided_regex")) is first
+    for spec in ("x+", "y+", "z+"):
+        compiler.compile(SO(regex=spec))
+    assert compiler.cache_len == 3  # the least recently used one was dropped
+    assert compiler.compile(SO(regex="[ab]+")) is not first
+
+
+def test_grammar_state_masks_follows_tokens_and_terminates(compiler, tokenizer):
+    vocab = len(tokenizer)
+    state = compiler.compile(SO(choice=["yes", "no"])).new_state()
+    bitmask = allocate_bitmask(1, vocab)
+    state.fill_bitmask(bitmask, 0)
+    allowed = bitmask_to_bool(bitmask, vocab)[0].nonzero().flatten().tolist()
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert allowed and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    for token in tokenizer.encode("yes"):
+        assert state.accept(token)
+    assert state.is_terminated and state.error is None
+    other = compiler.compile(SO(choice=["yes", "no"])).new_state()  # states are independent
+    assert not other.is_terminated
+
+
+def test_json_options_compact_whitespace_and_closed_objects(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def accepts(params: SO, text: str) -> bool:
+        state = compiler.compile(params).new_state()
+        return all(state.accept(t) for t in tokenizer.encode(text)) and state.error is None
+
+    assert accepts(SO(json=schema), '{ "a" :  1 }')
+    assert not accepts(SO(json=schema, disable_any_whitespace=True), '{ "a": 1}')
+    assert accepts(SO(json=schema, disable_any_whitespace=True), '{"a":1}')
+    assert accepts(SO(json=schema), '{"b": 2}')  # open objects take other keys
+    assert not accepts(SO(json=schema, disable_additional_properties=True), '{"b": 2}')
+    assert not accepts(SO(json_object=True, whitespace_pattern="[ ]?"), '{\n"b": 2}')
+
+
+def test_bitmask_bits_and_apply():
+    bitmask = allocate_bitmask(2, 70)  # 3 words a row
+    assert bitmask.shape == (2, 3) and bitmask_to_bool(bitmask, 70).all()
+    bitmask[0] = 0
+    bitmask[0, 1] = 1 << 5  # only id 32 + 5
+    logits = torch.randn(2, 70)
+    before = logits.clone()
+    apply_bitmask_(logits, bitmask)
+    assert torch.isinf(logits[0]).sum() == 69 and logits[0, 37] == before[0, 37]
+    assert torch.equal(logits[1], before[1])

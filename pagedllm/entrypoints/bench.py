@@ -63,6 +63,9 @@ def add_bench_parser(sub) -> None:
                            help="gguf (default for a GGUF on the CPU), int8, int4 or none")
             p.add_argument("--device", default="auto")
             p.add_argument("--max-num-seqs", type=int, default=64)
+            p.add_argument("--structured-output", choices=("none", "json"), default="none",
+                           help="json: every request constrained to a JSON array of at least "
+                                "--output-len integers (so it runs to --output-len tokens)")
 
 
 def machine() -> dict[str, Any]:
@@ -92,14 +95,27 @@ def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float
     return first - start, time.perf_counter() - start
 
 
+def _params(args: argparse.Namespace):
+    """Greedy, ignore_eos, --output-len tokens; constrained with --structured-output json."""
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    constraint = None
+    if args.structured_output == "json":
+        # the array cannot close before --output-len items, so the grammar never ends a
+        # request before max_tokens: constrained and free requests generate the same counts
+        schema = {"type": "array", "items": {"type": "integer"}, "minItems": args.output_len}
+        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True,
+                          structured_outputs=constraint)
+
+
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     """One stream, in-process: the mean of --num-iters requests after --num-iters-warmup."""
     from pagedllm.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
     prompts = _token_prompts(llm.get_tokenizer(), args.num_iters_warmup + args.num_iters,
                              args.input_len)
@@ -117,12 +133,11 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """N prompts through LLM.generate."""
     from pagedllm.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     prompts = _token_prompts(llm.get_tokenizer(), args.num_prompts, args.input_len)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    params = _params(args)
     before = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

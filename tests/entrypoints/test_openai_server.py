@@ -182,3 +182,30 @@ def test_tokenize_detokenize_version(server):
         "Hello world"
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_unknown_paths_and_methods_get_openai_errors(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/nonexistent", 404),
+                                 ("GET", "/nonexistent", 404),
+                                 ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
+        assert r.status_code == status, (method, path, r.text)
+        error = r.json()["error"]
+        assert error["code"] == status and error["param"] is None and path in error["message"]
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert "POST" in r.headers["allow"]
+
+
+def test_body_validation_errors_name_the_field(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body, field in (("/v1/chat/completions", {"model": MODEL}, "messages"),
+                              ("/v1/chat/completions", {"model": MODEL, "n": "abc", "messages": [
+                                  {"role": "user", "content": "x"}]}, "n"),
+                              ("/v1/completions", {"model": MODEL, "prompt": "x",
+                                                   "max_tokens": "many"}, "max_tokens")):
+        r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+        assert error["type"] == "invalid_request_error" and error["code"] == 400

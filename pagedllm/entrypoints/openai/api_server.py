@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -30,6 +31,17 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
     return f"{field or 'body'}: {first.get('msg', 'invalid value')}", field
 
 
+def _routing_error(request: Request, err: HTTPException) -> OpenAIError:
+    """Starlette's 404 (no such path) and 405 (wrong method) as OpenAI errors."""
+    where = f"{request.method} {request.url.path}"
+    if err.status_code == 404:
+        return OpenAIError(f"{where}: no such endpoint", 404)
+    if err.status_code == 405:
+        allowed = (err.headers or {}).get("Allow", "")
+        return OpenAIError(f"{where}: method not allowed; this path takes {allowed}", 405)
+    return OpenAIError(f"{where}: {err.detail}", err.status_code)
+
+
 def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     """The FastAPI application."""
     app = FastAPI(title="pagedllm", version=__version__)
@@ -44,6 +56,11 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         message, field = _validation_message(err)
         return JSONResponse(OpenAIError(message, 400, field).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _routing(request: Request, err: HTTPException) -> JSONResponse:
+        body = _routing_error(request, err)
+        return JSONResponse(body.body(), status_code=body.status, headers=err.headers)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

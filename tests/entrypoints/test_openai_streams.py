@@ -1,8 +1,11 @@
-"""Streams with several choices on a real server."""
+"""Streams with several choices, and requests whose client goes away, on a real server."""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -46,3 +49,30 @@ def test_completion_stream_n3_sends_each_finish_once(client):
     events = [(c.index, c.text, c.finish_reason) for chunk in stream for c in chunk.choices]
     _check_each_choice_finishes_once(events, 6)
 
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["Tell me a long story.", "Count to a million."]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}],
+                              "n": 2}),
+])
+def test_disconnect_without_stream_frees_blocks(server, path, body):
+    body = {"model": MODEL, "max_tokens": 4000, "ignore_eos": True, **body}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post() -> None:
+        # the read timeout closes the connection: the client is gone mid-generation
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}{path}", json=body, headers=headers,
+                       timeout=httpx.Timeout(10, read=3))
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(post)
+        deadline = time.monotonic() + 3
+        while server.metrics()["vllm:num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = server.metrics()
+        assert m["vllm:num_requests_running"] == 2 and m["vllm:kv_cache_usage_perc"] > 0, m
+        done.result()
+    m = server.wait_idle()
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0, \
+        (m, server.log_tail())

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,8 @@ from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; nobody reads it
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -40,6 +43,28 @@ def _routing_error(request: Request, err: HTTPException) -> OpenAIError:
         allowed = (err.headers or {}).get("Allow", "")
         return OpenAIError(f"{where}: method not allowed; this path takes {allowed}", 405)
     return OpenAIError(f"{where}: {err.detail}", err.status_code)
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client goes away. The handler has read the body, so the next ASGI
+    message is http.disconnect: this waits on it without polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """work's result, or None once the client disconnects first. Cancelling work closes its
+    output streams, which aborts the requests and frees their KV blocks (a streaming
+    response's body does the same on its own)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went first (or this handler was cancelled)
+            task.cancel()
+    return task.result() if task.done() else None
 
 
 def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
@@ -92,12 +117,12 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
             for name in ctx.served_model_names]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return _respond(await create_completion(ctx, req))
+    async def completions(req: CompletionRequest, raw: Request):
+        return _respond(await _unless_disconnected(raw, create_completion(ctx, req)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return _respond(await create_chat_completion(ctx, req))
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return _respond(await _unless_disconnected(raw, create_chat_completion(ctx, req)))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -130,6 +155,8 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
 
 
 def _respond(result: Any):
+    if result is None:  # the client disconnected
+        return Response(status_code=CLIENT_CLOSED)
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream",

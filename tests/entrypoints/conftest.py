@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import tempfile
@@ -50,6 +51,26 @@ class Server:
         """The end of the server's output."""
         with open(self.log.name) as fh:
             return fh.read()[-chars:]
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics page as name -> value, labelled series summed."""
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            m = re.match(r"^([a-z_:]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+            if m:
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        return out
+
+    def wait_idle(self, seconds: float = 5.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs and no KV block is used, or `seconds` pass; the
+        last reading."""
+        deadline = time.monotonic() + seconds
+        while True:
+            m = self.metrics()
+            idle = m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self.proc.terminate()

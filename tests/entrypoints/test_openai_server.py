@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 
 import httpx
 import pytest
@@ -14,16 +13,6 @@ from conftest import API_KEY, MODEL
 @pytest.fixture(scope="module")
 def client(server):
     return OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-def _metrics(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_:]+)(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
 
 
 def test_models_and_completion(client):
@@ -120,20 +109,16 @@ def test_disconnect_mid_stream_frees_blocks(server):
             if len(events) >= 3:
                 break
         assert len(events) == 3 and "[DONE]" not in events[-1], events
-        m = _metrics(server)
+        m = server.metrics()
         assert m["vllm:num_requests_running"] == 1 and m["vllm:kv_cache_usage_perc"] > 0, \
             (m, server.log_tail())
-    for _ in range(100):  # the abort happens on the engine thread's next turn
-        m = _metrics(server)
-        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
+    m = server.wait_idle()  # the abort happens on the engine thread's next turn
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_metrics_page(server, client):
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
-    m = _metrics(server)
+    m = server.metrics()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
@@ -182,3 +167,30 @@ def test_tokenize_detokenize_version(server):
         "Hello world"
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
     assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_unknown_paths_and_methods_get_openai_errors(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for method, path, status in (("POST", "/v1/embeddings", 404), ("GET", "/v1/nonexistent", 404),
+                                 ("GET", "/nonexistent", 404),
+                                 ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, f"{server.url}{path}", headers=headers, json={})
+        assert r.status_code == status, (method, path, r.text)
+        error = r.json()["error"]
+        assert error["code"] == status and error["param"] is None and path in error["message"]
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert "POST" in r.headers["allow"]
+
+
+def test_body_validation_errors_name_the_field(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body, field in (("/v1/chat/completions", {"model": MODEL}, "messages"),
+                              ("/v1/chat/completions", {"model": MODEL, "n": "abc", "messages": [
+                                  {"role": "user", "content": "x"}]}, "n"),
+                              ("/v1/completions", {"model": MODEL, "prompt": "x",
+                                                   "max_tokens": "many"}, "max_tokens")):
+        r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+        assert error["type"] == "invalid_request_error" and error["code"] == 400

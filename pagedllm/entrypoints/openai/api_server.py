@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLM."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -19,6 +21,8 @@ from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away; nobody reads it
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -28,6 +32,39 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     field = ".".join(loc) or None
     return f"{field or 'body'}: {first.get('msg', 'invalid value')}", field
+
+
+def _routing_error(request: Request, err: HTTPException) -> OpenAIError:
+    """Starlette's 404 (no such path) and 405 (wrong method) as OpenAI errors."""
+    where = f"{request.method} {request.url.path}"
+    if err.status_code == 404:
+        return OpenAIError(f"{where}: no such endpoint", 404)
+    if err.status_code == 405:
+        allowed = (err.headers or {}).get("Allow", "")
+        return OpenAIError(f"{where}: method not allowed; this path takes {allowed}", 405)
+    return OpenAIError(f"{where}: {err.detail}", err.status_code)
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return when the client goes away. The handler has read the body, so the next ASGI
+    message is http.disconnect: this waits on it without polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """work's result, or None once the client disconnects first. Cancelling work closes its
+    output streams, which aborts the requests and frees their KV blocks (a streaming
+    response's body does the same on its own)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went first (or this handler was cancelled)
+            task.cancel()
+    return task.result() if task.done() else None
 
 
 def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
@@ -44,6 +81,11 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         message, field = _validation_message(err)
         return JSONResponse(OpenAIError(message, 400, field).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _routing(request: Request, err: HTTPException) -> JSONResponse:
+        body = _routing_error(request, err)
+        return JSONResponse(body.body(), status_code=body.status, headers=err.headers)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -75,12 +117,12 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
             for name in ctx.served_model_names]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return _respond(await create_completion(ctx, req))
+    async def completions(req: CompletionRequest, raw: Request):
+        return _respond(await _unless_disconnected(raw, create_completion(ctx, req)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return _respond(await create_chat_completion(ctx, req))
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        return _respond(await _unless_disconnected(raw, create_chat_completion(ctx, req)))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -113,6 +155,8 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
 
 
 def _respond(result: Any):
+    if result is None:  # the client disconnected
+        return Response(status_code=CLIENT_CLOSED)
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream",

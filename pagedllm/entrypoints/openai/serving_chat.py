@@ -115,6 +115,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     sent: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
     tok = ctx.engine.tokenizer
     final: Optional[RequestOutput] = None
     try:
@@ -124,12 +125,16 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                                             "logprobs": None, "finish_reason": None}]})
         async for final in gen:
             for comp in final.outputs:
+                if comp.index in done:
+                    continue
                 text = comp.text[sent.get(comp.index, 0):]
                 if not text and comp.finish_reason is None:
                     continue
                 logprobs = _logprobs(tok, comp, req.top_logprobs or 0,
                                      sent_tokens.get(comp.index, 0))
                 sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
+                if comp.finish_reason is not None:
+                    done.add(comp.index)
                 yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
                                                 "logprobs": logprobs,
                                                 "finish_reason": comp.finish_reason}]})

@@ -22,9 +22,9 @@ class OpenAIError(Exception):
                  err_type: Optional[str] = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
-        self.err_type = err_type or {400: "invalid_request_error", 401: "authentication_error",
-                                     404: "not_found_error", 503: "service_unavailable"}.get(
-                                         status, "server_error")
+        self.err_type = err_type or {401: "authentication_error", 404: "not_found_error",
+                                     503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         """The JSON body."""

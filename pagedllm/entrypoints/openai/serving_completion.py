@@ -96,6 +96,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
     queue: asyncio.Queue = asyncio.Queue()
     sent: dict[int, int] = {}  # choice index -> characters sent
     sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
     tok = ctx.engine.tokenizer
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
@@ -121,6 +122,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 break
             for comp in item.outputs:
                 idx = i * req.n + comp.index
+                if idx in done:
+                    continue
                 start = sent.get(idx)
                 text = comp.text[start or 0:]
                 if start is None and req.echo:
@@ -130,6 +133,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 logprobs = _logprobs(tok, comp, sent.get(idx, 0), sent_tokens.get(idx, 0))
                 sent[idx], sent_tokens[idx] = len(comp.text), len(comp.token_ids)
                 completion_tokens[idx] = len(comp.token_ids)
+                if comp.finish_reason is not None:
+                    done.add(idx)
                 yield sse({"id": rid, "object": "text_completion", "created": created,
                            "model": model, "choices": [{
                                "index": idx, "text": text, "logprobs": logprobs,

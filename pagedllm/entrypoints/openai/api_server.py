@@ -140,7 +140,10 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise OpenAIError("send 'prompt' or 'messages'", 400, "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        if req.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, str]:

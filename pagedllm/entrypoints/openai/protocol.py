@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their SamplingParams."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import logging
+from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,17 +12,51 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar"}
 _BACKENDS = (None, "auto", "guidance", "llguidance")  # pagedllm's one grammar backend
 
+logger = logging.getLogger("pagedllm")
+
+# Fields OpenAI's or vLLM's API defines that pagedllm does not implement: a request that sets
+# one (to anything but its neutral value) gets a 400 naming it, never a silent answer without it.
+_IS_SET: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": bool, "length_penalty": lambda v: v not in (None, 1, 1.0),
+    "early_stopping": bool, "bad_words": bool, "logits_processors": bool,
+    "truncate_prompt_tokens": lambda v: v is not None, "priority": lambda v: v not in (None, 0),
+    "prompt_embeds": lambda v: v is not None, "mm_processor_kwargs": bool,
+    "guided_whitespace_pattern": lambda v: v is not None, "lora_request": bool,
+    "kv_transfer_params": bool, "vllm_xargs": bool, "cache_salt": lambda v: v is not None,
+    "functions": bool, "function_call": lambda v: v not in (None, "none"),
+    "audio": lambda v: v is not None, "prediction": lambda v: v is not None,
+    "web_search_options": lambda v: v is not None, "reasoning_effort": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]), "store": bool,
+    "documents": bool,
+}
+# Informational fields of OpenAI's API that change nothing in the answer: accepted quietly.
+_INFORMATIONAL = {"user", "metadata", "service_tier", "parallel_tool_calls"}
+
 
 class OpenAIBaseModel(BaseModel):
-    """Unknown fields are accepted and ignored, as vLLM does."""
+    """Unknown fields are accepted and ignored with a warning, as vLLM does; fields of OpenAI's or
+    vLLM's API that pagedllm does not implement are refused (check_unsupported)."""
 
     model_config = ConfigDict(extra="allow")
+
+    def check_unsupported(self) -> None:
+        """ValueError naming a defined-but-unimplemented field that is set; one warning line
+        for fields outside both APIs."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in _IS_SET and _IS_SET[name](value):
+                raise ValueError(f"{name} is not supported by pagedllm")
+        unknown = sorted(n for n in extra if n not in _IS_SET and n not in _INFORMATIONAL)
+        if unknown:
+            logger.warning("ignoring request fields outside the OpenAI and vLLM APIs: %s",
+                           ", ".join(unknown))
 
 
 class StreamOptions(OpenAIBaseModel):
     """stream_options of a streaming request."""
 
     include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False  # usage in every chunk (vLLM)
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -66,6 +101,9 @@ class SamplingFields(OpenAIBaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
+    # vLLM's response extras
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:123"
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The one output constraint the request sets, or None; ValueError naming the field."""
@@ -93,6 +131,7 @@ class SamplingFields(OpenAIBaseModel):
     def sampling_params(self, max_tokens: Optional[int], defaults: SamplingParams,
                         logprobs: Optional[int]) -> SamplingParams:
         """SamplingParams for this request; SamplingParams validates every value (400 on error)."""
+        self.check_unsupported()
         def pick(name: str) -> Any:
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
@@ -171,6 +210,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # also each token's string (vLLM's token_strs)
 
 
 class DetokenizeRequest(OpenAIBaseModel):

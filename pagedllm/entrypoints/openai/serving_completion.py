@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
@@ -31,27 +32,71 @@ def _params(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
     check_n(req.n, req.best_of)
     try:
         max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
-                                   req.logprobs)
+        if max_tokens == 0:  # score the prompt only (lm-eval's log-likelihood requests)
+            if not req.echo:
+                raise ValueError("max_tokens must be >= 1; 0 is allowed only with echo, to "
+                                 "score the prompt")
+            max_tokens = 1  # the one token drawn is left out of the answer (_prompt_only)
+        params = req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
+                                     req.logprobs)
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs
+            params = dataclasses.replace(params, prompt_logprobs=max(
+                req.logprobs, params.prompt_logprobs or 0))
+        return params
     except ValueError as err:
         raise bad_request(err) from None
 
 
-def _logprobs(tokenizer, comp: CompletionOutput, offset: int,
-              first_token: int = 0) -> Optional[dict[str, Any]]:
-    """OpenAI's completion logprobs for the tokens from first_token on."""
-    if comp.logprobs is None:
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """The output with its generated token dropped (max_tokens 0: the prompt alone)."""
+    comps = [dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                 logprobs=[] if c.logprobs is not None else None,
+                                 finish_reason="length" if c.finish_reason else None,
+                                 stop_reason=None) for c in out.outputs]
+    return dataclasses.replace(out, outputs=comps)
+
+
+class _Logprobs:
+    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, tokenizer, as_ids: bool) -> None:
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+
+    def name(self, token_id: int) -> str:
+        """A token as the response names it."""
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
+
+    def build(self, pairs, offset: int) -> dict[str, Any]:
+        """For (token id, {id: Logprob} or None) pairs, starting at text offset `offset`."""
+        tokens, token_lp, top, offsets = [], [], [], []
+        for tok, lp in pairs:
+            text = self.tokenizer.decode([tok])
+            tokens.append(self.name(tok))
+            token_lp.append(None if lp is None else lp[tok].logprob)
+            top.append(None if lp is None else {self.name(t): v.logprob for t, v in lp.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def choice(self, out: RequestOutput, comp: CompletionOutput, offset: int,
+               first_token: int, with_prompt: bool) -> Optional[dict[str, Any]]:
+        """The logprobs of comp's tokens from first_token on, after the prompt's if echoed."""
+        if comp.logprobs is None:
+            return None
+        pairs = list(zip(comp.token_ids[first_token:], comp.logprobs[first_token:]))
+        if with_prompt and out.prompt_logprobs is not None:
+            pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + pairs
+            offset = 0
+        return self.build(pairs, offset)
+
+
+def prompt_logprobs_json(out: RequestOutput) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token None or {id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
         return None
-    tokens, token_lp, top, offsets = [], [], [], []
-    for tok, lp in zip(comp.token_ids[first_token:], comp.logprobs[first_token:]):
-        text = tokenizer.decode([tok])
-        tokens.append(text)
-        token_lp.append(lp[tok].logprob)
-        top.append({tokenizer.decode([t]): v.logprob for t, v in lp.items()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top,
-            "text_offset": offsets}
+    return [None if lp is None else {str(t): dataclasses.asdict(v) for t, v in lp.items()}
+            for lp in out.prompt_logprobs]
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest):
@@ -64,6 +109,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     if req.stream:
         return _stream(ctx, req, model, rid, gens)
     finals = await asyncio.gather(*(_last(g) for g in gens))
+    if req.max_tokens == 0:
+        finals = [_prompt_only(f) for f in finals]
     return _response(ctx, req, model, rid, finals)
 
 
@@ -77,17 +124,31 @@ async def _last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
 def _response(ctx: ServerContext, req: CompletionRequest, model: str, rid: str,
               finals: list[RequestOutput]) -> dict[str, Any]:
     tok = ctx.engine.tokenizer
+    lps = _Logprobs(tok, req.return_tokens_as_token_ids)
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, out in enumerate(finals):
         prompt_tokens += len(out.prompt_token_ids)
         prefix = (out.prompt or tok.decode(out.prompt_token_ids)) if req.echo else ""
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
-            choices.append({"index": i * req.n + comp.index, "text": prefix + comp.text,
-                            "logprobs": _logprobs(tok, comp, len(prefix)),
-                            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+            choice = {"index": i * req.n + comp.index, "text": prefix + comp.text,
+                      "logprobs": lps.choice(out, comp, len(prefix), 0, req.echo),
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            choices.append(_extras(req, out, comp, choice, full=True))
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _extras(req: CompletionRequest, out: RequestOutput, comp: CompletionOutput,
+            choice: dict[str, Any], full: bool) -> dict[str, Any]:
+    """vLLM's optional per-choice fields: prompt_logprobs, prompt_token_ids, token_ids."""
+    if req.prompt_logprobs is not None and full:
+        choice["prompt_logprobs"] = prompt_logprobs_json(out)
+    if req.return_token_ids:
+        if full:
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        choice["token_ids"] = list(comp.token_ids)
+    return choice
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: str,
@@ -98,6 +159,8 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
     sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
     done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
     tok = ctx.engine.tokenizer
+    lps = _Logprobs(tok, req.return_tokens_as_token_ids)
+    opts = req.stream_options
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -120,26 +183,37 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 err = item if isinstance(item, OpenAIError) else OpenAIError(str(item), 500)
                 yield sse(err.body())
                 break
+            if req.max_tokens == 0:
+                item = _prompt_only(item)
             for comp in item.outputs:
                 idx = i * req.n + comp.index
                 if idx in done:
                     continue
                 start = sent.get(idx)
+                if start is None and req.echo and not comp.token_ids and not comp.finish_reason:
+                    continue  # the prompt (and its logprobs) go out whole, with the first token
                 text = comp.text[start or 0:]
                 if start is None and req.echo:
                     text = (item.prompt or tok.decode(item.prompt_token_ids)) + text
                 if not text and comp.finish_reason is None:
                     continue
-                logprobs = _logprobs(tok, comp, sent.get(idx, 0), sent_tokens.get(idx, 0))
+                first_tok = sent_tokens.get(idx, 0)
+                logprobs = lps.choice(item, comp, sent.get(idx, 0), first_tok,
+                                      req.echo and start is None)
                 sent[idx], sent_tokens[idx] = len(comp.text), len(comp.token_ids)
                 completion_tokens[idx] = len(comp.token_ids)
                 if comp.finish_reason is not None:
                     done.add(idx)
-                yield sse({"id": rid, "object": "text_completion", "created": created,
-                           "model": model, "choices": [{
-                               "index": idx, "text": text, "logprobs": logprobs,
-                               "finish_reason": comp.finish_reason,
-                               "stop_reason": comp.stop_reason}]})
+                choice = _extras(req, item, dataclasses.replace(
+                    comp, token_ids=comp.token_ids[first_tok:]), {
+                        "index": idx, "text": text, "logprobs": logprobs,
+                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason},
+                    full=start is None)
+                chunk = {"id": rid, "object": "text_completion", "created": created,
+                         "model": model, "choices": [choice]}
+                if opts and opts.continuous_usage_stats:
+                    chunk["usage"] = usage(len(item.prompt_token_ids), len(comp.token_ids))
+                yield sse(chunk)
             if item.finished:
                 prompt_tokens += len(item.prompt_token_ids)
         if req.stream_options and req.stream_options.include_usage:

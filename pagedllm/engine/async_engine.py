@@ -72,6 +72,10 @@ class AsyncLLM:
         self.listener: Optional[OutputListener] = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
+        # constrained requests are compiled on the handlers' threads; the grammar engine's view
+        # of the vocabulary is built once, here, rather than inside the first such request
+        threading.Thread(target=engine.input_processor.grammars.warm_up,
+                         name="pagedllm-grammar-warm-up", daemon=True).start()
 
     @property
     def tokenizer(self):

@@ -124,6 +124,12 @@ class GrammarCompiler:
             self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size)
         return self._ll_tokenizer
 
+    def warm_up(self) -> None:
+        """Build the grammar engine's vocabulary view now (a server does, on a side thread, so
+        that its first constrained request does not wait ~1 s for it)."""
+        with self._lock:
+            self._tokenizer()
+
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of a constraint; ValueError naming the field if it is invalid."""
         spec = _grammar_text(params)

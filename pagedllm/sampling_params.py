@@ -92,7 +92,8 @@ def _check_allowed_token_ids(value: Any) -> Optional[list[int]]:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not all(_is_id(t) and t >= 0 for t in value):
-        raise ValueError(f"allowed_token_ids must be a list of token ids (ints >= 0), got {value!r}")
+        raise ValueError("allowed_token_ids must be a list of token ids (ints >= 0), "
+                         f"got {value!r}")
     if not value:
         raise ValueError("allowed_token_ids must not be empty (None allows every token)")
     return list(value)

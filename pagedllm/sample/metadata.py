@@ -100,7 +100,8 @@ class SamplingMetadata:
 def _logit_bias(params: list[SamplingParams],
                 device: Union[str, torch.device]) -> Optional[SparseLogitBias]:
     """Sparse entries, so a step costs nothing when no row sets logit_bias and O(K) otherwise."""
-    entries = [(row, tok, b) for row, p in enumerate(params) for tok, b in (p.logit_bias or {}).items()]
+    entries = [(row, tok, b) for row, p in enumerate(params)
+               for tok, b in (p.logit_bias or {}).items()]
     if not entries:
         return None
     rows, toks, values = zip(*entries)

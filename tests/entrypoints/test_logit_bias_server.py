@@ -1,4 +1,4 @@
-"""logit_bias (OpenAI) and allowed_token_ids (vLLM extra) through the server and the openai client."""
+"""logit_bias (OpenAI) and allowed_token_ids (vLLM extra) through the server and openai client."""
 from __future__ import annotations
 
 import pytest

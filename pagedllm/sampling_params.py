@@ -64,6 +64,41 @@ def _check_stop_token_ids(value: Any) -> list[int]:
     return list(value)
 
 
+# OpenAI's range for a logit bias: -100 bans a token in practice, +100 forces it
+MAX_LOGIT_BIAS = 100.0
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_logit_bias(value: Any) -> Optional[dict[int, float]]:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    bias = {}
+    for token, b in value.items():
+        if not _is_id(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        b = _check_float("logit_bias values", b)
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {token}")
+        bias[token] = b
+    return bias
+
+
+def _check_allowed_token_ids(value: Any) -> Optional[list[int]]:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(_is_id(t) and t >= 0 for t in value):
+        raise ValueError("allowed_token_ids must be a list of token ids (ints >= 0), "
+                         f"got {value!r}")
+    if not value:
+        raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+    return list(value)
+
+
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options that pagedllm's grammar backend does not implement:
 # refused when set, never silently dropped
@@ -151,6 +186,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None  # sample only among these ids
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -160,6 +197,8 @@ class SamplingParams:
         self._check_flags()
         self.stop = _check_stop(self.stop)
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _check_allowed_token_ids(self.allowed_token_ids)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "

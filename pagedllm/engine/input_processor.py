@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -44,6 +44,8 @@ class InputProcessor:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} must be <= {self.max_logprobs} (the engine's max_logprobs), "
                                  f"got {value}")
+        self._check_vocab_ids("logit_bias keys", params.logit_bias or ())
+        self._check_vocab_ids("allowed_token_ids", params.allowed_token_ids or ())
         text, ids = self._tokenize(prompt)
         self._check_length(ids)
         # compiled here, on the caller's thread (a 400 for an invalid spec; never the engine's)
@@ -91,6 +93,11 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
                                  f"got {t!r}")
         return list(ids)
+
+    def _check_vocab_ids(self, name: str, ids: Iterable[int]) -> None:
+        bad = sorted(t for t in ids if t >= self.vocab_size)
+        if bad:
+            raise ValueError(f"{name} must be token ids in [0, {self.vocab_size}), got {bad[:8]}")
 
     def _check_length(self, ids: list[int]) -> None:
         if len(ids) >= self.max_model_len:

@@ -9,6 +9,15 @@ from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
+class SparseLogitBias:
+    """The (row, id) -> bias entries of the rows that set logit_bias, K entries in all."""
+
+    rows: torch.Tensor  # [K] int64
+    token_ids: torch.Tensor  # [K] int64
+    values: torch.Tensor  # [K] float32
+
+
+@dataclass
 class SamplingMetadata:
     """Per-step sampling inputs for the N rows that sample this step (row i = i-th sampling request)."""
 
@@ -29,6 +38,10 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]]  # row -> ids that must not be sampled (min_tokens)
     # [N, ceil(V / 32)] int32 of the ids each row may sample (structured outputs), or None
     grammar_bitmask: Optional[torch.Tensor] = None
+    # added to the logits of the rows that set logit_bias; None when no row does
+    logit_bias: Optional[SparseLogitBias] = None
+    # [N, V] bool, True where a row may not sample (allowed_token_ids); None when no row sets it
+    disallowed_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_params(
@@ -79,7 +92,37 @@ class SamplingMetadata:
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             banned_token_ids=_banned_ids(params, output_token_ids, vocab_size, eos_token_ids),
+            logit_bias=_logit_bias(params, device),
+            disallowed_mask=_disallowed_mask(params, vocab_size, device),
         )
+
+
+def _logit_bias(params: list[SamplingParams],
+                device: Union[str, torch.device]) -> Optional[SparseLogitBias]:
+    """Sparse entries, so a step costs nothing when no row sets logit_bias and O(K) otherwise."""
+    entries = [(row, tok, b) for row, p in enumerate(params)
+               for tok, b in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, toks, values = zip(*entries)
+    return SparseLogitBias(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_ids=torch.tensor(toks, dtype=torch.int64, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _disallowed_mask(params: list[SamplingParams], vocab_size: int,
+                     device: Union[str, torch.device]) -> Optional[torch.Tensor]:
+    """[N, V] True outside each row's allowed_token_ids (rows without it: all False)."""
+    limited = [(row, p.allowed_token_ids) for row, p in enumerate(params) if p.allowed_token_ids]
+    if not limited:
+        return None
+    mask = torch.zeros((len(params), vocab_size), dtype=torch.bool)  # [N, V]
+    for row, ids in limited:
+        mask[row] = True
+        mask[row, torch.tensor(ids, dtype=torch.int64)] = False
+    return mask.to(device)
 
 
 def _banned_ids(

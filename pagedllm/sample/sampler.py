@@ -29,7 +29,8 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """penalties -> greedy | temperature -> min-p -> top-k/top-p -> sample (vLLM v1 order).
+    """grammar mask -> allowed ids -> logit bias -> min-tokens bans -> penalties
+    -> greedy | temperature -> min-p -> top-k/top-p -> sample (vLLM v1 order).
 
     cpu_ops: take the greedy argmax with pagedllm's C++ op (the platform decides, once)."""
 
@@ -40,16 +41,16 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of logits [N, V]; never modifies the caller's tensor."""
         # [N, V]; no copy when already float32 (a 152k-vocabulary row is 600 KB, and the copy cost
-        # ~0.3 ms a step): only ban_tokens writes in place, and it gets its own copy
+        # ~0.3 ms a step): the in-place edits below get their own copy
         logits = logits.float()
-        if meta.grammar_bitmask is not None:  # structured outputs: disallowed ids never drawn
+        owned = meta.grammar_bitmask is not None  # already a copy of the caller's tensor
+        if owned:  # structured outputs: disallowed ids never drawn
             logits = apply_bitmask_(logits.clone(), meta.grammar_bitmask)
         # Logprobs describe the model, so they come from the raw logits (vLLM "raw_logprobs").
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-        if meta.banned_token_ids:
-            logits = ops.ban_tokens(logits.clone(), meta.banned_token_ids)
+        logits = _apply_request_edits(logits, meta, owned)
         if not meta.no_penalties:
             logits = ops.apply_penalties(
                 logits,
@@ -89,6 +90,22 @@ class Sampler(torch.nn.Module):
         if greedy is None:
             return drawn
         return torch.where(is_greedy, greedy, drawn)
+
+
+def _apply_request_edits(logits: torch.Tensor, meta: SamplingMetadata,
+                         owned: bool) -> torch.Tensor:
+    """allowed_token_ids, then logit_bias, then min_tokens bans (vLLM's order), in place on one
+    copy of logits [N, V] (none when `owned` or when no row uses any of them)."""
+    bias = meta.logit_bias
+    if meta.disallowed_mask is None and bias is None and not meta.banned_token_ids:
+        return logits
+    if not owned:
+        logits = logits.clone()
+    if meta.disallowed_mask is not None:
+        logits.masked_fill_(meta.disallowed_mask, float("-inf"))
+    if bias is not None:
+        logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    return ops.ban_tokens(logits, meta.banned_token_ids)
 
 
 def compute_prompt_logprobs(

@@ -122,3 +122,14 @@ def test_logprobs_are_limited_by_max_logprobs(proc, field):
 def test_params_must_be_sampling_params(proc):
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams, got dict"):
         proc.process("r", [1], {"max_tokens": 4})
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"logit_bias": {VOCAB: 1.0}}, "logit_bias keys"),
+    ({"allowed_token_ids": [0, VOCAB + 5]}, "allowed_token_ids"),
+])
+def test_ids_outside_the_vocabulary_in_sampling_params_are_rejected(proc, kwargs, field):
+    with pytest.raises(ValueError, match=rf"{field} must be token ids in \[0, {VOCAB}\), got"):
+        proc.process("r", [1], SamplingParams(**kwargs))
+    ok = {k: ({VOCAB - 1: 1.0} if k == "logit_bias" else [VOCAB - 1]) for k in kwargs}
+    assert proc.process("r", [1], SamplingParams(**ok)).requests

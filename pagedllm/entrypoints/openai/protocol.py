@@ -82,6 +82,7 @@ class SamplingFields(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: token ids as text
     # vLLM extras
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -93,6 +94,7 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -147,7 +149,20 @@ class SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(),
+            logit_bias=self.logit_bias_ids(), allowed_token_ids=self.allowed_token_ids)
+
+    def logit_bias_ids(self) -> Optional[dict[int, float]]:
+        """logit_bias with its JSON string keys ("50256") as token ids; ValueError naming it."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            digits = key.strip().removeprefix("-")
+            if not (digits.isascii() and digits.isdigit()):
+                raise ValueError(f"logit_bias keys must be integer token ids, got {key!r}")
+            bias[int(key)] = value
+        return bias
 
 
 def _response_format(fmt: ResponseFormat) -> StructuredOutputsParams:

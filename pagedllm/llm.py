@@ -48,8 +48,10 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (rendering `tools`, OpenAI
+        function tools, as the template does), then generate; the text is not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -61,7 +63,7 @@ class LLM:
             ids = tokenizer.apply_chat_template(
                 conv, chat_template=template, tokenize=True,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, return_dict=False,
+                continue_final_message=continue_final_message, return_dict=False, tools=tools,
                 **(chat_template_kwargs or {}))
             if hasattr(ids, "input_ids"):  # some transformers versions return a BatchEncoding
                 ids = ids["input_ids"]

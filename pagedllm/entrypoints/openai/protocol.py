@@ -91,8 +91,10 @@ class SamplingFields(OpenAIBaseModel):
         return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)}, field_name=name)
 
     def sampling_params(self, max_tokens: Optional[int], defaults: SamplingParams,
-                        logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this request; SamplingParams validates every value (400 on error)."""
+                        logprobs: Optional[int],
+                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """SamplingParams for this request; SamplingParams validates every value (400 on error).
+        constraint (a tool_choice's) replaces the request's own output constraint."""
         def pick(name: str) -> Any:
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
@@ -108,7 +110,7 @@ class SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=constraint or self.structured_outputs_params())
 
 
 def _response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
@@ -149,6 +151,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -161,6 +165,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI function tools; checked in chat_tools (400 naming tools / tool_choice)
+    tools: Optional[Any] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
 
 
 class TokenizeRequest(OpenAIBaseModel):

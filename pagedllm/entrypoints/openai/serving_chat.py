@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
+from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools, template_messages
+from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
@@ -13,8 +15,9 @@ from pagedllm.sampling_params import SamplingParams
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as template input: known roles, text content (string or text parts)."""
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as template input: known roles, text content (string or text parts), an
+    assistant's tool_calls and a tool message's tool_call_id."""
     if not messages:
         raise OpenAIError("messages must not be empty", 400, "messages")
     out = []
@@ -32,12 +35,18 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                       "supported", 400, f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return template_messages(out)
 
 
-def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the templated conversation."""
+def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest,
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """Token ids of the templated conversation (with the tools the template renders)."""
     tokenizer = ctx.engine.tokenizer
     template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -48,14 +57,16 @@ def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]
         ids = tokenizer.apply_chat_template(
             conv, chat_template=template, tokenize=True, return_dict=False,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            continue_final_message=req.continue_final_message, tools=tools,
+            **(req.chat_template_kwargs or {}))
     except Exception as err:  # a template that raises on this conversation
         raise OpenAIError(f"the chat template failed on these messages: {err}", 400,
                           "messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
+def _params(ctx: ServerContext, req: ChatCompletionRequest,
+            plan: Optional[ToolPlan]) -> SamplingParams:
     check_n(req.n, req.best_of)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
@@ -64,7 +75,7 @@ def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
                   else req.max_tokens)  # None: until max_model_len
     try:
         return req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
-                                   logprobs)
+                                   logprobs, plan.constraint if plan else None)
     except ValueError as err:
         raise bad_request(err) from None
 
@@ -88,22 +99,45 @@ def _logprobs(tokenizer, comp: CompletionOutput, k: int,
     return {"content": content}
 
 
+def _plan(ctx: ServerContext, req: ChatCompletionRequest) -> Optional[ToolPlan]:
+    return plan_tools(req, ctx.tool_parser, ctx.enable_auto_tool_choice,
+                      ctx.exclude_tools_when_tool_choice_none)
+
+
+def _message(plan: Optional[ToolPlan], comp: CompletionOutput) -> tuple[dict[str, Any], str]:
+    """The choice's message and finish_reason ("tool_calls" when it made calls)."""
+    if plan is None:
+        return {"role": "assistant", "content": comp.text}, comp.finish_reason
+    content, calls = plan.extract(comp.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, comp.finish_reason
+    message["tool_calls"] = [c.to_dict() for c in calls]
+    return message, "tool_calls"
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
     """The JSON response, or an async iterator of SSE lines when req.stream."""
     model = ctx.check_model(req.model)
-    ids = chat_prompt_ids(ctx, req)
-    params = _params(ctx, req)
+    plan = _plan(ctx, req)
+    ids = chat_prompt_ids(ctx, req, plan.tools if plan else None)
+    params = _params(ctx, req, plan)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:
+        if plan is not None:
+            return _stream_tools(req, model, rid, gen, plan)
         return _stream(ctx, req, model, rid, gen)
     final: Optional[RequestOutput] = None
     async for final in gen:
         pass
     tok = ctx.engine.tokenizer
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(tok, c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, finish = _message(plan, c)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(tok, c, req.top_logprobs or 0),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids),
                                                sum(len(c.token_ids) for c in final.outputs))}
@@ -138,6 +172,56 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                 yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
                                                 "logprobs": logprobs,
                                                 "finish_reason": comp.finish_reason}]})
+    except OpenAIError as err:
+        yield sse(err.body())
+    except Exception as err:  # the engine failed mid-stream
+        yield sse(OpenAIError(str(err), 500).body())
+    else:
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": usage(
+                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
+    yield SSE_DONE
+
+
+async def _stream_tools(req: ChatCompletionRequest, model: str, rid: str,
+                        gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+    """A stream with tools: text as content deltas, each completed call as one delta.tool_calls
+    chunk, then one finish chunk per choice ("tool_calls" when it made calls)."""
+    head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
+
+    def chunk(index: int, delta: dict[str, Any], finish: Optional[str] = None) -> str:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}]})
+
+    streamers: dict[int, Any] = {}
+    sent: dict[int, int] = {}
+    calls_made: dict[int, int] = {}
+    done: set[int] = set()
+    final: Optional[RequestOutput] = None
+    try:
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for final in gen:
+            for comp in final.outputs:
+                if comp.index in done:
+                    continue
+                parser = streamers.setdefault(comp.index, plan.streamer())
+                text = comp.text[sent.get(comp.index, 0):]
+                sent[comp.index] = len(comp.text)
+                delta = parser.feed(text) if text else StreamDelta()
+                if comp.finish_reason is not None:
+                    last = parser.finish()
+                    delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
+                if delta.content:
+                    yield chunk(comp.index, {"content": delta.content})
+                for call in delta.calls:
+                    k = calls_made.get(comp.index, 0)
+                    calls_made[comp.index] = k + 1
+                    yield chunk(comp.index, {"tool_calls": [{"index": k, **call.to_dict()}]})
+                if comp.finish_reason is not None:
+                    done.add(comp.index)
+                    yield chunk(comp.index, {}, "tool_calls" if calls_made.get(comp.index)
+                                else comp.finish_reason)
     except OpenAIError as err:
         yield sse(err.body())
     except Exception as err:  # the engine failed mid-stream

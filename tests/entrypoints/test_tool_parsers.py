@@ -37,6 +37,13 @@ HERMES_CASES = [
      '<tool_call>\n{"name": "f", "arguments": {oops}\n</tool_call>', []),
     ("a < b and <tool", "a < b and <tool", []),
     ('<tool_call>{"name": "f", "arguments": {"x": 1}}', None, [("f", {"x": 1})]),  # unclosed
+    # bare call objects, no tags (what Qwen2.5-Coder-0.5B GGUFs often write)
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "f", "arguments": {}}',
+     None, [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ('{"name": "f", "arguments": {}}\n{"temperature_c": 18}',
+     '{"name": "f", "arguments": {}}\n{"temperature_c": 18}', []),
+    ('{"name": "Bob"}', '{"name": "Bob"}', []),
+    ('{"a": 1} then ' + CALL_A, '{"a": 1} then', [("get_weather", {"city": "Paris"})]),
 ]
 
 

@@ -47,6 +47,28 @@ def _call_from_json(text: str, args_keys: tuple[str, ...]) -> Optional[ToolCall]
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _json_calls(body: str, args_keys: tuple[str, ...], separators: str,
+                need_args: bool = False) -> Optional[list[ToolCall]]:
+    """The calls when body is nothing but JSON call objects between separators, else None."""
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    body = body.strip()
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return None
+        if need_args and not (isinstance(obj, dict) and any(k in obj for k in args_keys)):
+            return None
+        call = _call_from_json(json.dumps(obj), args_keys)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in separators:
+            pos += 1
+    return calls or None
+
+
 def _held_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (may start it)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -57,7 +79,8 @@ def _held_prefix(text: str, tag: str) -> int:
 
 class HermesToolParser:
     """<tool_call>JSON</tool_call> blocks anywhere in the text; a block whose JSON is not a call
-    stays content."""
+    stays content. An output that is nothing but bare call objects ({"name", "arguments"}, no
+    tags) counts as calls too: small Qwen2.5 models (the 0.5B GGUFs) often drop the tags."""
 
     START, END = "<tool_call>", "</tool_call>"
     ARGS = ("arguments", "parameters")
@@ -82,9 +105,23 @@ class HermesStreamer:
         self.parser = parser
         self.buffer = ""  # text not yet sent: a held tag prefix, a held whitespace, or a block
         self.in_call = False
+        self.bare: Optional[bool] = None  # output starts with "{": held whole (bare calls?)
+        self.held = ""
 
     def feed(self, text: str) -> StreamDelta:
         """Take the next piece of generated text."""
+        if self.bare is False:
+            return self._feed_tags(text)
+        self.held += text
+        head = self.held.lstrip()
+        if head:
+            self.bare = head.startswith("{")
+        if self.bare is False:
+            text, self.held = self.held, ""
+            return self._feed_tags(text)
+        return StreamDelta()
+
+    def _feed_tags(self, text: str) -> StreamDelta:
         self.buffer += text
         out = StreamDelta()
         while True:
@@ -111,6 +148,19 @@ class HermesStreamer:
 
     def finish(self) -> StreamDelta:
         """The end of the output: an unclosed block still counts if its JSON is a call."""
+        if self.bare:
+            held, self.held, self.bare = self.held, "", False
+            calls = _json_calls(held, self.parser.ARGS, " \n\t", need_args=True)
+            if calls:
+                return StreamDelta(calls=calls)
+            out = self._feed_tags(held)
+            last = self._finish_tags()
+            return StreamDelta(out.content + last.content, out.calls + last.calls)
+        if self.held:  # only whitespace came
+            self.held = ""
+        return self._finish_tags()
+
+    def _finish_tags(self) -> StreamDelta:
         out = StreamDelta()
         if self.in_call:
             self._close(self.buffer, out, closed=False)
@@ -139,26 +189,10 @@ class Llama3JsonToolParser:
         body = text.strip()
         if body.startswith(self.TAG):
             body = body[len(self.TAG):].strip()
-        calls = self._calls(body) if body.startswith("{") else None
+        calls = _json_calls(body, self.ARGS, "; \n\t") if body.startswith("{") else None
         if calls:
             return None, calls
         return text or None, []
-
-    def _calls(self, body: str) -> Optional[list[ToolCall]]:
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                return None
-            call = _call_from_json(json.dumps(obj), self.ARGS)
-            if call is None:
-                return None
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in "; \n\t":
-                pos += 1
-        return calls
 
     def streamer(self) -> "Llama3JsonStreamer":
         """A fresh incremental parser for one choice."""

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.chat_messages import template_messages
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -61,7 +62,7 @@ class LLM:
         for conv in conversations:
             _check_conversation(conv)
             ids = tokenizer.apply_chat_template(
-                conv, chat_template=template, tokenize=True,
+                template_messages(conv), chat_template=template, tokenize=True,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, return_dict=False, tools=tools,
                 **(chat_template_kwargs or {}))

@@ -117,6 +117,20 @@ def test_required_makes_valid_calls(client, stream):
         assert set(args) == {"city"} if call["name"] == "get_weather" else {"timezone"}
 
 
+def test_required_without_parallel_calls_makes_one(client):
+    choice = _create(client, messages=[{"role": "user", "content": "Weather and time in Oslo?"}],
+                     tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=60).choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+
+
+def test_none_renders_tools_and_parses_nothing(client):
+    choice = _create(client, messages=ASK, tools=TOOLS, tool_choice="none",
+                     max_tokens=24).choices[0]
+    assert not choice.message.tool_calls and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_is_well_formed(client, stream):
     kw = dict(messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=60)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
-from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools, template_messages
+from pagedllm.engine.chat_messages import template_messages
+from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,

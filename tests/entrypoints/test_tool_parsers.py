@@ -106,3 +106,22 @@ def test_parser_names_and_template_pick():
     assert parser_for_template("... <tool_call>\\n{{ tool_call | tojson }} ...") == "hermes"
     assert parser_for_template("{{ '<|python_tag|>' }}") == "llama3_json"
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
+
+
+def test_serve_picks_the_parser_from_the_template_and_logs_it(caplog):
+    import argparse
+    import logging
+
+    from pagedllm.entrypoints.serve import _tool_parser
+
+    def args(**kw):
+        return argparse.Namespace(**{"tool_call_parser": None, "enable_auto_tool_choice": False,
+                                     **kw})
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert _tool_parser(args(), "... <tool_call> ...") == "hermes"
+    assert "'hermes' parser" in caplog.text
+    assert _tool_parser(args(tool_call_parser="llama3_json"), "<tool_call>") == "llama3_json"
+    assert _tool_parser(args(), "{{ messages }}") is None
+    with pytest.raises(SystemExit, match="--tool-call-parser"):
+        _tool_parser(args(enable_auto_tool_choice=True), "{{ messages }}")

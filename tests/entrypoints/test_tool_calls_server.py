@@ -45,11 +45,13 @@ def _create(client, **kw):
     return client.chat.completions.create(model=MODEL, temperature=0, **kw)
 
 
-def _stream(client, **kw):
-    """The streamed choice 0 as (content, tool_calls as dicts, finish reasons seen)."""
+def _stream(client, index=0, **kw):
+    """The streamed choice `index` as (content, tool_calls as dicts, finish reasons seen)."""
     content, calls, finishes = "", [], []
     for chunk in _create(client, stream=True, **kw):
         for c in chunk.choices:
+            if c.index != index:
+                continue
             content += c.delta.content or ""
             for tc in c.delta.tool_calls or []:
                 assert tc.index == len(calls) and tc.id.startswith("chatcmpl-tool-")
@@ -89,12 +91,13 @@ def test_round_trip_named_call_then_text_answer(client, stream):
     assert "18" in text or "sunny" in text.lower(), text  # the tool's result reached the model
 
 
-def test_named_streamed_equals_plain(client):
+@pytest.mark.parametrize("index", [0, 1])
+def test_named_streamed_at_n2_equals_plain(client, index):
     plain = _create(client, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=40)
-    content, calls, finishes = _stream(client, messages=ASK, tools=TOOLS, tool_choice=NAMED,
-                                       max_tokens=40)
+    content, calls, finishes = _stream(client, index, messages=ASK, tools=TOOLS, n=2,
+                                       tool_choice=NAMED, max_tokens=40)
     fn = plain.choices[0].message.tool_calls[0].function
-    assert content == "" and finishes == ["tool_calls"]
+    assert content == "" and finishes == ["tool_calls"]  # one finish chunk per choice
     assert calls == [{"name": fn.name, "arguments": fn.arguments}]
 
 
@@ -129,6 +132,9 @@ def test_none_renders_tools_and_parses_nothing(client):
                      max_tokens=24).choices[0]
     assert not choice.message.tool_calls and choice.message.content
     assert choice.finish_reason in ("stop", "length")
+    content, calls, finishes = _stream(client, messages=ASK, tools=TOOLS, tool_choice="none",
+                                       max_tokens=24)
+    assert (content, calls, finishes) == (choice.message.content, [], [choice.finish_reason])
 
 
 @pytest.mark.parametrize("stream", [False, True])

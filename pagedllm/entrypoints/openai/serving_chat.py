@@ -126,7 +126,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:
-        if plan is not None:
+        if plan is not None and plan.choice != "none":
             return _stream_tools(req, model, rid, gen, plan)
         return _stream(ctx, req, model, rid, gen)
     final: Optional[RequestOutput] = None

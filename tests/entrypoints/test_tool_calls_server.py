@@ -120,6 +120,17 @@ def test_required_makes_valid_calls(client, stream):
         assert set(args) == {"city"} if call["name"] == "get_weather" else {"timezone"}
 
 
+def test_streamed_tool_calls_carry_every_token_logprob(client):
+    entries, completion_tokens = [], None
+    for chunk in _create(client, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=40,
+                         logprobs=True, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            entries += c.logprobs.content if c.logprobs else []
+        if chunk.usage:
+            completion_tokens = chunk.usage.completion_tokens
+    assert completion_tokens and len(entries) == completion_tokens
+
+
 def test_required_without_parallel_calls_makes_one(client):
     choice = _create(client, messages=[{"role": "user", "content": "Weather and time in Oslo?"}],
                      tools=TOOLS, tool_choice="required", parallel_tool_calls=False,

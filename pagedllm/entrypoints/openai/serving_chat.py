@@ -127,7 +127,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:
         if plan is not None and plan.choice != "none":
-            return _stream_tools(req, model, rid, gen, plan)
+            return _stream_tools(ctx, req, model, rid, gen, plan)
         return _stream(ctx, req, model, rid, gen)
     final: Optional[RequestOutput] = None
     async for final in gen:
@@ -184,45 +184,62 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
     yield SSE_DONE
 
 
-async def _stream_tools(req: ChatCompletionRequest, model: str, rid: str,
+class _ToolChoiceStream:
+    """One streamed choice with tools: text -> content deltas, each completed call -> one
+    delta.tool_calls, then its one finish; token logprobs ride on the next delta sent."""
+
+    def __init__(self, tokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> None:
+        self.tokenizer, self.req = tokenizer, req
+        self.parser = plan.streamer()
+        self.sent_text = self.sent_tokens = self.calls = 0
+        self.logprobs: Optional[list[dict[str, Any]]] = None  # not yet sent
+
+    def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
+        """The choice objects of the chunks this output adds."""
+        text = comp.text[self.sent_text:]
+        self.sent_text = len(comp.text)
+        delta = self.parser.feed(text) if text else StreamDelta()
+        if comp.finish_reason is not None:
+            last = self.parser.finish()
+            delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
+        lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0, self.sent_tokens)
+        self.sent_tokens = len(comp.token_ids)
+        if lp is not None:
+            self.logprobs = (self.logprobs or []) + lp["content"]
+        deltas: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
+        for call in delta.calls:
+            deltas.append({"tool_calls": [{"index": self.calls, **call.to_dict()}]})
+            self.calls += 1
+        out = [{"index": comp.index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in deltas]
+        if comp.finish_reason is not None:
+            out.append({"index": comp.index, "delta": {}, "logprobs": None,
+                        "finish_reason": "tool_calls" if self.calls else comp.finish_reason})
+        if out and self.logprobs is not None:
+            out[0]["logprobs"], self.logprobs = {"content": self.logprobs}, None
+        return out
+
+
+async def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
                         gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
-    """A stream with tools: text as content deltas, each completed call as one delta.tool_calls
-    chunk, then one finish chunk per choice ("tool_calls" when it made calls)."""
+    """A stream with tools (auto, required or named): see _ToolChoiceStream."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
-
-    def chunk(index: int, delta: dict[str, Any], finish: Optional[str] = None) -> str:
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish}]})
-
-    streamers: dict[int, Any] = {}
-    sent: dict[int, int] = {}
-    calls_made: dict[int, int] = {}
-    done: set[int] = set()
+    choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
+    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
     final: Optional[RequestOutput] = None
     try:
         for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
         async for final in gen:
             for comp in final.outputs:
                 if comp.index in done:
                     continue
-                parser = streamers.setdefault(comp.index, plan.streamer())
-                text = comp.text[sent.get(comp.index, 0):]
-                sent[comp.index] = len(comp.text)
-                delta = parser.feed(text) if text else StreamDelta()
-                if comp.finish_reason is not None:
-                    last = parser.finish()
-                    delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
-                if delta.content:
-                    yield chunk(comp.index, {"content": delta.content})
-                for call in delta.calls:
-                    k = calls_made.get(comp.index, 0)
-                    calls_made[comp.index] = k + 1
-                    yield chunk(comp.index, {"tool_calls": [{"index": k, **call.to_dict()}]})
                 if comp.finish_reason is not None:
                     done.add(comp.index)
-                    yield chunk(comp.index, {}, "tool_calls" if calls_made.get(comp.index)
-                                else comp.finish_reason)
+                for choice in choices[comp.index].step(comp):
+                    yield sse({**head, "choices": [choice]})
     except OpenAIError as err:
         yield sse(err.body())
     except Exception as err:  # the engine failed mid-stream

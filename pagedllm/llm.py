@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.chat_messages import template_messages
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -48,8 +49,10 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (rendering `tools`, OpenAI
+        function tools, as the template does), then generate; the text is not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -59,9 +62,9 @@ class LLM:
         for conv in conversations:
             _check_conversation(conv)
             ids = tokenizer.apply_chat_template(
-                conv, chat_template=template, tokenize=True,
+                template_messages(conv), chat_template=template, tokenize=True,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, return_dict=False,
+                continue_final_message=continue_final_message, return_dict=False, tools=tools,
                 **(chat_template_kwargs or {}))
             if hasattr(ids, "input_ids"):  # some transformers versions return a BatchEncoding
                 ids = ids["input_ids"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from pagedllm.config import QUANTIZATION_METHODS
 import logging
@@ -38,10 +39,33 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
                    "(or set PAGEDLLM_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests with tools use tool_choice "auto" (needs a tool-call parser)')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how tool calls are read from the output (default: the one the chat "
+                   "template implies, if any)")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this get HTTP 503")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:
+    """--tool-call-parser, else the parser the chat template implies (logged), else None."""
+    from pagedllm.entrypoints.openai.tool_parsers import parser_for_template
+
+    if args.tool_call_parser:
+        return args.tool_call_parser
+    picked = parser_for_template(template)
+    if picked:
+        logger.info("tool calls: using the %r parser (the chat template's tool format); "
+                       "--tool-call-parser overrides it", picked)
+    elif args.enable_auto_tool_choice:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser: the chat template "
+                         "shows no tool-call format to pick one from")
+    return picked
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -61,8 +85,10 @@ def run_serve(args: argparse.Namespace) -> int:
         revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source,
         quantization=args.quantization, usage_context="api_server"))
     name = args.served_model_name or args.model
+    parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
-                        engine.config.scheduler.max_model_len, chat_template)
+                        engine.config.scheduler.max_model_len, chat_template, parser,
+                        args.enable_auto_tool_choice, args.exclude_tools_when_tool_choice_none)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     base = f"http://{args.host}:{args.port}/v1"
     print(f"pagedllm serving {name!r} at {base}\n"

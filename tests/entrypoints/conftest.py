@@ -1,4 +1,4 @@
-"""A real pagedllm server (subprocess, loopback) on the SmolLM2 model, shared by a module."""
+"""A real pagedllm server (subprocess, loopback): SmolLM2 for the session, other models per module."""
 from __future__ import annotations
 
 import os
@@ -25,15 +25,15 @@ def _free_port() -> int:
 class Server:
     """A running `pagedllm serve` process."""
 
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, model: str = MODEL) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the log goes to a file: a pipe nobody reads would block the server once full
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log",
                                                delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port",
-             str(self.port), "--dtype", "float32", *extra],
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port",
+             str(self.port), *(("--dtype", "float32") if model == MODEL else ()), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

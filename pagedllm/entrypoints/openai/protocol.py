@@ -30,7 +30,7 @@ _IS_SET: dict[str, Callable[[Any], bool]] = {
     "documents": bool,
 }
 # Informational fields of OpenAI's API that change nothing in the answer: accepted quietly.
-_INFORMATIONAL = {"user", "metadata", "service_tier", "parallel_tool_calls"}
+_INFORMATIONAL = {"user", "metadata", "service_tier"}
 
 
 class OpenAIBaseModel(BaseModel):
@@ -131,8 +131,10 @@ class SamplingFields(OpenAIBaseModel):
         return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)}, field_name=name)
 
     def sampling_params(self, max_tokens: Optional[int], defaults: SamplingParams,
-                        logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this request; SamplingParams validates every value (400 on error)."""
+                        logprobs: Optional[int],
+                        constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """SamplingParams for this request; SamplingParams validates every value (400 on error).
+        constraint (a tool_choice's) replaces the request's own output constraint."""
         self.check_unsupported()
         def pick(name: str) -> Any:
             value = getattr(self, name)
@@ -149,7 +151,7 @@ class SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=constraint or self.structured_outputs_params(),
             logit_bias=self.logit_bias_ids(), allowed_token_ids=self.allowed_token_ids)
 
     def logit_bias_ids(self) -> Optional[dict[int, float]]:
@@ -203,6 +205,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -215,6 +219,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI function tools; checked in chat_tools (400 naming tools / tool_choice)
+    tools: Optional[Any] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = True
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
+from pagedllm.engine.chat_messages import template_messages
+from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
@@ -13,8 +16,9 @@ from pagedllm.sampling_params import SamplingParams
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as template input: known roles, text content (string or text parts)."""
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as template input: known roles, text content (string or text parts), an
+    assistant's tool_calls and a tool message's tool_call_id."""
     if not messages:
         raise OpenAIError("messages must not be empty", 400, "messages")
     out = []
@@ -32,12 +36,18 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                       "supported", 400, f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
-    return out
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return template_messages(out)
 
 
-def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the templated conversation."""
+def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest,
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """Token ids of the templated conversation (with the tools the template renders)."""
     tokenizer = ctx.engine.tokenizer
     template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -48,14 +58,16 @@ def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]
         ids = tokenizer.apply_chat_template(
             conv, chat_template=template, tokenize=True, return_dict=False,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            continue_final_message=req.continue_final_message, tools=tools,
+            **(req.chat_template_kwargs or {}))
     except Exception as err:  # a template that raises on this conversation
         raise OpenAIError(f"the chat template failed on these messages: {err}", 400,
                           "messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
+def _params(ctx: ServerContext, req: ChatCompletionRequest,
+            plan: Optional[ToolPlan]) -> SamplingParams:
     check_n(req.n, req.best_of)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
@@ -64,7 +76,7 @@ def _params(ctx: ServerContext, req: ChatCompletionRequest) -> SamplingParams:
                   else req.max_tokens)  # None: until max_model_len
     try:
         return req.sampling_params(max_tokens, ctx.engine.default_sampling_params(),
-                                   logprobs)
+                                   logprobs, plan.constraint if plan else None)
     except ValueError as err:
         raise bad_request(err) from None
 
@@ -88,22 +100,45 @@ def _logprobs(tokenizer, comp: CompletionOutput, k: int,
     return {"content": content}
 
 
+def _plan(ctx: ServerContext, req: ChatCompletionRequest) -> Optional[ToolPlan]:
+    return plan_tools(req, ctx.tool_parser, ctx.enable_auto_tool_choice,
+                      ctx.exclude_tools_when_tool_choice_none)
+
+
+def _message(plan: Optional[ToolPlan], comp: CompletionOutput) -> tuple[dict[str, Any], str]:
+    """The choice's message and finish_reason ("tool_calls" when it made calls)."""
+    if plan is None:
+        return {"role": "assistant", "content": comp.text}, comp.finish_reason
+    content, calls = plan.extract(comp.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, comp.finish_reason
+    message["tool_calls"] = [c.to_dict() for c in calls]
+    return message, "tool_calls"
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
     """The JSON response, or an async iterator of SSE lines when req.stream."""
     model = ctx.check_model(req.model)
-    ids = chat_prompt_ids(ctx, req)
-    params = _params(ctx, req)
+    plan = _plan(ctx, req)
+    ids = chat_prompt_ids(ctx, req, plan.tools if plan else None)
+    params = _params(ctx, req, plan)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:
+        if plan is not None and plan.choice != "none":
+            return _stream_tools(ctx, req, model, rid, gen, plan)
         return _stream(ctx, req, model, rid, gen)
     final: Optional[RequestOutput] = None
     async for final in gen:
         pass
     tok = ctx.engine.tokenizer
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(tok, c, req.top_logprobs or 0), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason} for c in final.outputs]
+    choices = []
+    for c in final.outputs:
+        message, finish = _message(plan, c)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(tok, c, req.top_logprobs or 0),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids),
                                                sum(len(c.token_ids) for c in final.outputs))}
@@ -138,6 +173,73 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                 yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
                                                 "logprobs": logprobs,
                                                 "finish_reason": comp.finish_reason}]})
+    except OpenAIError as err:
+        yield sse(err.body())
+    except Exception as err:  # the engine failed mid-stream
+        yield sse(OpenAIError(str(err), 500).body())
+    else:
+        if req.stream_options and req.stream_options.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": usage(
+                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
+    yield SSE_DONE
+
+
+class _ToolChoiceStream:
+    """One streamed choice with tools: text -> content deltas, each completed call -> one
+    delta.tool_calls, then its one finish; token logprobs ride on the next delta sent."""
+
+    def __init__(self, tokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> None:
+        self.tokenizer, self.req = tokenizer, req
+        self.parser = plan.streamer()
+        self.sent_text = self.sent_tokens = self.calls = 0
+        self.logprobs: Optional[list[dict[str, Any]]] = None  # not yet sent
+
+    def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
+        """The choice objects of the chunks this output adds."""
+        text = comp.text[self.sent_text:]
+        self.sent_text = len(comp.text)
+        delta = self.parser.feed(text) if text else StreamDelta()
+        if comp.finish_reason is not None:
+            last = self.parser.finish()
+            delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
+        lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0, self.sent_tokens)
+        self.sent_tokens = len(comp.token_ids)
+        if lp is not None:
+            self.logprobs = (self.logprobs or []) + lp["content"]
+        deltas: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
+        for call in delta.calls:
+            deltas.append({"tool_calls": [{"index": self.calls, **call.to_dict()}]})
+            self.calls += 1
+        out = [{"index": comp.index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in deltas]
+        if comp.finish_reason is not None:
+            out.append({"index": comp.index, "delta": {}, "logprobs": None,
+                        "finish_reason": "tool_calls" if self.calls else comp.finish_reason})
+        if out and self.logprobs is not None:
+            out[0]["logprobs"], self.logprobs = {"content": self.logprobs}, None
+        return out
+
+
+async def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
+                        gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+    """A stream with tools (auto, required or named): see _ToolChoiceStream."""
+    head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
+    choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
+    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
+    final: Optional[RequestOutput] = None
+    try:
+        for i in range(req.n):
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+        async for final in gen:
+            for comp in final.outputs:
+                if comp.index in done:
+                    continue
+                if comp.finish_reason is not None:
+                    done.add(comp.index)
+                for choice in choices[comp.index].step(comp):
+                    yield sse({**head, "choices": [choice]})
     except OpenAIError as err:
         yield sse(err.body())
     except Exception as err:  # the engine failed mid-stream

@@ -40,6 +40,9 @@ class ServerContext:
     served_model_names: list[str]
     max_model_len: int
     chat_template: Optional[str]
+    tool_parser: Optional[str] = None  # --tool-call-parser, else the one the template implies
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model`; 404 for an unknown one."""

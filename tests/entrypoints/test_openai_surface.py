@@ -106,3 +106,21 @@ def test_neutral_values_and_unknown_fields_are_accepted(server):
     assert r.status_code == 200, r.text
     assert "ignoring request fields outside the OpenAI and vLLM APIs: a_field_of_no_api" in \
         server.log_tail()
+
+
+def test_chat_prompt_logprobs_token_ids_and_continuous_usage(client, server):
+    messages = [{"role": "user", "content": "Say hi."}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(), json={
+        "model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0,
+        "prompt_logprobs": 0, "return_token_ids": True})
+    body = r.json()
+    assert r.status_code == 200, r.text
+    assert len(body["prompt_logprobs"]) == len(body["prompt_token_ids"]) == \
+        body["usage"]["prompt_tokens"]
+    assert body["prompt_logprobs"][0] is None
+    assert len(body["choices"][0]["token_ids"]) == body["usage"]["completion_tokens"]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
+    assert chunks and all(c.usage is not None for c in chunks)

@@ -9,7 +9,8 @@ from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
-                                                        sse, start_prompts, usage)
+                                                        prompt_logprobs_json, sse,
+                                                        start_prompts, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -139,9 +140,22 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
         choices.append({"index": c.index, "message": message,
                         "logprobs": _logprobs(tok, c, req.top_logprobs or 0),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
-    return {"id": rid, "object": "chat.completion", "created": now(), "model": model,
+    body = {"id": rid, "object": "chat.completion", "created": now(), "model": model,
             "choices": choices, "usage": usage(len(final.prompt_token_ids),
                                                sum(len(c.token_ids) for c in final.outputs))}
+    return _extras(req, final, body)
+
+
+def _extras(req: ChatCompletionRequest, final: RequestOutput,
+            body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's optional fields of a chat response: prompt_logprobs, prompt_token_ids, token_ids."""
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_json(final)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(final.prompt_token_ids)
+        for choice, comp in zip(body["choices"], final.outputs):
+            choice["token_ids"] = list(comp.token_ids)
+    return body
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
@@ -170,9 +184,13 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                 sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
                 if comp.finish_reason is not None:
                     done.add(comp.index)
-                yield sse({**head, "choices": [{"index": comp.index, "delta": {"content": text},
-                                                "logprobs": logprobs,
-                                                "finish_reason": comp.finish_reason}]})
+                chunk = {**head, "choices": [{"index": comp.index, "delta": {"content": text},
+                                              "logprobs": logprobs,
+                                              "finish_reason": comp.finish_reason}]}
+                if req.stream_options and req.stream_options.continuous_usage_stats:
+                    chunk["usage"] = usage(len(final.prompt_token_ids),
+                                           sum(len(c.token_ids) for c in final.outputs))
+                yield sse(chunk)
     except OpenAIError as err:
         yield sse(err.body())
     except Exception as err:  # the engine failed mid-stream

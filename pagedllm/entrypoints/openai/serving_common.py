@@ -1,6 +1,7 @@
 """Pieces shared by the completion and chat handlers: errors, usage, SSE framing, sub-requests."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -111,3 +112,11 @@ def start_prompts(engine: AsyncLLM, prompts: list[PromptType], params: SamplingP
             raise OpenAIError(str(err), 500) from None
         raise
     return streams
+
+
+def prompt_logprobs_json(out: RequestOutput) -> Optional[list]:
+    """vLLM's prompt_logprobs: per prompt token None or {id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if lp is None else {str(t): dataclasses.asdict(v) for t, v in lp.items()}
+            for lp in out.prompt_logprobs]

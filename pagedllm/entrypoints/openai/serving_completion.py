@@ -8,7 +8,8 @@ from typing import Any, AsyncIterator, Optional, Union
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
-                                                        sse, start_prompts, usage)
+                                                        prompt_logprobs_json, sse,
+                                                        start_prompts, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -89,14 +90,6 @@ class _Logprobs:
             pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + pairs
             offset = 0
         return self.build(pairs, offset)
-
-
-def prompt_logprobs_json(out: RequestOutput) -> Optional[list]:
-    """vLLM's prompt_logprobs: per prompt token None or {id: {logprob, rank, decoded_token}}."""
-    if out.prompt_logprobs is None:
-        return None
-    return [None if lp is None else {str(t): dataclasses.asdict(v) for t, v in lp.items()}
-            for lp in out.prompt_logprobs]
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest):

@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: the model's chat template, then generation, streaming or not."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from pagedllm.engine.chat_messages import template_messages
 from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
@@ -158,14 +158,14 @@ def _extras(req: ChatCompletionRequest, final: RequestOutput,
     return body
 
 
-async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
-                  gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    created = now()
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    sent: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
-    tok = ctx.engine.tokenizer
+async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
+                  gen: AsyncIterator[RequestOutput],
+                  choices_of: Callable[[RequestOutput], list[dict[str, Any]]]
+                  ) -> AsyncIterator[str]:
+    """A chat stream's frame: each choice's role chunk, then one chunk per choice delta that
+    choices_of makes of each output (with usage when continuous_usage_stats), errors as error
+    events, the final usage chunk if asked for, and [DONE]."""
+    opts = req.stream_options
     final: Optional[RequestOutput] = None
     try:
         for i in range(req.n):
@@ -173,21 +173,9 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
                                                                    "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
         async for final in gen:
-            for comp in final.outputs:
-                if comp.index in done:
-                    continue
-                text = comp.text[sent.get(comp.index, 0):]
-                if not text and comp.finish_reason is None:
-                    continue
-                logprobs = _logprobs(tok, comp, req.top_logprobs or 0,
-                                     sent_tokens.get(comp.index, 0))
-                sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
-                if comp.finish_reason is not None:
-                    done.add(comp.index)
-                chunk = {**head, "choices": [{"index": comp.index, "delta": {"content": text},
-                                              "logprobs": logprobs,
-                                              "finish_reason": comp.finish_reason}]}
-                if req.stream_options and req.stream_options.continuous_usage_stats:
+            for choice in choices_of(final):
+                chunk = {**head, "choices": [choice]}
+                if opts and opts.continuous_usage_stats:
                     chunk["usage"] = usage(len(final.prompt_token_ids),
                                            sum(len(c.token_ids) for c in final.outputs))
                 yield sse(chunk)
@@ -196,10 +184,41 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
     except Exception as err:  # the engine failed mid-stream
         yield sse(OpenAIError(str(err), 500).body())
     else:
-        if req.stream_options and req.stream_options.include_usage and final is not None:
+        if opts and opts.include_usage and final is not None:
             yield sse({**head, "choices": [], "usage": usage(
                 len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
     yield SSE_DONE
+
+
+def _head(rid: str, model: str) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
+
+
+def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
+            gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """A plain text stream: each choice's new text (and logprobs) as it comes."""
+    sent: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
+    tok = ctx.engine.tokenizer
+
+    def choices_of(final: RequestOutput) -> list[dict[str, Any]]:
+        out = []
+        for comp in final.outputs:
+            if comp.index in done:
+                continue
+            text = comp.text[sent.get(comp.index, 0):]
+            if not text and comp.finish_reason is None:
+                continue
+            logprobs = _logprobs(tok, comp, req.top_logprobs or 0, sent_tokens.get(comp.index, 0))
+            sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
+            if comp.finish_reason is not None:
+                done.add(comp.index)
+            out.append({"index": comp.index, "delta": {"content": text}, "logprobs": logprobs,
+                        "finish_reason": comp.finish_reason})
+        return out
+
+    return _framed(req, _head(rid, model), gen, choices_of)
 
 
 class _ToolChoiceStream:
@@ -238,32 +257,20 @@ class _ToolChoiceStream:
         return out
 
 
-async def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
-                        gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
+                  gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
     """A stream with tools (auto, required or named): see _ToolChoiceStream."""
-    head = {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
     choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
     done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
-    final: Optional[RequestOutput] = None
-    try:
-        for i in range(req.n):
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        async for final in gen:
-            for comp in final.outputs:
-                if comp.index in done:
-                    continue
-                if comp.finish_reason is not None:
-                    done.add(comp.index)
-                for choice in choices[comp.index].step(comp):
-                    yield sse({**head, "choices": [choice]})
-    except OpenAIError as err:
-        yield sse(err.body())
-    except Exception as err:  # the engine failed mid-stream
-        yield sse(OpenAIError(str(err), 500).body())
-    else:
-        if req.stream_options and req.stream_options.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage(
-                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
-    yield SSE_DONE
+
+    def choices_of(final: RequestOutput) -> list[dict[str, Any]]:
+        out = []
+        for comp in final.outputs:
+            if comp.index in done:
+                continue
+            if comp.finish_reason is not None:
+                done.add(comp.index)
+            out.extend(choices[comp.index].step(comp))
+        return out
+
+    return _framed(req, _head(rid, model), gen, choices_of)

@@ -7,7 +7,6 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.chat_messages import template_messages
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -54,21 +53,15 @@ class LLM:
         """Apply the model's chat template to each conversation (rendering `tools`, OpenAI
         function tools, as the template does), then generate; the text is not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        template = chat_template or getattr(tokenizer, "chat_template", None)
-        if not template:
-            raise ValueError("this model has no chat template; pass chat_template=... to chat()")
         prompts = []
         for conv in conversations:
             _check_conversation(conv)
-            ids = tokenizer.apply_chat_template(
-                template_messages(conv), chat_template=template, tokenize=True,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, return_dict=False, tools=tools,
-                **(chat_template_kwargs or {}))
-            if hasattr(ids, "input_ids"):  # some transformers versions return a BatchEncoding
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = self.llm_engine.input_processor.chat_prompt_ids(
+                conv, chat_template=chat_template, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- helpers ------------------------------------------------------------

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
@@ -90,6 +90,10 @@ class AsyncLLM:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults."""
         return self.engine.default_sampling_params()
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of a conversation through the chat template (ValueError naming messages)."""
+        return self.engine.input_processor.chat_prompt_ids(messages, **options)
 
     def stats(self) -> EngineStats:
         """Running and waiting sequences and KV-cache usage, read now."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Union
 
 from pagedllm.core.request import Request
+from pagedllm.engine.chat_messages import render_chat
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.grammar import GrammarCompiler
 
@@ -66,6 +67,11 @@ class InputProcessor:
             request.grammar = grammar.new_state() if grammar is not None else None
             requests.append(request)
         return ProcessedPrompt(text, ids, requests)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """Token ids of a conversation through the chat template (engine/chat_messages.py's
+        render_chat options: chat_template, tools, documents, add_generation_prompt, ...)."""
+        return render_chat(self.tokenizer, messages, **options)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

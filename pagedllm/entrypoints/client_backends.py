@@ -96,11 +96,9 @@ class LocalBackend:
     def chat(self, messages: list[dict[str, str]], max_tokens: Optional[int],
              temperature: float) -> Iterator[str]:
         """Stream a chat reply's text."""
-        tok = self.engine.tokenizer
-        if not tok.chat_template:
-            raise RuntimeError("this model has no chat template; use `pagedllm complete`")
-        ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                      return_dict=False)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        try:
+            ids = self.engine.input_processor.chat_prompt_ids(messages)
+        except ValueError as err:
+            raise RuntimeError(f"{err}; use `pagedllm complete`") from None
         return self._stream({"prompt_token_ids": ids},
                             SamplingParams(max_tokens=max_tokens, temperature=temperature))

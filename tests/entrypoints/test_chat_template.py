@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
+from pagedllm.engine.chat_messages import render_chat
 from pagedllm.entrypoints.openai.api_server import load_chat_template
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_chat import chat_prompt_ids
@@ -19,7 +21,9 @@ def tokenizer(smollm_gguf):
 
 
 def _ctx(tokenizer, template=None):
-    return ServerContext(SimpleNamespace(tokenizer=tokenizer), ["m"], 2048, template)
+    # the engine's chat path (engine/chat_messages.render_chat) without loading a model
+    engine = SimpleNamespace(tokenizer=tokenizer, chat_prompt_ids=partial(render_chat, tokenizer))
+    return ServerContext(engine, ["m"], 2048, template)
 
 
 REQ = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
@@ -37,9 +41,9 @@ def test_model_template_and_override(tokenizer, tmp_path):
 def test_no_template_is_a_400(tokenizer):
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
-    with pytest.raises(OpenAIError, match="no chat template.*--chat-template") as err:
+    with pytest.raises(OpenAIError, match="this model has none.*--chat-template") as err:
         chat_prompt_ids(_ctx(bare), REQ)
-    assert err.value.status == 400
+    assert err.value.status == 400 and err.value.param == "messages"
 
 
 def test_missing_template_file_is_a_clear_error(tmp_path):

@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
-from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, now
+from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, bad_request, now
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.version import __version__
 
@@ -129,13 +129,12 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
         if req.messages is not None:
-            template = ctx.chat_template or tok.chat_template
-            if not template:
-                raise OpenAIError("this model has no chat template", 400, "messages")
-            ids = tok.apply_chat_template(conversation(req.messages), chat_template=template,
-                                          tokenize=True, return_dict=False,
-                                          add_generation_prompt=req.add_generation_prompt)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            try:
+                ids = ctx.engine.chat_prompt_ids(
+                    conversation(req.messages), chat_template=ctx.chat_template,
+                    add_generation_prompt=req.add_generation_prompt)
+            except ValueError as err:
+                raise bad_request(err) from None
         elif req.prompt is not None:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -27,7 +27,6 @@ _IS_SET: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is not None, "prediction": lambda v: v is not None,
     "web_search_options": lambda v: v is not None, "reasoning_effort": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]), "store": bool,
-    "documents": bool,
 }
 # Informational fields of OpenAI's API that change nothing in the answer: accepted quietly.
 _INFORMATIONAL = {"user", "metadata", "service_tier"}
@@ -219,6 +218,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[list[dict[str, Any]]] = None  # for templates that render them (RAG)
     # OpenAI function tools; checked in chat_tools (400 naming tools / tool_choice)
     tools: Optional[Any] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

@@ -49,22 +49,14 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest,
                     tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
     """Token ids of the templated conversation (with the tools the template renders)."""
-    tokenizer = ctx.engine.tokenizer
-    template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise OpenAIError("this model has no chat template; start the server with "
-                          "--chat-template FILE or use /v1/completions", 400, "messages")
-    conv = conversation(req.messages)
     try:
-        ids = tokenizer.apply_chat_template(
-            conv, chat_template=template, tokenize=True, return_dict=False,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, tools=tools,
-            **(req.chat_template_kwargs or {}))
-    except Exception as err:  # a template that raises on this conversation
-        raise OpenAIError(f"the chat template failed on these messages: {err}", 400,
-                          "messages") from None
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return ctx.engine.chat_prompt_ids(
+            conversation(req.messages), chat_template=ctx.chat_template, tools=tools,
+            documents=req.documents, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except ValueError as err:
+        raise bad_request(err) from None
 
 
 def _params(ctx: ServerContext, req: ChatCompletionRequest,

@@ -47,6 +47,16 @@ HERMES_CASES = [
 ]
 
 
+def test_bare_json_is_a_call_only_if_it_names_a_request_tool():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    known = get_tool_parser("hermes", ["get_weather"])
+    assert _calls(known.extract(text)[1]) == [("get_weather", {"city": "Paris"})]
+    other = get_tool_parser("hermes", ["get_time"])  # a JSON answer, not a call of this request
+    assert other.extract(text) == (text, [])
+    tagged = "<tool_call>" + text + "</tool_call>"  # tags make it a call whatever its name
+    assert _calls(other.extract(tagged)[1]) == [("get_weather", {"city": "Paris"})]
+
+
 @pytest.mark.parametrize("text,content,calls", HERMES_CASES)
 def test_hermes_whole_and_streamed(text, content, calls):
     parser = HermesToolParser()

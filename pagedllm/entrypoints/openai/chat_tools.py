@@ -155,7 +155,8 @@ def plan_tools(req: ChatCompletionRequest, parser_name: Optional[str], auto_enab
             raise OpenAIError('tool_choice "auto" needs the server started with '
                               "--enable-auto-tool-choice and a --tool-call-parser", 400,
                               "tool_choice")
-        return ToolPlan(tools, "auto", parser=get_tool_parser(parser_name))
+        names = [t["function"]["name"] for t in tools]
+        return ToolPlan(tools, "auto", parser=get_tool_parser(parser_name, names))
     if choice == "named":
         schema = _parameters(next(t for t in tools if t["function"]["name"] == name))
         field = "tool_choice"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,9 @@ class HermesStreamer:
         if self.bare:
             held, self.held, self.bare = self.held, "", False
             calls = _json_calls(held, self.parser.ARGS, " \n\t", need_args=True)
-            if calls:
+            names = getattr(self.parser, "tool_names", None)
+            # untagged JSON is a call only if it names the request's tools (else it is content)
+            if calls and (names is None or all(c.name in names for c in calls)):
                 return StreamDelta(calls=calls)
             out = self._feed_tags(held)
             last = self._finish_tags()
@@ -234,11 +236,14 @@ class Llama3JsonStreamer:
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
-def get_tool_parser(name: str):
-    """The parser registered as name; ValueError naming --tool-call-parser otherwise."""
+def get_tool_parser(name: str, tool_names: Optional[Iterable[str]] = None):
+    """The parser registered as name; ValueError naming --tool-call-parser otherwise.
+    tool_names: the request's tools, which untagged (bare JSON) calls must name."""
     if name not in PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got {name!r}")
-    return PARSERS[name]()
+    parser = PARSERS[name]()
+    parser.tool_names = None if tool_names is None else frozenset(tool_names)
+    return parser
 
 
 def parser_for_template(template: Optional[str]) -> Optional[str]:

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from pagedllm.platforms.interface import TORCH_ATTN_BACKEND
+
 
 @dataclass(frozen=True)
 class BuildContext:
@@ -35,7 +37,6 @@ def attn_backend_for(platform: Any, dtype: torch.dtype) -> Any:
     return _resolve(platform.get_attn_backend(dtype))
 
 
-_TORCH_BACKEND = "pagedllm.attention.backends.torch_ref.TorchAttentionBackend"
 _NATIVE = BuildContext("native", None)
 _current: ContextVar[BuildContext] = ContextVar("pagedllm_build_context", default=_NATIVE)
 
@@ -55,7 +56,7 @@ def current_build_context() -> BuildContext:
     """The context layers are being built in (plain PyTorch outside any build_context)."""
     ctx = _current.get()
     if ctx.attn_backend is None:
-        ctx = BuildContext(ctx.op_impl, _resolve(_TORCH_BACKEND))
+        ctx = BuildContext(ctx.op_impl, _resolve(TORCH_ATTN_BACKEND))
     return ctx
 
 

@@ -111,7 +111,7 @@ class CpuPlatform(Platform):
         return "cpu" if dtype == torch.float32 and self.kernels_ready else "native"
 
     def get_attn_backend(self, dtype: torch.dtype) -> str:
-        if dtype == torch.float32 and self.kernels_ready:
+        if self.op_impl(dtype) == "cpu":  # the C++ attention runs where the C++ ops do
             return CPU_ATTN_BACKEND
         return super().get_attn_backend(dtype)
 

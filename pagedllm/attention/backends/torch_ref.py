@@ -64,30 +64,43 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
 
 
 class TorchAttentionImpl:
-    """Paged attention in PyTorch ops."""
+    """Paged attention in PyTorch ops. Other backends subclass it and replace write_kv and
+    decode; the batch layout (decode rows first, then prompt chunks) is handled here once."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: TorchAttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over each request's paged context; returns [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode_only:  # every row is a decode row: no output to assemble
+            return self.decode(q, kv_cache, meta)
         out = torch.empty_like(q)
-        _, _, _, h, d = kv_cache.shape
         if meta.decode is not None:
-            dec = meta.decode
-            b = dec.num_tokens
-            keys = kv_cache[0][dec.block_table].view(b, -1, h, d).transpose(1, 2)  # [B, Hkv, L, D]
-            vals = kv_cache[1][dec.block_table].view(b, -1, h, d).transpose(1, 2)
-            qd = q[:b].unsqueeze(2)  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, keys.to(q.dtype), vals.to(q.dtype),
-                                               attn_mask=meta.decode_mask, scale=self.scale,
-                                               enable_gqa=True)
-            out[:b] = o.squeeze(2)
+            b = meta.decode.num_tokens
+            out[:b] = self.decode(q[:b], kv_cache, meta)
         for seq in meta.prefills:
             prefill_attention(q, k, v, kv_cache, seq, self.scale, out)
         return out
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store this step's keys and values into the layer's cache."""
+        write_kv(kv_cache, k, v, slot_mapping)
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+               meta: TorchAttentionMetadata) -> torch.Tensor:
+        """Attention of the decode rows q [B, Hq, D] over their block tables; [B, Hq, D]."""
+        _, _, _, h, d = kv_cache.shape
+        dec = meta.decode
+        b = dec.num_tokens
+        keys = kv_cache[0][dec.block_table].view(b, -1, h, d).transpose(1, 2)  # [B, Hkv, L, D]
+        vals = kv_cache[1][dec.block_table].view(b, -1, h, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype),
+                                           attn_mask=meta.decode_mask, scale=self.scale,
+                                           enable_gqa=True)  # [B, Hq, 1, D]
+        return o.squeeze(2)
 
 
 class TorchAttentionBackend:

@@ -7,13 +7,13 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.worker.memory import kv_bytes_per_token
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes over all layers (keys and values)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return (2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim
-            * itemsize)
+    return block_size * kv_bytes_per_token(arch, itemsize)  # the memory planner's figure
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

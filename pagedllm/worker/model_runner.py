@@ -18,6 +18,7 @@ from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.worker.captured_decode import CapturedDecode
 from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
@@ -129,7 +130,7 @@ class ModelRunner:
             self.eos_token_ids, self.device)
         if grammar is not None:
             meta.grammar_bitmask = _bitmask_rows(grammar, [st.req_id for st in states],
-                                                 self.device)
+                                                 self.vocab_size, self.device)
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
         for i, (st, token) in enumerate(zip(states, tokens)):
@@ -159,12 +160,12 @@ class ModelRunner:
             st.num_prompt_logprobs = last
 
 
-def _bitmask_rows(grammar: GrammarBitmask, req_ids: list[str],
+def _bitmask_rows(grammar: GrammarBitmask, req_ids: list[str], vocab_size: int,
                   device: torch.device) -> torch.Tensor:
     """The scheduler's bitmask rows in the order of this step's sampling rows; rows of free
     requests allow every id."""
     where = {r: i for i, r in enumerate(grammar.req_ids)}
-    rows = torch.full((len(req_ids), grammar.bitmask.shape[1]), -1, dtype=torch.int32)
+    rows = allocate_bitmask(len(req_ids), vocab_size)
     for i, req_id in enumerate(req_ids):
         if req_id in where:
             rows[i] = grammar.bitmask[where[req_id]]

@@ -12,8 +12,6 @@ from pagedllm.entrypoints.openai.tool_parsers import StreamDelta, ToolCall, get_
 from pagedllm.sampling_params import StructuredOutputsParams
 
 CHOICES = ("none", "auto", "required")
-_CONSTRAINT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
 
 
 @dataclass
@@ -128,12 +126,6 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
     return schema
 
 
-def _constraint_field(req: ChatCompletionRequest) -> Optional[str]:
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
-    return next((f for f in _CONSTRAINT_FIELDS if getattr(req, f) is not None), None)
-
-
 def plan_tools(req: ChatCompletionRequest, parser_name: Optional[str], auto_enabled: bool,
                exclude_when_none: bool = False) -> Optional[ToolPlan]:
     """The request's ToolPlan, None without tools; OpenAIError (400) naming the bad field."""
@@ -146,7 +138,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: Optional[str], auto_enab
     choice, name = _choice(req.tool_choice, names)
     if choice == "none":
         return ToolPlan(None if exclude_when_none else tools, "none")
-    conflict = _constraint_field(req)
+    conflict = next(iter(req.constraint_fields()), None)
     if conflict is not None:
         raise OpenAIError(f"{conflict} cannot be combined with tools (tool_choice={choice!r}); "
                           "drop one of them", 400, conflict)
@@ -155,7 +147,6 @@ def plan_tools(req: ChatCompletionRequest, parser_name: Optional[str], auto_enab
             raise OpenAIError('tool_choice "auto" needs the server started with '
                               "--enable-auto-tool-choice and a --tool-call-parser", 400,
                               "tool_choice")
-        names = [t["function"]["name"] for t in tools]
         return ToolPlan(tools, "auto", parser=get_tool_parser(parser_name, names))
     if choice == "named":
         schema = _parameters(next(t for t in tools if t["function"]["name"] == name))

@@ -106,25 +106,27 @@ class SamplingFields(OpenAIBaseModel):
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:123"
 
+    def constraint_fields(self) -> list[str]:
+        """The output-constraint fields this request sets (response_format other than text,
+        structured_outputs, guided_*), in that order."""
+        fmt = self.response_format
+        given = [name for name in ("structured_outputs", *_GUIDED) if getattr(self, name) is not None]
+        return (["response_format"] if fmt is not None and fmt.type != "text" else []) + given
+
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
         """The one output constraint the request sets, or None; ValueError naming the field."""
         if self.guided_decoding_backend not in _BACKENDS:
             raise ValueError(f"guided_decoding_backend must be one of 'auto', 'guidance' (pagedllm "
                              f"runs llguidance), got {self.guided_decoding_backend!r}")
-        fmt = self.response_format
-        given = [name for name in ("structured_outputs", *_GUIDED) if getattr(self, name) is not None]
-        if fmt is not None and fmt.type != "text":
-            given.insert(0, "response_format")
+        given = self.constraint_fields()
         if len(given) > 1:
             raise ValueError(f"{given[0]} cannot be combined with {', '.join(given[1:])}: set one "
                              "output constraint")
         if not given:
-            if fmt is not None and fmt.type != "text":  # an unknown type
-                return _response_format(fmt)
             return None
         name = given[0]
         if name == "response_format":
-            return _response_format(fmt)
+            return _response_format(self.response_format)
         if name == "structured_outputs":
             return _structured_outputs(self.structured_outputs)
         return StructuredOutputsParams(**{_GUIDED[name]: getattr(self, name)}, field_name=name)

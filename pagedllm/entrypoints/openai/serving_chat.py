@@ -133,9 +133,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
                         "logprobs": _logprobs(tok, c, req.top_logprobs or 0),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     body = {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": choices, "usage": usage(len(final.prompt_token_ids),
-                                               sum(len(c.token_ids) for c in final.outputs))}
+            "choices": choices, "usage": _usage(final)}
     return _extras(req, final, body)
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    """The usage object of one chat request's output so far (all its choices)."""
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
 def _extras(req: ChatCompletionRequest, final: RequestOutput,
@@ -168,8 +172,7 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
             for choice in choices_of(final):
                 chunk = {**head, "choices": [choice]}
                 if opts and opts.continuous_usage_stats:
-                    chunk["usage"] = usage(len(final.prompt_token_ids),
-                                           sum(len(c.token_ids) for c in final.outputs))
+                    chunk["usage"] = _usage(final)
                 yield sse(chunk)
     except OpenAIError as err:
         yield sse(err.body())
@@ -177,8 +180,7 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
         yield sse(OpenAIError(str(err), 500).body())
     else:
         if opts and opts.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage(
-                len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))})
+            yield sse({**head, "choices": [], "usage": _usage(final)})
     yield SSE_DONE
 
 

@@ -63,8 +63,10 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     return wanted or "gguf"
 
 
-def block_model_dtype(requested: object, quantization: str) -> Optional[torch.dtype]:
-    """float32 for a model whose matrices stay in GGML blocks (None otherwise).
+def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: Platform,
+                 quantization: str) -> torch.dtype:
+    """The dtype the engine computes in: the platform's choice for 'auto', else what was asked;
+    float32 for a model whose matrices stay in GGML blocks.
 
     The block kernels take and return float32 activations, and the norms, biases, residual
     stream and KV cache of such a model stay in float32 too, so that the captured decode step
@@ -72,10 +74,11 @@ def block_model_dtype(requested: object, quantization: str) -> Optional[torch.dt
     bfloat16 would save nothing on the weights and was 1.6x slower in decode on an AVX512-BF16
     CPU; an explicit bfloat16/float16 is refused rather than silently changed.
     """
+    dtype = resolve_dtype(requested, checkpoint_dtype, platform)  # checks the name
     if quantization == "none":
-        return None
-    name = str(requested or "auto").lower().removeprefix("torch.")
-    if name not in ("auto", "float32", "float"):
+        return dtype
+    if str(requested or "auto").lower() != "auto" and dtype != torch.float32:
+        name = _dtype_name(dtype)
         raise ValueError(f"dtype={name!r} with quantization={quantization!r}: the CPU block "
                          "kernels compute in float32 (norms, biases and the KV cache too); pass "
                          "dtype='auto' or 'float32', or quantization='none' to run dequantized "
@@ -134,8 +137,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            "from what the OS and cgroup allow", args.gpu_memory_utilization,
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
-    dtype = block_model_dtype(args.dtype, quantization) or resolve_dtype(
-        args.dtype, ckpt.arch.torch_dtype, choice.platform)
+    dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
     logger.info("%s", mem_plan.summary())
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.platforms import cpu_platform, resolve_dtype, resolve_platform
+from pagedllm.platforms import cpu_platform, resolve_platform
 from pagedllm.platforms.gpu import list_gpus
 from pagedllm.platforms.interface import fmt_bytes
 
@@ -35,7 +35,7 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
 def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                  max_model_len: Optional[int] = None) -> dict[str, Any]:
     """Whether MODEL fits here and with which sizes, from its metadata."""
-    from pagedllm.engine.config_builder import (block_model_dtype, plan_engine_memory,
+    from pagedllm.engine.config_builder import (engine_dtype, plan_engine_memory,
                                                 resolve_quantization)
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
@@ -53,8 +53,7 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                            "max_position_embeddings": ckpt.arch.max_position_embeddings}
     quantization = resolve_quantization(args, ckpt, choice.platform, build_kernels=False)
     out["quantization"] = quantization
-    chosen = block_model_dtype(dtype, quantization) or resolve_dtype(
-        dtype, ckpt.arch.torch_dtype, choice.platform)
+    chosen = engine_dtype(dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     try:
         plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:

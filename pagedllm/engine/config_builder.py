@@ -71,8 +71,9 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     The block kernels take and return float32 activations, and the norms, biases, residual
     stream and KV cache of such a model stay in float32 too, so that the captured decode step
     (the whole layer stack in one C++ call) runs it and gives the same numbers as the layer loop.
-    bfloat16 would save nothing on the weights and was 1.6x slower in decode on an AVX512-BF16
-    CPU; an explicit bfloat16/float16 is refused rather than silently changed.
+    bfloat16 would save nothing on the weights and was 1.7-1.9x slower in decode on an
+    AVX512-BF16 Zen 4 (README's performance section); an explicit bfloat16/float16 is refused
+    rather than silently changed.
     """
     dtype = resolve_dtype(requested, checkpoint_dtype, platform)  # checks the name
     if quantization == "none":

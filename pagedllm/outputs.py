@@ -33,7 +33,7 @@ class CompletionOutput:
     stop_reason: Union[int, str, None] = None
 
     def finished(self) -> bool:
-        """True once a finish reason ("stop", "length", "abort") is set."""
+        """True once a finish reason ("stop", "length", "abort", "error") is set."""
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
@@ -55,11 +55,14 @@ class RequestOutput:
     prompt_logprobs: Optional[PromptLogprobs]
     outputs: list[CompletionOutput]
     finished: bool
+    # set when this request failed on its own (finish_reason "error"); the engine went on
+    error: Optional[str] = None
 
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
             f"prompt_token_ids={self.prompt_token_ids}, "
             f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
-            f"finished={self.finished})"
+            f"finished={self.finished}"
+            + (f", error={self.error!r})" if self.error else ")")
         )

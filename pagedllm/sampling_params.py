@@ -8,6 +8,8 @@ from typing import Any, Optional, Union
 
 # Temperatures below this are treated as greedy decoding (same threshold as vLLM).
 SAMPLING_EPS = 1e-5
+# Seeds are signed 64-bit ints, as in vLLM's API (torch's generator takes any 64-bit pattern).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -213,12 +215,16 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of is not None:
             self.best_of = _check_int("best_of", self.best_of)
-            if self.best_of < self.n:
-                raise ValueError(
-                    f"best_of must be None or >= n={self.n}, got {self.best_of}"
-                )
+            if self.best_of != self.n:
+                # vLLM's V1 engine dropped best_of: generating extra samples to return the
+                # best n is not done, so anything but best_of == n would be silently ignored
+                raise ValueError(f"best_of must be None or equal to n={self.n} (returning the "
+                                 f"best n of more samples is not supported), got {self.best_of}")
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a signed 64-bit "
+                                 f"int), got {self.seed}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -24,6 +24,11 @@ def test_defaults_match_vllm():
         ({"n": True}, "n"),
         ({"n": 2, "best_of": 1}, "best_of"),
         ({"best_of": "3"}, "best_of"),
+        ({"n": 1, "best_of": 3}, "best_of"),  # accepted and ignored before: now refused
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.0}, "seed"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"presence_penalty": -2.01}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),

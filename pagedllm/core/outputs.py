@@ -33,6 +33,7 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # finish_reason "error": what went wrong for this request
 
     @property
     def finished(self) -> bool:

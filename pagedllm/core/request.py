@@ -18,12 +18,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request's own step failed; the others go on
 
     @property
     def finish_reason(self) -> Optional[str]:
         """OpenAI/vLLM finish reason for a terminal state."""
         return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_ERROR: "error"}.get(self)
 
 
 @dataclass(eq=False)
@@ -46,6 +48,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     # structured_output.grammar.GrammarState: where the output is in its grammar (None: free)
     grammar: Optional[Any] = None
+    error: Optional[str] = None  # why the request failed (status FINISHED_ERROR)
 
     def __post_init__(self) -> None:
         self._update_block_hashes()

@@ -36,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
         self._finished_ids: set[str] = set()  # to tell the runner next step
+        self._errors: dict[str, str] = {}  # request id -> why it fails at this step's update
         self.num_preemptions = 0  # total since start, for stats and tests
 
     # ---- queue management -------------------------------------------------
@@ -124,38 +125,67 @@ class Scheduler:
             return None
         bitmask = allocate_bitmask(len(rows), self.vocab_size)
         for row, request in enumerate(rows):
-            request.grammar.fill_bitmask(bitmask, row)
+            try:
+                request.grammar.fill_bitmask(bitmask, row)
+            except Exception as err:  # that request fails at the update; the batch goes on
+                bitmask[row] = -1  # any token: it is discarded
+                self._errors[request.request_id] = f"structured output: {err!r}"
         return GrammarBitmask([r.request_id for r in rows], bitmask)
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, finish requests that stopped."""
+        """Advance computed counts, append sampled tokens, finish requests that stopped.
+
+        An exception while updating one request (its grammar, its stop checks) fails that
+        request alone, with finish_reason "error"; the others go on."""
         outputs = []
         for req_id, n in sched.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += n
-            core_out = EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens)
-            if req_id in out.prompt_logprobs:
-                core_out.new_prompt_logprobs = out.prompt_logprobs[req_id]
-            token = out.sampled.get(req_id)
-            if token is not None:
-                request.append_output_token(token)
-                if request.grammar is not None and not request.grammar.accept(token):
-                    logger.warning("request %s: the grammar rejected token %d (%s)", req_id,
-                                   token, request.grammar.error)
-                core_out.new_token_ids.append(token)
-                if req_id in out.logprobs:
-                    core_out.new_logprobs.append(out.logprobs[req_id])
-                status = self._check_stop(request, token)
-                if status is not None:
-                    self._finish(request, status)
-                    core_out.finish_reason = status.finish_reason
-                    core_out.stop_reason = request.stop_reason
+            error = self._errors.pop(req_id, None)
+            if error is None:
+                try:
+                    core_out = self._advance(request, n, out)
+                except Exception as err:
+                    logger.exception("request %s: updating it failed", req_id)
+                    error = f"{type(err).__name__}: {err}"
+            if error is not None:
+                core_out = self._fail(request, error)
             if core_out.new_token_ids or core_out.new_prompt_logprobs or core_out.finished:
                 outputs.append(core_out)
         return outputs
+
+    def _advance(self, request: Request, n: int, out: ModelRunnerOutput) -> EngineCoreOutput:
+        """One request's progress in this step: computed tokens, its sampled token, its stop."""
+        req_id = request.request_id
+        request.num_computed_tokens += n
+        core_out = EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens)
+        if req_id in out.prompt_logprobs:
+            core_out.new_prompt_logprobs = out.prompt_logprobs[req_id]
+        token = out.sampled.get(req_id)
+        if token is not None:
+            request.append_output_token(token)
+            if request.grammar is not None and not request.grammar.accept(token):
+                logger.warning("request %s: the grammar rejected token %d (%s)", req_id,
+                               token, request.grammar.error)
+            core_out.new_token_ids.append(token)
+            if req_id in out.logprobs:
+                core_out.new_logprobs.append(out.logprobs[req_id])
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                core_out.finish_reason = status.finish_reason
+                core_out.stop_reason = request.stop_reason
+        return core_out
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        """Finish a request whose own step failed; its output says why."""
+        logger.error("request %s failed: %s", request.request_id, error)
+        request.error = error
+        if self.requests.get(request.request_id) is request:  # not finished before it failed
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
 
     # ---- helpers ------------------------------------------------------------
     def _check_stop(self, request: Request, token: int) -> Optional[RequestStatus]:
@@ -188,6 +218,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        self._errors.pop(request.request_id, None)
         self.kv.free(request)
         self._forget_in_runner(request.request_id)
         del self.requests[request.request_id]

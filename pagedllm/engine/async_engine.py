@@ -41,6 +41,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed on its own (e.g. detokenizing its output); the engine goes on."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's load, for metrics."""
@@ -70,6 +74,9 @@ class AsyncLLM:
         self._stop = False
         self.error: Optional[BaseException] = None
         self.listener: Optional[OutputListener] = None
+        # called once, on the engine thread, if it stops (e.g. serve exits so a supervisor
+        # restarts it)
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
         # constrained requests are compiled on the handlers' threads; the grammar engine's view
@@ -100,21 +107,27 @@ class AsyncLLM:
         return EngineStats(self.engine.num_running, self.engine.num_waiting,
                            self.engine.kv_cache_usage)
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                    max_tokens_must_fit: bool = False) -> AsyncIterator[RequestOutput]:
         """Validate and queue now (ValueError, EngineOverloadedError); return the output stream.
 
-        Iterate the stream to the end or close it: closing it early aborts the request.
+        Iterate the stream to the end or close it: closing it early aborts the request. The
+        stream raises RequestFailedError if this request fails on its own, EngineDeadError if
+        the engine stops. max_tokens_must_fit: refuse a max_tokens the context cannot hold
+        (the server's rule) instead of capping it.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         with self._lock:
             if self.engine.num_waiting + self._pending >= self.max_waiting:
                 raise EngineOverloadedError(
                     f"server busy: {self.max_waiting} requests are already waiting; retry later")
             self._pending += 1
         try:
-            processed = self.engine.input_processor.process(request_id, prompt, params)
+            processed = self.engine.input_processor.process(
+                request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit)
         except BaseException:
             with self._lock:
                 self._pending -= 1
@@ -137,8 +150,14 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
+                if isinstance(item, RequestFailedError):
+                    finished = True  # the engine has forgotten it already
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}")
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 finished = item.finished
                 last, tokens = self._observe(item, last, tokens)
                 yield item
@@ -178,8 +197,17 @@ class AsyncLLM:
     def _add(self, request_id: str, processed) -> None:
         with self._lock:
             self._pending -= 1
-        if request_id in self._streams:  # not aborted while queued
+        if request_id not in self._streams:  # aborted while queued
+            return
+        try:
             self.engine.add_processed(request_id, processed)
+        except Exception as err:  # this request alone fails; the engine goes on
+            logger.exception("request %s: queueing it failed", request_id)
+            self.engine.abort_request([request_id])
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestFailedError(
+                    f"request {request_id} failed: {type(err).__name__}: {err}"))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -205,3 +233,5 @@ class AsyncLLM:
             self.error = err
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            if self.on_fatal is not None:
+                self.on_fatal(err)

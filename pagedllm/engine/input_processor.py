@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional, Union
 
 from pagedllm.core.request import Request
 from pagedllm.engine.chat_messages import render_chat
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.grammar import GrammarCompiler
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -35,9 +35,12 @@ class InputProcessor:
         self.block_size = block_size
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
-    def process(self, request_id: str, prompt: PromptType,
-                params: SamplingParams) -> ProcessedPrompt:
-        """Validate and tokenize; n > 1 becomes n child requests with distinct seeds."""
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                max_tokens_must_fit: bool = False) -> ProcessedPrompt:
+        """Validate and tokenize; n > 1 becomes n child requests with distinct seeds.
+
+        max_tokens is capped at what the context leaves after the prompt; with
+        max_tokens_must_fit (the server's rule, as vLLM's) a larger one is refused instead."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -54,13 +57,19 @@ class InputProcessor:
                    if params.structured_outputs is not None else None)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
+            if max_tokens_must_fit and params.max_tokens > max_tokens:
+                raise ValueError(
+                    f"max_tokens (or max_completion_tokens) is too large: {params.max_tokens}. "
+                    f"This model's maximum context length is {self.max_model_len} tokens and "
+                    f"your request has {len(ids)} input tokens ({params.max_tokens} > "
+                    f"{self.max_model_len} - {len(ids)})")
             max_tokens = min(max_tokens, params.max_tokens)
         now = time.monotonic()
         requests = []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + i)
+                child_params = replace(params, seed=_child_seed(params.seed, i))
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(child_id, list(ids), child_params, max_tokens,
                               self.eos_token_ids, self.block_size, now)
@@ -85,7 +94,15 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("prompt tokenizes to no tokens (the tokenizer drops every "
+                                 "character of it); send text the tokenizer keeps, or token ids")
+            bad = max(ids)
+            if bad >= self.vocab_size:  # a tokenizer with more ids than the model's embedding
+                raise ValueError(f"prompt tokenizes to id {bad}, outside the model's vocabulary "
+                                 f"[0, {self.vocab_size}): the tokenizer does not match the model")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(prompt)
         raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt' or "
@@ -111,3 +128,8 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
                 "the prompt plus at least one generated token must fit; shorten the prompt or "
                 "raise max_model_len")
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of an n > 1 request: seed + index, wrapped into signed 64 bits."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN

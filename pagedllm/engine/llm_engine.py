@@ -22,6 +22,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, tokenizer: Any,
                  gen_config: dict[str, Any]) -> None:
+        _check_tokenizer_fits(tokenizer, config)
         self.tokenizer = tokenizer
         self.generation_config = gen_config
         self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
@@ -109,3 +110,14 @@ def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:
     if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _check_tokenizer_fits(tokenizer: Any, config: EngineConfig) -> None:
+    """Refuse, before any weight is loaded, a tokenizer with ids the model has no embedding for
+    (e.g. another model's tokenizer.json beside a GGUF)."""
+    size = len(tokenizer)
+    if size > config.arch.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {size} tokens but the model's embedding has "
+            f"{config.arch.vocab_size} rows ({config.model_path}): they belong to different "
+            "models; pass the model's own tokenizer with tokenizer=...")

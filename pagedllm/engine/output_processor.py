@@ -1,6 +1,7 @@
 """Turns engine-core progress into RequestOutput objects: text, logprobs, stop strings, n samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -8,6 +9,8 @@ from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     samples: list[_SampleState]
     prompt_logprobs: Optional[PromptLogprobs] = None
+    error: Optional[str] = None  # why the request failed (its samples finish with "error")
 
     @property
     def finished(self) -> bool:
@@ -67,7 +71,11 @@ class OutputProcessor:
         return bool(self._parents)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step; returns updated RequestOutputs and child ids to abort (stop strings)."""
+        """Apply one step; returns updated RequestOutputs and child ids to abort (stop strings,
+        failed requests).
+
+        An exception while handling one request (detokenizing, stop strings, logprobs) fails
+        that request, all its samples, with finish_reason "error"; the others go on."""
         touched: dict[str, _ParentState] = {}
         to_abort: list[str] = []
         for out in core_outputs:
@@ -75,21 +83,26 @@ class OutputProcessor:
             if entry is None:
                 continue
             parent, sample = entry
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._logprob_dict(lp) for lp in out.new_prompt_logprobs)
-            stop = self._apply_tokens(sample, out)
-            if stop is not None and out.finish_reason is None:
-                to_abort.append(out.req_id)
-            if stop is not None:
-                sample.finish_reason, sample.stop_reason = "stop", stop
-            elif out.finish_reason is not None:
-                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-            if sample.finish_reason is not None:
-                del self._children[out.req_id]
             touched[parent.request_id] = parent
+            error = out.error
+            if error is None:
+                try:
+                    self._apply(parent, sample, out, to_abort)
+                except Exception as err:
+                    logger.exception("request %s: processing its output failed",
+                                     parent.request_id)
+                    error = f"{type(err).__name__}: {err}"
+            if error is not None:
+                to_abort.extend(self._fail(parent, error))
         results = []
         for parent in touched.values():
-            results.append(self._make_output(parent))
+            try:
+                output = self._make_output(parent)
+            except Exception as err:
+                logger.exception("request %s: making its output failed", parent.request_id)
+                to_abort.extend(self._fail(parent, f"{type(err).__name__}: {err}"))
+                output = self._make_output(parent, with_text=False)
+            results.append(output)
             if parent.finished:
                 del self._parents[parent.request_id]
         return results, to_abort
@@ -107,6 +120,32 @@ class OutputProcessor:
         return self._make_output(parent)
 
     # ---- helpers ------------------------------------------------------------
+    def _apply(self, parent: _ParentState, sample: _SampleState, out: EngineCoreOutput,
+               to_abort: list[str]) -> None:
+        """One child's progress: prompt logprobs, tokens, text, stop strings, finish."""
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+            parent.prompt_logprobs.extend(self._logprob_dict(lp) for lp in out.new_prompt_logprobs)
+        stop = self._apply_tokens(sample, out)
+        if stop is not None and out.finish_reason is None:
+            to_abort.append(out.req_id)
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        if sample.finish_reason is not None:
+            del self._children[out.req_id]
+
+    def _fail(self, parent: _ParentState, error: str) -> list[str]:
+        """Finish every sample of a failed request with "error"; the child ids to abort."""
+        parent.error = error
+        for sample in parent.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "error"
+        child_ids = [c for c, (p, _) in self._children.items() if p is parent]
+        for cid in child_ids:
+            del self._children[cid]
+        return child_ids
+
     def _new_sample(self, index: int, params: SamplingParams) -> _SampleState:
         detok = IncrementalDetokenizer(self.tokenizer, params) if params.detokenize else None
         sample = _SampleState(index, params, detok)
@@ -135,12 +174,13 @@ class OutputProcessor:
             d[tok] = Logprob(val, rank, self.tokenizer.decode([tok]))
         return d
 
-    def _make_output(self, parent: _ParentState) -> RequestOutput:
+    def _make_output(self, parent: _ParentState, with_text: bool = True) -> RequestOutput:
         outputs = [CompletionOutput(
             index=s.index,
-            text=s.detokenizer.output_text(s.finish_reason is not None) if s.detokenizer else "",
+            text=(s.detokenizer.output_text(s.finish_reason is not None)
+                  if s.detokenizer and with_text else ""),
             token_ids=list(s.token_ids), cumulative_logprob=s.cumulative_logprob,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             parent.prompt_logprobs, outputs, parent.finished)
+                             parent.prompt_logprobs, outputs, parent.finished, parent.error)

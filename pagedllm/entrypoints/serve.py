@@ -98,7 +98,16 @@ def run_serve(args: argparse.Namespace) -> int:
           "\"content\": \"Hello!\"}]}'\n"
           f"  or: OpenAI(base_url=\"{base}\", api_key=\"{'KEY' if api_key else 'EMPTY'}\")",
           file=sys.stderr, flush=True)
-    uvicorn.run(build_app(ctx, api_key), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(ctx, api_key), host=args.host, port=args.port,
+        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
+    # (systemd, Kubernetes) restarts the server
+    ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
+    server.run()
     ctx.engine.shutdown()
+    if ctx.engine.error is not None:
+        print(f"pagedllm serve: the engine stopped: {ctx.engine.error!r}; exiting with status 1",
+              file=sys.stderr)
+        return 1
     return 0

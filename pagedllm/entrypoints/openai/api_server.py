@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
@@ -76,6 +77,12 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestFailedError)
+    @app.exception_handler(EngineDeadError)
+    async def _failed(_: Request, err: RuntimeError) -> JSONResponse:
+        # this request failed on its own, or the engine stopped (serve then exits)
+        return JSONResponse(OpenAIError(str(err), 500).body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:

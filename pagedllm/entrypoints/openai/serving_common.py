@@ -100,7 +100,8 @@ def start_prompts(engine: AsyncLLM, prompts: list[PromptType], params: SamplingP
     streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params))
+            streams.append(engine.add_request(f"{request_id}-{i}", prompt, params,
+                                              max_tokens_must_fit=True))
     except BaseException as err:
         for i in range(len(streams)):
             engine.abort(f"{request_id}-{i}")

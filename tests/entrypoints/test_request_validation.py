@@ -1,0 +1,88 @@
+"""Every request field the engine could choke on is a 400 naming it, and the engine goes on;
+a fault in the shared step makes `pagedllm serve` exit non-zero so a supervisor restarts it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import API_KEY, MODEL, _free_port
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, headers=HEADERS,
+                      timeout=60)
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("completions", {"prompt": "Hi", "seed": 2**64}, "seed", "seed must be in ["),
+    ("completions", {"prompt": "Hi", "seed": -(2**63) - 1}, "seed", "seed must be in ["),
+    ("completions", {"prompt": "Hi", "seed": 2**64 - 1, "n": 2}, "seed", "seed must be in ["),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "seed": 2**64},
+     "seed", "seed must be in ["),
+    ("completions", {"prompt": "Hi", "max_tokens": 10**12}, "max_tokens",
+     "max_tokens (or max_completion_tokens) is too large: 1000000000000. This model's maximum "
+     "context length is"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                          "max_completion_tokens": 10**12}, "max_tokens", "is too large"),
+    ("completions", {"prompt": "\x04\x06\x13\x14\x16\x1d"}, "prompt",
+     "prompt tokenizes to no tokens"),
+    ("completions", {"prompt": "Hi", "n": 1, "best_of": 3}, "best_of",
+     "best_of must be None or equal to n=1"),
+    ("completions", {"prompt": [[1, 2, 10**9]]}, "prompt_token_ids", "prompt_token_ids must be"),
+])
+def test_bad_fields_are_400_and_the_engine_goes_on(server, path, body, param, message):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param and err["code"] == 400
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    ok = _post(server, "completions", {"prompt": "Hello", "max_tokens": 2, "seed": 2**63 - 1,
+                                       "n": 2, "temperature": 1.0})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+_FAULTY_SERVE = """
+import sys
+from pagedllm.engine.engine_core import EngineCore
+
+def step(self):  # a fault in the shared step (the forward, the KV cache)
+    raise RuntimeError("injected fault in the forward")
+
+EngineCore.step = step
+from pagedllm.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_exits_nonzero_when_the_engine_stops(tmp_path):
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-c", _FAULTY_SERVE, "serve", MODEL, "--port",
+                                 str(port), "--dtype", "float32", "--max-model-len", "256"],
+                                stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                      "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500
+        assert "injected fault in the forward" in r.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 1
+        assert "the engine stopped" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

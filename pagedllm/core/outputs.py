@@ -20,6 +20,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # only requests whose scheduled tokens reached their end
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # requests that could not sample
 
 
 @dataclass

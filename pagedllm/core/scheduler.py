@@ -143,7 +143,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            error = self._errors.pop(req_id, None)
+            error = self._errors.pop(req_id, None) or out.errors.get(req_id)
             if error is None:
                 try:
                     core_out = self._advance(request, n, out)

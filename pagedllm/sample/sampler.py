@@ -1,6 +1,6 @@
 """Sampler: logits of the rows that sample this step -> next token ids (+ logprobs)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -26,6 +26,9 @@ class SamplerOutput:
 
     sampled_token_ids: torch.Tensor  # [N] int64
     logprobs: Optional[LogprobsTensors]
+    # rows whose constraints together allow no token at all (their draw is meaningless): e.g.
+    # allowed_token_ids disjoint from the grammar's, or min_tokens banning the only EOS left
+    no_allowed_token: list[int] = field(default_factory=list)
 
 
 class Sampler(torch.nn.Module):
@@ -50,7 +53,11 @@ class Sampler(torch.nn.Module):
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        restricted = owned or meta.disallowed_mask is not None
         logits = _apply_request_edits(logits, meta, owned)
+        no_allowed = []
+        if restricted:  # only a grammar or allowed_token_ids can leave a row with no token
+            no_allowed = torch.isneginf(logits).all(dim=-1).nonzero().flatten().tolist()
         if not meta.no_penalties:
             logits = ops.apply_penalties(
                 logits,
@@ -66,7 +73,8 @@ class Sampler(torch.nn.Module):
             assert meta.max_num_logprobs is not None
             ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
             logprobs = LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs,
+                             no_allowed_token=no_allowed)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""

@@ -133,7 +133,13 @@ class ModelRunner:
                                                  self.vocab_size, self.device)
         result = self.sampler(logits, meta)
         tokens = result.sampled_token_ids.tolist()
+        for i in result.no_allowed_token:
+            out.errors[states[i].req_id] = (
+                "no token is allowed: the request's constraints together exclude every token "
+                "(allowed_token_ids, structured output, min_tokens' ban on EOS)")
         for i, (st, token) in enumerate(zip(states, tokens)):
+            if st.req_id in out.errors:
+                continue  # fails at the scheduler's update
             st.token_ids.append(token)
             out.sampled[st.req_id] = token
             k = st.sampling_params.logprobs

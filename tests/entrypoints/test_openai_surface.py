@@ -124,3 +124,23 @@ def test_chat_prompt_logprobs_token_ids_and_continuous_usage(client, server):
         stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
     assert chunks and all(c.usage is not None for c in chunks)
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_chat_stream_return_token_ids(client, server, tools):
+    """Streamed chat with return_token_ids: prompt_token_ids on the first chunk, each chunk's
+    token_ids, which add up to the non-streamed response's (tools: the tool-call stream)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": "greet", "parameters": {"type": "object", "properties": {}}}}]
+        body["tool_choice"] = "required"
+    whole = httpx.post(f"{server.url}/v1/chat/completions", headers=_headers(), json=body).json()
+    stream = client.chat.completions.create(stream=True, **{
+        k: v for k, v in body.items() if k not in ("return_token_ids",)},
+        extra_body={"return_token_ids": True})
+    chunks = [c.model_dump() for c in stream]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    assert streamed == whole["choices"][0]["token_ids"] and streamed

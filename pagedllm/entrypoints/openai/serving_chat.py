@@ -119,9 +119,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:
+        head = _head(rid, model)
         if plan is not None and plan.choice != "none":
-            return _stream_tools(ctx, req, model, rid, gen, plan)
-        return _stream(ctx, req, model, rid, gen)
+            return _stream_tools(ctx, req, head, gen, plan, ids)
+        return _stream(ctx, req, head, gen, ids)
     final: Optional[RequestOutput] = None
     async for final in gen:
         pass
@@ -156,18 +157,22 @@ def _extras(req: ChatCompletionRequest, final: RequestOutput,
 
 async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                   gen: AsyncIterator[RequestOutput],
-                  choices_of: Callable[[RequestOutput], list[dict[str, Any]]]
-                  ) -> AsyncIterator[str]:
-    """A chat stream's frame: each choice's role chunk, then one chunk per choice delta that
-    choices_of makes of each output (with usage when continuous_usage_stats), errors as error
-    events, the final usage chunk if asked for, and [DONE]."""
+                  choices_of: Callable[[RequestOutput], list[dict[str, Any]]],
+                  prompt_token_ids: list[int]) -> AsyncIterator[str]:
+    """A chat stream's frame: each choice's role chunk (the first with prompt_token_ids when
+    return_token_ids), then one chunk per choice delta that choices_of makes of each output
+    (with usage when continuous_usage_stats), errors as error events, the final usage chunk if
+    asked for, and [DONE]."""
     opts = req.stream_options
     final: Optional[RequestOutput] = None
     try:
         for i in range(req.n):
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+            chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if req.return_token_ids and i == 0:
+                chunk["prompt_token_ids"] = list(prompt_token_ids)
+            yield sse(chunk)
         async for final in gen:
             for choice in choices_of(final):
                 chunk = {**head, "choices": [choice]}
@@ -188,8 +193,8 @@ def _head(rid: str, model: str) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model}
 
 
-def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
-            gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+def _stream(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
+            gen: AsyncIterator[RequestOutput], prompt_token_ids: list[int]) -> AsyncIterator[str]:
     """A plain text stream: each choice's new text (and logprobs) as it comes."""
     sent: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
@@ -204,15 +209,19 @@ def _stream(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str
             text = comp.text[sent.get(comp.index, 0):]
             if not text and comp.finish_reason is None:
                 continue
-            logprobs = _logprobs(tok, comp, req.top_logprobs or 0, sent_tokens.get(comp.index, 0))
+            first_tok = sent_tokens.get(comp.index, 0)
+            logprobs = _logprobs(tok, comp, req.top_logprobs or 0, first_tok)
             sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
             if comp.finish_reason is not None:
                 done.add(comp.index)
-            out.append({"index": comp.index, "delta": {"content": text}, "logprobs": logprobs,
-                        "finish_reason": comp.finish_reason})
+            choice = {"index": comp.index, "delta": {"content": text}, "logprobs": logprobs,
+                      "finish_reason": comp.finish_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = list(comp.token_ids[first_tok:])
+            out.append(choice)
         return out
 
-    return _framed(req, _head(rid, model), gen, choices_of)
+    return _framed(req, head, gen, choices_of, prompt_token_ids)
 
 
 class _ToolChoiceStream:
@@ -224,6 +233,7 @@ class _ToolChoiceStream:
         self.parser = plan.streamer()
         self.sent_text = self.sent_tokens = self.calls = 0
         self.logprobs: Optional[list[dict[str, Any]]] = None  # not yet sent
+        self.token_ids: list[int] = []  # not yet sent (return_token_ids)
 
     def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
         """The choice objects of the chunks this output adds."""
@@ -234,6 +244,7 @@ class _ToolChoiceStream:
             last = self.parser.finish()
             delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
         lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0, self.sent_tokens)
+        self.token_ids += comp.token_ids[self.sent_tokens:]
         self.sent_tokens = len(comp.token_ids)
         if lp is not None:
             self.logprobs = (self.logprobs or []) + lp["content"]
@@ -248,11 +259,14 @@ class _ToolChoiceStream:
                         "finish_reason": "tool_calls" if self.calls else comp.finish_reason})
         if out and self.logprobs is not None:
             out[0]["logprobs"], self.logprobs = {"content": self.logprobs}, None
+        if out and self.req.return_token_ids:
+            out[0]["token_ids"], self.token_ids = self.token_ids, []
         return out
 
 
-def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, rid: str,
-                  gen: AsyncIterator[RequestOutput], plan: ToolPlan) -> AsyncIterator[str]:
+def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
+                  gen: AsyncIterator[RequestOutput], plan: ToolPlan,
+                  prompt_token_ids: list[int]) -> AsyncIterator[str]:
     """A stream with tools (auto, required or named): see _ToolChoiceStream."""
     choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
     done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
@@ -267,4 +281,4 @@ def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, model: str, ri
             out.extend(choices[comp.index].step(comp))
         return out
 
-    return _framed(req, _head(rid, model), gen, choices_of)
+    return _framed(req, head, gen, choices_of, prompt_token_ids)

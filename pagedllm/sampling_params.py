@@ -12,6 +12,14 @@ SAMPLING_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (text, token ids, logprobs)
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 class SamplingType(enum.IntEnum):
     """How the next token of a request is chosen."""
 
@@ -190,6 +198,7 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Optional[list[int]] = None  # sample only among these ids
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -197,6 +206,11 @@ class SamplingParams:
         self._check_sampling()
         self._check_lengths()
         self._check_flags()
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {self.output_kind!r}") from None
         self.stop = _check_stop(self.stop)
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _check_logit_bias(self.logit_bias)

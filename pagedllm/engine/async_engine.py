@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -135,7 +135,8 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, processed))
-        return self._outputs(request_id, stream, time.monotonic())
+        delta = params.output_kind == RequestOutputKind.DELTA
+        return self._outputs(request_id, stream, time.monotonic(), delta)
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -143,8 +144,8 @@ class AsyncLLM:
         async for out in self.add_request(request_id, prompt, params):
             yield out
 
-    async def _outputs(self, request_id: str, stream: _Stream,
-                       started: float) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id: str, stream: _Stream, started: float,
+                       delta: bool) -> AsyncIterator[RequestOutput]:
         finished = False
         last, tokens = started, 0
         try:
@@ -159,16 +160,19 @@ class AsyncLLM:
                     finished = True
                     raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 finished = item.finished
-                last, tokens = self._observe(item, last, tokens)
+                last, tokens = self._observe(item, last, tokens, delta)
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the caller went away (client disconnect): free its blocks now
                 self.abort(request_id)
 
-    def _observe(self, out: RequestOutput, last: float, tokens: int) -> tuple[float, int]:
+    def _observe(self, out: RequestOutput, last: float, tokens: int,
+                 delta: bool) -> tuple[float, int]:
         """Report timing to the listener; returns (time of this output, tokens so far)."""
         now, total = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
+        if delta:  # the output holds only the new tokens
+            total += tokens
         if self.listener is not None and total > tokens:
             if tokens == 0:
                 self.listener.first_token(now - last)

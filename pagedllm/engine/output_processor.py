@@ -8,7 +8,7 @@ from typing import Optional
 from pagedllm.core.outputs import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -25,6 +25,10 @@ class _SampleState:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    # RequestOutputKind.DELTA: how much was sent, and whether its finish went out
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -37,6 +41,8 @@ class _ParentState:
     samples: list[_SampleState]
     prompt_logprobs: Optional[PromptLogprobs] = None
     error: Optional[str] = None  # why the request failed (its samples finish with "error")
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    sent_any: bool = False  # DELTA: prompt logprobs go with the first output only
 
     @property
     def finished(self) -> bool:
@@ -55,7 +61,8 @@ class OutputProcessor:
                     children: list[tuple[str, SamplingParams]]) -> None:
         """Register a user request and the ids of its child sequences (one per sample)."""
         samples = [self._new_sample(i, params) for i, (_, params) in enumerate(children)]
-        parent = _ParentState(request_id, prompt, list(prompt_token_ids), samples)
+        parent = _ParentState(request_id, prompt, list(prompt_token_ids), samples,
+                              kind=children[0][1].output_kind)
         if children[0][1].prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self._parents[request_id] = parent
@@ -102,13 +109,15 @@ class OutputProcessor:
                 logger.exception("request %s: making its output failed", parent.request_id)
                 to_abort.extend(self._fail(parent, f"{type(err).__name__}: {err}"))
                 output = self._make_output(parent, with_text=False)
-            results.append(output)
+            if output is not None:
+                results.append(output)
             if parent.finished:
                 del self._parents[parent.request_id]
         return results, to_abort
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
-        """Forget a user request; returns its last state marked aborted."""
+        """Forget a user request; returns its last output marked aborted (None if unknown or
+        nothing is left to report)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return None
@@ -174,7 +183,14 @@ class OutputProcessor:
             d[tok] = Logprob(val, rank, self.tokenizer.decode([tok]))
         return d
 
-    def _make_output(self, parent: _ParentState, with_text: bool = True) -> RequestOutput:
+    def _make_output(self, parent: _ParentState,
+                     with_text: bool = True) -> Optional[RequestOutput]:
+        """The request's output for this step as its output_kind asks; None when there is
+        nothing to send (FINAL_ONLY before the end; DELTA with nothing new)."""
+        if parent.kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        if parent.kind == RequestOutputKind.DELTA:
+            return self._make_delta(parent, with_text)
         outputs = [CompletionOutput(
             index=s.index,
             text=(s.detokenizer.output_text(s.finish_reason is not None)
@@ -184,3 +200,33 @@ class OutputProcessor:
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              parent.prompt_logprobs, outputs, parent.finished, parent.error)
+
+    def _make_delta(self, parent: _ParentState, with_text: bool) -> Optional[RequestOutput]:
+        """What is new since the last output, per sample: its new text and the tokens (and
+        logprobs) that made it. A sample shows up when its text grew (tokens that add no text
+        yet, e.g. half a character or a possible stop string, wait for the text) or it finished;
+        never again after its finish. Prompt logprobs go with the request's first output."""
+        outputs = []
+        for s in parent.samples:
+            if s.sent_finish:
+                continue
+            finished = s.finish_reason is not None
+            text = (s.detokenizer.output_text(finished)
+                    if s.detokenizer is not None and with_text else "")
+            new_text = text[s.sent_chars:]
+            grew = bool(new_text) if s.detokenizer is not None else len(s.token_ids) > s.sent_tokens
+            if not (grew or finished):
+                continue
+            outputs.append(CompletionOutput(
+                index=s.index, text=new_text, token_ids=s.token_ids[s.sent_tokens:],
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs[s.sent_tokens:] if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+            s.sent_chars, s.sent_tokens = max(s.sent_chars, len(text)), len(s.token_ids)
+            s.sent_finish = finished
+        if not outputs:
+            return None
+        prompt_logprobs = None if parent.sent_any else parent.prompt_logprobs
+        parent.sent_any = True
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             prompt_logprobs, outputs, parent.finished, parent.error)

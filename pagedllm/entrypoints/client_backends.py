@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional
 
 import httpx
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ServerBackend:
@@ -73,17 +73,16 @@ class LocalBackend:
 
     def _stream(self, prompt, params: SamplingParams) -> Iterator[str]:
         rid = f"cli-{next(self._ids)}"
+        params.output_kind = RequestOutputKind.DELTA  # each output holds only the new text
         self.engine.add_request(rid, prompt, params)
-        sent, finished = 0, False
+        finished = False
         try:
             while not finished:
                 for out in self.engine.step():
                     if out.request_id != rid:
                         continue
-                    text = out.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
+                    if out.outputs and out.outputs[0].text:
+                        yield out.outputs[0].text
                     finished = out.finished
         finally:
             if not finished:  # Ctrl-C or the caller stopped reading

@@ -185,3 +185,41 @@ def test_unknown_request_ids_are_ignored(qwen_tokenizer):
     assert op.process([EngineCoreOutput("other", [HELLO])]) == ([], [])
     assert op.abort("other") is None
     assert op.has_unfinished()
+
+
+def test_delta_outputs_carry_only_what_is_new(qwen_tokenizer):
+    """RequestOutputKind.DELTA: each sample's new text and the tokens (and logprobs) that made
+    it; text that may still become a stop string (here the last character) waits; a finished
+    sample appears once."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    lp = TokenLogprobs([HELLO], [-0.5], 1)
+    op = _processor(qwen_tokenizer, SamplingParams(output_kind=RequestOutputKind.DELTA,
+                                                   stop=["d!"], logprobs=0), n=2)
+    [out], _ = op.process([EngineCoreOutput("0_r", [HELLO], [lp]),
+                           EngineCoreOutput("1_r", [HI], [TokenLogprobs([HI], [-1.0], 1)])])
+    assert [(c.index, c.text, c.token_ids) for c in out.outputs] == [(0, "Hell", [HELLO]),
+                                                                     (1, "H", [HI])]
+    assert [len(c.logprobs) for c in out.outputs] == [1, 1]
+    [out], _ = op.process([EngineCoreOutput("0_r", [WORLD], [TokenLogprobs([WORLD], [-2.0], 1)])])
+    assert [(c.index, c.text, c.token_ids) for c in out.outputs] == [(0, "o worl", [WORLD])]
+    assert out.outputs[0].cumulative_logprob == pytest.approx(-2.5)
+    [out], abort = op.process([EngineCoreOutput("1_r", [IM_END], [TokenLogprobs([IM_END], [0.0], 1)],
+                                                finish_reason="stop")])
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in out.outputs] == [
+        (1, "i", [IM_END], "stop")]  # finished: the held character goes out
+    assert not out.finished
+    [out], abort = op.process([EngineCoreOutput("0_r", [BANG], [TokenLogprobs([BANG], [0.0], 1)])])
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in out.outputs] == [
+        (0, "", [BANG], "stop")]  # "d!" was the stop string: the held "d" is cut with it
+    assert out.finished and abort == ["0_r"]
+
+
+def test_final_only_outputs_once_at_the_end(qwen_tokenizer):
+    from pagedllm.sampling_params import RequestOutputKind
+
+    op = _processor(qwen_tokenizer, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY))
+    assert op.process([EngineCoreOutput("r", [HELLO])]) == ([], [])
+    [out], _ = op.process([EngineCoreOutput("r", [WORLD], finish_reason="length")])
+    assert out.finished and out.outputs[0].text == "Hello world"
+    assert out.outputs[0].token_ids == [HELLO, WORLD]

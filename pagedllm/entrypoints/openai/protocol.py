@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -153,7 +153,9 @@ class SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint or self.structured_outputs_params(),
-            logit_bias=self.logit_bias_ids(), allowed_token_ids=self.allowed_token_ids)
+            logit_bias=self.logit_bias_ids(), allowed_token_ids=self.allowed_token_ids,
+            # a stream sends what is new at each step; a response needs the whole output
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE)
 
     def logit_bias_ids(self) -> Optional[dict[int, float]]:
         """logit_bias with its JSON string keys ("50256") as token ids; ValueError naming it."""

@@ -79,13 +79,12 @@ def _token_info(tokenizer, tok: int, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def _logprobs(tokenizer, comp: CompletionOutput, k: int,
-              first_token: int = 0) -> Optional[dict[str, Any]]:
-    """OpenAI's chat logprobs for the tokens from first_token on."""
+def _logprobs(tokenizer, comp: CompletionOutput, k: int) -> Optional[dict[str, Any]]:
+    """OpenAI's chat logprobs for comp's tokens."""
     if comp.logprobs is None:
         return None
     content = []
-    for tok, lp in zip(comp.token_ids[first_token:], comp.logprobs[first_token:]):
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
         entry = _token_info(tokenizer, tok, lp[tok].logprob)
         ranked = sorted(lp.items(), key=lambda kv: kv[1].rank or 0)[:k]
         entry["top_logprobs"] = [_token_info(tokenizer, t, v.logprob) for t, v in ranked]
@@ -161,10 +160,15 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                   prompt_token_ids: list[int]) -> AsyncIterator[str]:
     """A chat stream's frame: each choice's role chunk (the first with prompt_token_ids when
     return_token_ids), then one chunk per choice delta that choices_of makes of each output
-    (with usage when continuous_usage_stats), errors as error events, the final usage chunk if
-    asked for, and [DONE]."""
+    (a RequestOutputKind.DELTA output: only what is new), with usage when
+    continuous_usage_stats, errors as error events, the final usage chunk if asked for, and
+    [DONE]."""
     opts = req.stream_options
-    final: Optional[RequestOutput] = None
+    completion_tokens = 0
+
+    def usage_so_far() -> dict[str, int]:
+        return usage(len(prompt_token_ids), completion_tokens)
+
     try:
         for i in range(req.n):
             chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant",
@@ -173,19 +177,20 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
             if req.return_token_ids and i == 0:
                 chunk["prompt_token_ids"] = list(prompt_token_ids)
             yield sse(chunk)
-        async for final in gen:
-            for choice in choices_of(final):
+        async for delta in gen:
+            completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+            for choice in choices_of(delta):
                 chunk = {**head, "choices": [choice]}
                 if opts and opts.continuous_usage_stats:
-                    chunk["usage"] = _usage(final)
+                    chunk["usage"] = usage_so_far()
                 yield sse(chunk)
     except OpenAIError as err:
         yield sse(err.body())
-    except Exception as err:  # the engine failed mid-stream
+    except Exception as err:  # the request or the engine failed mid-stream
         yield sse(OpenAIError(str(err), 500).body())
     else:
-        if opts and opts.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": _usage(final)})
+        if opts and opts.include_usage:
+            yield sse({**head, "choices": [], "usage": usage_so_far()})
     yield SSE_DONE
 
 
@@ -196,28 +201,16 @@ def _head(rid: str, model: str) -> dict[str, Any]:
 def _stream(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
             gen: AsyncIterator[RequestOutput], prompt_token_ids: list[int]) -> AsyncIterator[str]:
     """A plain text stream: each choice's new text (and logprobs) as it comes."""
-    sent: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
     tok = ctx.engine.tokenizer
 
-    def choices_of(final: RequestOutput) -> list[dict[str, Any]]:
+    def choices_of(delta: RequestOutput) -> list[dict[str, Any]]:
         out = []
-        for comp in final.outputs:
-            if comp.index in done:
-                continue
-            text = comp.text[sent.get(comp.index, 0):]
-            if not text and comp.finish_reason is None:
-                continue
-            first_tok = sent_tokens.get(comp.index, 0)
-            logprobs = _logprobs(tok, comp, req.top_logprobs or 0, first_tok)
-            sent[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
-            if comp.finish_reason is not None:
-                done.add(comp.index)
-            choice = {"index": comp.index, "delta": {"content": text}, "logprobs": logprobs,
+        for comp in delta.outputs:
+            choice = {"index": comp.index, "delta": {"content": comp.text},
+                      "logprobs": _logprobs(tok, comp, req.top_logprobs or 0),
                       "finish_reason": comp.finish_reason}
             if req.return_token_ids:
-                choice["token_ids"] = list(comp.token_ids[first_tok:])
+                choice["token_ids"] = list(comp.token_ids)
             out.append(choice)
         return out
 
@@ -231,21 +224,18 @@ class _ToolChoiceStream:
     def __init__(self, tokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> None:
         self.tokenizer, self.req = tokenizer, req
         self.parser = plan.streamer()
-        self.sent_text = self.sent_tokens = self.calls = 0
+        self.calls = 0
         self.logprobs: Optional[list[dict[str, Any]]] = None  # not yet sent
         self.token_ids: list[int] = []  # not yet sent (return_token_ids)
 
     def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
-        """The choice objects of the chunks this output adds."""
-        text = comp.text[self.sent_text:]
-        self.sent_text = len(comp.text)
-        delta = self.parser.feed(text) if text else StreamDelta()
+        """The choice objects of the chunks this delta output adds."""
+        delta = self.parser.feed(comp.text) if comp.text else StreamDelta()
         if comp.finish_reason is not None:
             last = self.parser.finish()
             delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
-        lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0, self.sent_tokens)
-        self.token_ids += comp.token_ids[self.sent_tokens:]
-        self.sent_tokens = len(comp.token_ids)
+        lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0)
+        self.token_ids += comp.token_ids
         if lp is not None:
             self.logprobs = (self.logprobs or []) + lp["content"]
         deltas: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
@@ -269,16 +259,8 @@ def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str
                   prompt_token_ids: list[int]) -> AsyncIterator[str]:
     """A stream with tools (auto, required or named): see _ToolChoiceStream."""
     choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
-    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
 
-    def choices_of(final: RequestOutput) -> list[dict[str, Any]]:
-        out = []
-        for comp in final.outputs:
-            if comp.index in done:
-                continue
-            if comp.finish_reason is not None:
-                done.add(comp.index)
-            out.extend(choices[comp.index].step(comp))
-        return out
+    def choices_of(delta: RequestOutput) -> list[dict[str, Any]]:
+        return [c for comp in delta.outputs for c in choices[comp.index].step(comp)]
 
     return _framed(req, head, gen, choices_of, prompt_token_ids)

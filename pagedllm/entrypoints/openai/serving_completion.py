@@ -81,11 +81,12 @@ class _Logprobs:
                 "text_offset": offsets}
 
     def choice(self, out: RequestOutput, comp: CompletionOutput, offset: int,
-               first_token: int, with_prompt: bool) -> Optional[dict[str, Any]]:
-        """The logprobs of comp's tokens from first_token on, after the prompt's if echoed."""
+               with_prompt: bool) -> Optional[dict[str, Any]]:
+        """The logprobs of comp's tokens, after the prompt's if echoed; text offsets from
+        `offset`."""
         if comp.logprobs is None:
             return None
-        pairs = list(zip(comp.token_ids[first_token:], comp.logprobs[first_token:]))
+        pairs = list(zip(comp.token_ids, comp.logprobs))
         if with_prompt and out.prompt_logprobs is not None:
             pairs = list(zip(out.prompt_token_ids, out.prompt_logprobs)) + pairs
             offset = 0
@@ -125,7 +126,7 @@ def _response(ctx: ServerContext, req: CompletionRequest, model: str, rid: str,
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
             choice = {"index": i * req.n + comp.index, "text": prefix + comp.text,
-                      "logprobs": lps.choice(out, comp, len(prefix), 0, req.echo),
+                      "logprobs": lps.choice(out, comp, len(prefix), req.echo),
                       "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
             choices.append(_extras(req, out, comp, choice, full=True))
     return {"id": rid, "object": "text_completion", "created": now(), "model": model,
@@ -146,11 +147,11 @@ def _extras(req: CompletionRequest, out: RequestOutput, comp: CompletionOutput,
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: str,
                   gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    """Each output is a delta (RequestOutputKind.DELTA): a choice's new text, the tokens that
+    made it and their logprobs; its first chunk carries the echoed prompt."""
     created = now()
     queue: asyncio.Queue = asyncio.Queue()
-    sent: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
-    done: set[int] = set()  # choices whose finish chunk went out: outputs repeat them
+    sent: dict[int, int] = {}  # choice index -> characters sent (logprobs' text_offset)
     tok = ctx.engine.tokenizer
     lps = _Logprobs(tok, req.return_tokens_as_token_ids)
     opts = req.stream_options
@@ -180,32 +181,21 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 item = _prompt_only(item)
             for comp in item.outputs:
                 idx = i * req.n + comp.index
-                if idx in done:
-                    continue
-                start = sent.get(idx)
-                if start is None and req.echo and not comp.token_ids and not comp.finish_reason:
-                    continue  # the prompt (and its logprobs) go out whole, with the first token
-                text = comp.text[start or 0:]
-                if start is None and req.echo:
+                first = idx not in sent
+                text = comp.text
+                if first and req.echo:
                     text = (item.prompt or tok.decode(item.prompt_token_ids)) + text
-                if not text and comp.finish_reason is None:
-                    continue
-                first_tok = sent_tokens.get(idx, 0)
-                logprobs = lps.choice(item, comp, sent.get(idx, 0), first_tok,
-                                      req.echo and start is None)
-                sent[idx], sent_tokens[idx] = len(comp.text), len(comp.token_ids)
-                completion_tokens[idx] = len(comp.token_ids)
-                if comp.finish_reason is not None:
-                    done.add(idx)
-                choice = _extras(req, item, dataclasses.replace(
-                    comp, token_ids=comp.token_ids[first_tok:]), {
-                        "index": idx, "text": text, "logprobs": logprobs,
-                        "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason},
-                    full=start is None)
+                logprobs = lps.choice(item, comp, sent.get(idx, 0), req.echo and first)
+                sent[idx] = sent.get(idx, 0) + len(comp.text)
+                completion_tokens[idx] = completion_tokens.get(idx, 0) + len(comp.token_ids)
+                choice = _extras(req, item, comp, {
+                    "index": idx, "text": text, "logprobs": logprobs,
+                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason},
+                    full=first)
                 chunk = {"id": rid, "object": "text_completion", "created": created,
                          "model": model, "choices": [choice]}
                 if opts and opts.continuous_usage_stats:
-                    chunk["usage"] = usage(len(item.prompt_token_ids), len(comp.token_ids))
+                    chunk["usage"] = usage(len(item.prompt_token_ids), completion_tokens[idx])
                 yield sse(chunk)
             if item.finished:
                 prompt_tokens += len(item.prompt_token_ids)

@@ -1,4 +1,8 @@
-"""Read a GGUF file: its architecture metadata, and its tensors dequantized into HF-named params."""
+"""Load a GGUF's tensors into HF-named params (dequantized, or as blocks), and its architecture.
+
+The header is read and checked by gguf_header.py, its metadata turned into a ModelArchConfig by
+gguf_arch.py; this module plans and copies the tensor payloads.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -19,8 +19,8 @@ HF_ARCHITECTURES: dict[str, str] = {
 _MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 
-def architecture_key(cfg: Mapping[str, Any]) -> str:
-    """Registry key for a config dict, or ValueError naming what is supported."""
+def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
+    """Registry key for a config dict, or ModelFileError naming what is supported."""
     names = cfg.get("architectures") or []
     names = names if isinstance(names, list) else [names]
     for name in names:
@@ -29,9 +29,10 @@ def architecture_key(cfg: Mapping[str, Any]) -> str:
     model_type = cfg.get("model_type")
     if not names and isinstance(model_type, str) and model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
-    raise ValueError(
+    raise ModelFileError(
         f"architectures={names!r} (model_type={model_type!r}) is not supported; supported: "
-        f"{', '.join(sorted(HF_ARCHITECTURES))} (model_type {', '.join(sorted(_MODEL_TYPES))})")
+        f"{', '.join(sorted(HF_ARCHITECTURES))} (model_type {', '.join(sorted(_MODEL_TYPES))}) "
+        f"in {source}")
 
 
 def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -70,7 +71,7 @@ def _eos_ids(value: Any, source: str | Path) -> tuple[int, ...]:
 
 def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.json") -> ModelArchConfig:
     """ModelArchConfig from a parsed config.json (source: its path, for error messages)."""
-    arch = architecture_key(cfg)
+    arch = architecture_key(cfg, source)
 
     def dim(key: str, default: Optional[int] = None) -> int:
         if cfg.get(key) is None and default is not None:
@@ -80,6 +81,10 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
     hidden, heads = dim("hidden_size"), dim("num_attention_heads")
     rope_theta, rope_scaling = _rope(cfg, source)
     bos = cfg.get("bos_token_id")
+    torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    if torch_dtype is not None and not isinstance(torch_dtype, str):
+        raise ModelFileError(f"torch_dtype must be a dtype name such as 'bfloat16', got "
+                             f"{torch_dtype!r} in {source}")
     return make_arch(
         source,
         architecture=arch,
@@ -99,5 +104,5 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else token_id(bos, "bos_token_id", source),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        torch_dtype=torch_dtype,
     )

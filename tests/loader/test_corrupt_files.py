@@ -23,6 +23,7 @@ from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpo
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.loader.weight_checks import check_finite_vectors
 
 HEAD_BYTES = 3_000_000  # SmolLM2's header is 1.79 MB; its first tensor starts right after it
@@ -195,6 +196,8 @@ def _hf_dir(tmp_path: Path, config: object, weights: bytes | None = None) -> Pat
     ("rope_theta", -1, "rope_theta must be a finite number > 0, got -1"),
     ("rope_scaling", {"rope_type": "linear", "factor": 0}, "rope_scaling.factor must be a finite"),
     ("eos_token_id", [2, -1], "eos_token_id must be >= 0"),
+    ("torch_dtype", ["bfloat16"], "torch_dtype must be a dtype name"),
+    ("architectures", [{"a": 1}], "not supported"),
 ])
 def test_absurd_config_json_values_are_refused_by_name(tmp_path, field, value, match):
     root = _hf_dir(tmp_path, dict(LLAMA_CONFIG, **{field: value}))
@@ -280,6 +283,11 @@ def test_the_public_entry_refuses_a_truncated_gguf_before_anything_else(tmp_path
     # no tokenizer files beside it: transformers' GGUF tokenizer would be next to read it
     path = _gguf(tmp_path, smollm_head)
     _refused(path, "truncated", lambda p: LLM(model=str(p), device="cpu"))
+
+
+def test_the_gguf_tokenizer_refuses_a_truncated_file_before_transformers_reads_it(tmp_path,
+                                                                                  smollm_head):
+    _refused(_gguf(tmp_path, smollm_head), "truncated", load_tokenizer)  # was a numpy reshape error
 
 
 def test_doctor_prints_one_line_for_a_corrupt_gguf(tmp_path, smollm_head):

@@ -1,6 +1,7 @@
 """Small configuration dataclasses shared by every layer of the engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -40,6 +41,18 @@ class ModelArchConfig:
     torch_dtype: Optional[str] = None  # checkpoint dtype name, e.g. "bfloat16"
 
     def __post_init__(self) -> None:
+        # the loaders refuse these by their checkpoint key and file; this guards every other way in
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embeddings turn pairs of values), "
+                             f"got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

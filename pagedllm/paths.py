@@ -19,3 +19,8 @@ def cache_dir() -> pathlib.Path:
     """Root of the cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
     env = os.environ.get("PAGEDLLM_CACHE_DIR")
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "pagedllm"
+
+
+def hub_headers_dir() -> pathlib.Path:
+    """Where header-only stubs of hub checkpoints live (their tensor data is not there by design)."""
+    return cache_dir() / "hub-headers"

@@ -1,7 +1,6 @@
 """Decide what a model path points at (GGUF or HF safetensors dir) and load it."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -9,6 +8,7 @@ from typing import Any, Literal, Mapping
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.loader.errors import read_json_object
 from pagedllm.loader.gguf_loader import arch_from_gguf, load_gguf_weights
 from pagedllm.loader.hf_config import arch_from_hf_config
 from pagedllm.loader.safetensors_loader import load_safetensors_weights
@@ -47,7 +47,7 @@ def _resolve_dir(root: Path) -> Checkpoint:
         config = root / "config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{root} has *.safetensors but no config.json")
-        arch = arch_from_hf_config(json.loads(config.read_text()))
+        arch = arch_from_hf_config(read_json_object(config), config)
         return Checkpoint(kind="safetensors", path=root, arch=arch, tokenizer_path=root)
     if len(ggufs) == 1:
         return _gguf_checkpoint(ggufs[0])
@@ -85,4 +85,4 @@ def generation_config(ckpt: Checkpoint) -> dict[str, Any]:
     """generation_config.json of the checkpoint directory, or {} if there is none."""
     root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
     file = root / "generation_config.json"
-    return json.loads(file.read_text()) if file.is_file() else {}
+    return read_json_object(file) if file.is_file() else {}

@@ -1,23 +1,24 @@
-"""Read a GGUF file: its architecture metadata, and its tensors dequantized into HF-named params."""
+"""Load a GGUF's tensors into HF-named params (dequantized, or as blocks), and its architecture.
+
+The header is read and checked by gguf_header.py, its metadata turned into a ModelArchConfig by
+gguf_arch.py; this module plans and copies the tensor payloads.
+"""
 from __future__ import annotations
 
-import os
-import struct
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping, Optional
+from typing import BinaryIO, Mapping, Optional
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_arch import arch_from_header
+from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.progress import load_progress
-
-# GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
 
 # Dequantize at most this many float32 elements at a time (32 MiB).
 CHUNK_ELEMENTS = 8 * 1024 * 1024
@@ -46,145 +47,6 @@ _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 
 
 @dataclass(frozen=True)
-class GGUFTensorInfo:
-    """Where one tensor lives in the file and how it is encoded."""
-
-    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order: [rows, cols] (GGUF lists dims innermost first)
-    offset: int  # absolute byte offset of the payload in the file
-    nbytes: int
-
-
-# GGUF value type id -> struct format of a scalar (8: string, 9: array).
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                   10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-class _HeaderReader:
-    """Sequential little-endian reads of a GGUF header, from a buffer filled from the file in
-    large reads (a 150k vocabulary is ~300k strings to hop over; one read and seek per string
-    took ~1.1 s of every start-up, walking a buffer takes ~0.1 s)."""
-
-    _CHUNK = 1 << 22
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self.fh = fh
-        self.buf = b""
-        self.pos = 0
-
-    def _need(self, n: int) -> None:
-        if self.pos + n <= len(self.buf):
-            return
-        more = self.fh.read(max(n, self._CHUNK))
-        self.buf = self.buf[self.pos:] + more
-        self.pos = 0
-        if len(self.buf) < n:
-            raise ValueError("GGUF header is truncated")
-
-    def scalar(self, fmt: str) -> Any:
-        """One struct-packed value."""
-        size = struct.calcsize(fmt)
-        self._need(size)
-        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
-        self.pos += size
-        return value
-
-    def skip(self, n: int) -> None:
-        self._need(n)
-        self.pos += n
-
-    def string(self) -> str:
-        """A u64-length-prefixed UTF-8 string."""
-        n = self.scalar("<Q")
-        self._need(n)
-        text = self.buf[self.pos:self.pos + n].decode("utf-8", errors="replace")
-        self.pos += n
-        return text
-
-    def tell(self) -> int:
-        """Offset in the file of the next byte to read."""
-        return self.fh.tell() - (len(self.buf) - self.pos)
-
-    def value(self, vtype: int) -> Any:
-        """A metadata value; arrays are skipped (returned as None): loading never needs them."""
-        if vtype == _STRING:
-            return self.string()
-        if vtype in _SCALAR_FORMATS:
-            return self.scalar(_SCALAR_FORMATS[vtype])
-        if vtype != _ARRAY:
-            raise ValueError(f"GGUF metadata has unknown value type {vtype}")
-        etype, count = self.scalar("<I"), self.scalar("<Q")
-        if etype in _SCALAR_FORMATS:
-            self.skip(count * struct.calcsize(_SCALAR_FORMATS[etype]))
-        elif etype == _STRING:  # token lists and merges: hop over each string
-            unpack = struct.Struct("<Q").unpack_from
-            buf, pos = self.buf, self.pos
-            for _ in range(count):
-                if pos + 8 <= len(buf):
-                    end = pos + 8 + unpack(buf, pos)[0]
-                    if end <= len(buf):
-                        pos = end
-                        continue
-                self.pos = pos  # the string runs past the buffer: read it the slow way
-                self.skip(self.scalar("<Q"))
-                buf, pos = self.buf, self.pos
-            self.pos = pos
-        else:  # nested arrays
-            for _ in range(count):
-                self.value(etype)
-        return None
-
-
-def read_gguf_header(fh: BinaryIO) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
-    """(scalar/string metadata, tensor table) of a GGUF v2/v3 file, reading no tensor data.
-
-    GGUFReader would do this too, but it materialises every token string as a numpy view
-    (about 9 s for a 150k vocabulary); walking the header directly takes well under a second.
-    """
-    r = _HeaderReader(fh)
-    if r.scalar("<I") != GGUF_MAGIC:
-        raise ValueError("not a GGUF file (bad magic)")
-    version = r.scalar("<I")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not supported (2 or 3, little-endian)")
-    n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
-    fields: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = r.string()
-        fields[key] = r.value(r.scalar("<I"))
-    raw = []
-    for _ in range(n_tensors):
-        name = r.string()
-        dims = tuple(r.scalar("<Q") for _ in range(r.scalar("<I")))
-        raw.append((name, dims, GGMLQuantizationType(r.scalar("<I")), r.scalar("<Q")))
-    align = int(fields.get("general.alignment") or GGUF_DEFAULT_ALIGNMENT)
-    data_start = -(-r.tell() // align) * align
-    tensors = []
-    for name, dims, qtype, rel in raw:
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elements = int(np.prod(dims, dtype=np.int64))
-        tensors.append(GGUFTensorInfo(name=name, qtype=qtype, shape=tuple(reversed(dims)),
-                                      offset=data_start + rel, nbytes=n_elements // block * type_size))
-    return fields, tuple(tensors)
-
-
-def gguf_header(path: str | Path) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
-    """read_gguf_header of a file, parsed once per process (keyed by path, size and mtime);
-    the metadata dict is shared: read it, do not change it."""
-    st = os.stat(path)
-    return _cached_header(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=8)
-def _cached_header(path: str, size: int, mtime_ns: int
-                   ) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
-    with open(path, "rb") as fh:
-        return read_gguf_header(fh)
-
-
-@dataclass(frozen=True)
 class _GGUFHeader:
     """Everything loading needs from a GGUF, without its tensor payloads."""
 
@@ -202,81 +64,10 @@ def hf_name(gguf_name: str) -> Optional[str]:
     return None
 
 
-def _required(fields: Mapping[str, Any], key: str) -> Any:
-    """Metadata value, or a ValueError naming the missing key."""
-    if fields.get(key) is None:
-        raise ValueError(f"GGUF metadata has no {key!r}")
-    return fields[key]
-
-
-def _rope_scaling(fields: Mapping[str, Any], prefix: str) -> Optional[dict[str, Any]]:
-    """HF-style rope_scaling dict from `<arch>.rope.scaling.*` (or legacy scale_linear) keys."""
-    kind = fields.get(f"{prefix}.rope.scaling.type")
-    factor = fields.get(f"{prefix}.rope.scaling.factor")
-    if kind is None and (linear := fields.get(f"{prefix}.rope.scale_linear")) is not None:
-        kind, factor = "linear", linear
-    if kind in (None, "none"):
-        return None
-    scaling: dict[str, Any] = {"rope_type": kind}
-    if factor is not None:
-        scaling["factor"] = float(factor)
-    original = fields.get(f"{prefix}.rope.scaling.original_context_length")
-    if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
-    attn_factor = fields.get(f"{prefix}.rope.scaling.attn_factor")
-    if attn_factor is not None:
-        scaling["attention_factor"] = float(attn_factor)
-    return scaling
-
-
-def _eos_ids(fields: Mapping[str, Any]) -> tuple[int, ...]:
-    """End-of-sequence ids: eos, then end-of-turn / end-of-message if the GGUF names them."""
-    ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = fields.get(f"tokenizer.ggml.{key}")
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
-    return tuple(ids)
-
-
-def _arch(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, ...]) -> ModelArchConfig:
-    """ModelArchConfig from the `<arch>.*` keys and the tensor list."""
-    gguf_arch = _required(fields, "general.architecture")
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"general.architecture={gguf_arch!r} is not supported; "
-                         f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
-    names = {t.name: t for t in tensors}
-    if "token_embd.weight" not in names:
-        raise ValueError("GGUF has no tensor 'token_embd.weight'")
-    p = gguf_arch
-    hidden = int(_required(fields, f"{p}.embedding_length"))
-    heads = int(_required(fields, f"{p}.attention.head_count"))
-    bos = fields.get("tokenizer.ggml.bos_token_id")
-    return ModelArchConfig(
-        architecture=GGUF_ARCHITECTURES[gguf_arch],
-        vocab_size=names["token_embd.weight"].shape[0],
-        hidden_size=hidden,
-        intermediate_size=int(_required(fields, f"{p}.feed_forward_length")),
-        num_hidden_layers=int(_required(fields, f"{p}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(fields.get(f"{p}.attention.head_count_kv") or heads),
-        head_dim=int(fields.get(f"{p}.attention.key_length") or hidden // heads),
-        rms_norm_eps=float(_required(fields, f"{p}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(fields.get(f"{p}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_required(fields, f"{p}.context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        rope_scaling=_rope_scaling(fields, p),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_eos_ids(fields),
-        torch_dtype=None,  # quantized: no single checkpoint dtype
-    )
-
-
 def _read_header(path: str | Path) -> _GGUFHeader:
     """Parse metadata and tensor table, without touching tensor payloads."""
     fields, tensors = gguf_header(path)
-    return _GGUFHeader(arch=_arch(fields, tensors), tensors=tensors)
+    return _GGUFHeader(arch=arch_from_header(fields, tensors, path), tensors=tensors)
 
 
 def arch_from_gguf(path: str | Path) -> ModelArchConfig:
@@ -306,7 +97,8 @@ def _read_bytes(fh: BinaryIO, offset: int, nbytes: int) -> np.ndarray:
     while got < nbytes:
         n = fh.readinto(view[got:])
         if not n:
-            raise ValueError(f"GGUF file ends inside a tensor at byte {offset + got}")
+            raise ModelFileError(f"{fh.name}: the file ends inside a tensor at byte {offset + got} "
+                                 "(it changed after its header was checked?)")
         got += n
     return buf
 

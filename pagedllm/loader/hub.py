@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from pagedllm.paths import cache_dir
+from pagedllm.paths import hub_headers_dir
 
 _META_FILES = frozenset({
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -170,7 +170,7 @@ def _hf_selection(repo_id: str, names: list[str]) -> tuple[list[str], list[str]]
 
 def _header_dir() -> Path:
     """Where header-only stubs live: $PAGEDLLM_CACHE_DIR/hub-headers (never inside the HF cache)."""
-    return cache_dir() / "hub-headers"
+    return hub_headers_dir()
 
 
 def _range_reader(ref: HubRef, s: _Settings, filename: str, commit: str) -> Callable[[int, int], bytes]:
@@ -189,9 +189,10 @@ def _range_reader(ref: HubRef, s: _Settings, filename: str, commit: str) -> Call
     return read
 
 
-def _fetch_gguf_header(read: Callable[[int, int], bytes], size: int) -> bytes:
-    """The smallest prefix of a remote GGUF (growing x4) that holds its whole header."""
-    from pagedllm.loader.gguf_loader import read_gguf_header  # numpy, torch, gguf: load only here
+def _fetch_gguf_header(read: Callable[[int, int], bytes], size: int, name: str) -> bytes:
+    """The smallest prefix of a remote GGUF (growing x4) that holds its whole header, whose
+    tensors all lie inside the remote file's size."""
+    from pagedllm.loader.gguf_header import check_tensor_extents, read_gguf_header  # gguf: only here
 
     data = b""
     want = _HEADER_FIRST_READ
@@ -199,12 +200,14 @@ def _fetch_gguf_header(read: Callable[[int, int], bytes], size: int) -> bytes:
         want = min(want, size)
         data += read(len(data), want)
         try:
-            read_gguf_header(io.BytesIO(data))
-            return data
-        except (ValueError, UnicodeDecodeError, KeyError):
+            tensors = read_gguf_header(io.BytesIO(data), name)[1]
+            break
+        except ValueError:
             if want >= size:
                 raise
         want *= 4
+    check_tensor_extents(tensors, size, name)
+    return data
 
 
 def _safetensors_header(read: Callable[[int, int], bytes]) -> bytes:
@@ -247,7 +250,8 @@ def _prepare_gguf_online(ref: HubRef, s: _Settings, filename: str, size: int, co
     stub = _stub_path(s, ref, commit, Path(filename).stem + ".header.gguf")
     if not stub.is_file():
         with _hub_errors(ref, s):
-            header = _fetch_gguf_header(_range_reader(ref, s, filename, commit), size)
+            header = _fetch_gguf_header(_range_reader(ref, s, filename, commit), size,
+                                        f"{ref.repo_id}/{filename}")
         _write_atomic(stub, header)
     return PreparedModel(metadata_path=stub, fetch_weights=fetch)
 

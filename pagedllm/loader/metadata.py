@@ -1,25 +1,15 @@
 """Parameter counts from checkpoint metadata only: GGUF tensor table, safetensors headers, config."""
 from __future__ import annotations
 
-import json
 import math
-import struct
-from pathlib import Path
 
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf_loader import gguf_header
+from pagedllm.loader.errors import read_json_object
+from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.safetensors_header import safetensors_num_params
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def _safetensors_header_params(path: Path) -> int:
-    """Elements in one .safetensors file, from its JSON header (the first 8 + N bytes)."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    return sum(math.prod(t["shape"]) for name, t in header.items()
-               if name != "__metadata__" and not name.endswith("rotary_emb.inv_freq"))
 
 
 def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
@@ -29,12 +19,13 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
         return sum(math.prod(t.shape) for t in tensors), "GGUF tensor table"
     files = sorted(ckpt.path.glob("*.safetensors"))
     if files:
-        return sum(_safetensors_header_params(f) for f in files), "safetensors headers"
+        return sum(safetensors_num_params(f) for f in files), "safetensors headers"
     index = ckpt.path / INDEX_FILE
     if index.is_file():
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        metadata = read_json_object(index).get("metadata")
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
         itemsize = _DTYPE_BYTES.get(ckpt.arch.torch_dtype or "", 0)
-        if total and itemsize:
+        if isinstance(total, int) and total > 0 and itemsize:
             return int(total) // itemsize, "safetensors index total_size"
     return ckpt.arch.num_params(), "config.json shapes"
 

@@ -1,13 +1,14 @@
 """Copy a Hugging Face safetensors checkpoint (one file or shards) into pre-allocated params."""
 from __future__ import annotations
 
-import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from pagedllm.loader.errors import ModelFileError, read_json_object
 from pagedllm.loader.progress import load_progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -18,19 +19,41 @@ _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 
 
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """safe_open, with safetensors' own errors (a bad header, data past the end) as a
+    ModelFileError naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise ModelFileError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+def _weight_map(index: Path, model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> shard, from model.safetensors.index.json."""
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ModelFileError(f"{index} must have a 'weight_map' object of tensor name -> file name")
+    missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are not in {model_dir}: "
+                                f"{', '.join(missing)}")
+    return {name: model_dir / file for name, file in weight_map.items()}
+
+
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file that holds it."""
     index = model_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
+        return _weight_map(index, model_dir)
     files = [model_dir / SINGLE_FILE] if (model_dir / SINGLE_FILE).is_file() else sorted(
         model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     sources: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open(file) as f:
             sources.update({name: file for name in f.keys()})
     return sources
 
@@ -75,5 +98,5 @@ def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.T
         for dst, src in load_progress(ordered, model_dir):
             # One open per tensor: closing unmaps the file, so touched pages of
             # already-copied tensors stop counting towards resident memory.
-            with safe_open(str(sources[src]), framework="pt") as f:
+            with _open(sources[src]) as f:
                 _copy(f, src, dst, params[dst])

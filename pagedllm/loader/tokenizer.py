@@ -49,6 +49,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> PreT
                                              trust_remote_code=trust_remote_code)
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"tokenizer path={str(path)!r} is neither a directory nor a .gguf file")
+    gguf_header(path)  # a truncated or corrupt file is refused here, before transformers reads it
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
                                         trust_remote_code=trust_remote_code)
     _match_gguf_metadata(tok, path)

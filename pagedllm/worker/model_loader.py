@@ -2,8 +2,8 @@
 
     resolve the checkpoint -> plan which GGUF matrices keep their blocks -> build the plain model
     (on the meta device, inside the platform's build context) -> swap in block-format modules ->
-    load the weights by checkpoint name -> quantize a float model (int8/int4) -> regroup blocks
-    for the CPU kernels
+    load the weights by checkpoint name -> refuse NaN/inf norms and biases -> quantize a float
+    model (int8/int4) -> regroup blocks for the CPU kernels
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pagedllm.layers.ggml_linear import pack_x8
 from pagedllm.layers.quantization import quantize_float_model
 from pagedllm.loader.checkpoint import load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import gguf_quant_plan
+from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.registry import build_model
 
 logger = logging.getLogger("pagedllm")
@@ -34,7 +35,9 @@ def load_model(config: EngineConfig) -> nn.Module:
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan)
     with torch.no_grad():
-        load_weights(ckpt, model.checkpoint_params())
+        params = model.checkpoint_params()
+        load_weights(ckpt, params)
+        check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)
     if quant != "none":

@@ -108,3 +108,50 @@ def test_write_kv_stores_rows_where_index_copy_does():
         ops.write_kv_(kv, k[:1], v[:1], torch.tensor([20]))
     with pytest.raises(RuntimeError, match="kv_heads \\* head_dim values per slot"):
         ops.write_kv_(kv, k[:, :1], v[:, :1], slots)
+
+
+def test_norm_refuses_a_weight_that_does_not_match_the_rows():
+    x, w = torch.randn(4, 96), torch.randn(95)
+    with pytest.raises(RuntimeError, match=r"x must be \[\.\.\., 95\]"):
+        ops.rms_norm(x, w, 1e-6)
+    with pytest.raises(RuntimeError, match="non-empty 1-D"):
+        ops.add_rms_norm_(x, x.clone(), torch.empty(0), 1e-6)
+
+
+def test_rope_refuses_mismatched_k_positions_and_tables():
+    q, k = torch.randn(4, 6, 32), torch.randn(4, 2, 32)
+    cos = sin = torch.randn(50, 32)
+    pos = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="k must have q's tokens"):
+        ops.rope_(q, torch.randn(3, 2, 32), pos, cos, sin)  # fewer tokens in k
+    with pytest.raises(RuntimeError, match="one position per token: 4 tokens, 2 positions"):
+        ops.rope_(q, k, pos[:2].contiguous(), cos, sin)
+    with pytest.raises(RuntimeError, match="same shape"):
+        ops.rope_(q, k, pos, cos, torch.randn(10, 32))  # a shorter sin table
+    with pytest.raises(RuntimeError, match=r"\[T, heads, head_dim\]"):
+        ops.rope_(q.view(4, -1), k, pos, cos, sin)
+
+
+def test_paged_decode_attention_refuses_tables_of_the_wrong_batch_and_empty_caches():
+    q, kv = torch.randn(2, 8, 16), torch.randn(2, 12, 4, 2, 16)
+    table, lens = torch.zeros(2, 3, dtype=torch.long), torch.tensor([5, 3])
+    with pytest.raises(RuntimeError, match="one row per sequence"):
+        ops.paged_decode_attention(q, kv, table[:1].contiguous(), lens, 0.25)
+    with pytest.raises(RuntimeError, match="one row per sequence"):
+        ops.paged_decode_attention(q, kv, table, lens[:1].contiguous(), 0.25)
+    with pytest.raises(RuntimeError, match="kv_heads > 0"):  # was an integer division by zero
+        ops.paged_decode_attention(q, torch.randn(2, 12, 4, 0, 16), table, lens, 0.25)
+    with pytest.raises(RuntimeError, match="context length 13 out of range"):
+        ops.paged_decode_attention(q, kv, table, torch.tensor([13, 3]), 0.25)
+    with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, blocks"):
+        ops.paged_decode_attention(q, kv[0], table, lens, 0.25)
+
+
+def test_decode_stack_refuses_impossible_head_counts():
+    cos = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="positive multiple of num_kv_heads"):
+        torch.classes.pagedllm.DecodeStack(4, 0, 16, 1e-6, 0.25, cos, cos)
+    with pytest.raises(RuntimeError, match="head_dim must be positive and even"):
+        torch.classes.pagedllm.DecodeStack(4, 2, 15, 1e-6, 0.25, torch.randn(8, 15), torch.randn(8, 15))
+    with pytest.raises(RuntimeError, match="same shape"):
+        torch.classes.pagedllm.DecodeStack(4, 2, 16, 1e-6, 0.25, cos, torch.randn(8, 8))

@@ -28,6 +28,13 @@ void check_f32(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+// x [..., H] for a weight w [H], H > 0 (so that t = x.numel() / H rows are whole rows of x)
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 1 && w.numel() > 0, "weight must be a non-empty 1-D tensor, got ", w.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.numel(), "x must be [..., ", w.numel(),
+              "] to match the weight, got ", x.sizes());
+}
+
 inline void norm_row(const float* x, const float* w, float* y, int64_t h, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -39,6 +46,7 @@ inline void norm_row(const float* x, const float* w, float* y, int64_t h, float 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_f32(x, "x");
   check_f32(w, "weight");
+  check_norm(x, w);
   const int64_t h = w.numel(), t = x.numel() / h;
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -54,6 +62,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
   check_f32(residual, "residual");
   check_f32(w, "weight");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have the same shape");
+  check_norm(x, w);
   const int64_t h = w.numel(), t = x.numel() / h;
   float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -86,8 +95,17 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   check_f32(cos, "cos");
   check_f32(sin, "sin");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "q and k must be [T, heads, head_dim], got q ", q.sizes(),
+              " and k ", k.sizes());
   const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2);
-  TORCH_CHECK(cos.size(1) == d, "cos/sin tables must have head_dim columns");
+  TORCH_CHECK(k.size(0) == t && k.size(2) == d, "k must have q's tokens and head_dim, got q ", q.sizes(),
+              " and k ", k.sizes());
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even (rotate-half RoPE), got ", d);
+  TORCH_CHECK(positions.numel() == t, "positions must hold one position per token: ", t, " tokens, ",
+              positions.numel(), " positions");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "cos and sin must be [positions, head_dim] tables of the same shape, got cos ", cos.sizes(),
+              " and sin ", sin.sizes(), " for head_dim ", d);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t i = 0; i < t; ++i)
@@ -235,9 +253,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens must be int64");
   // q [B, Hq, D]; kv [2, NB, BS, Hk, D]
+  TORCH_CHECK(q.dim() == 3, "q must be [B, heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, head_dim], got ",
+              kv.sizes());
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t nblocks = kv.size(1), bs = kv.size(2), hk = kv.size(3);
+  TORCH_CHECK(bs > 0 && hk > 0, "kv_cache needs block_size > 0 and kv_heads > 0, got ", kv.sizes());
   TORCH_CHECK(kv.size(4) == d && hq % hk == 0, "q and kv_cache shapes do not match");
+  TORCH_CHECK(block_table.size(0) == b && context_lens.numel() == b, "block_table (", block_table.sizes(),
+              ") and context_lens (", context_lens.numel(), " values) must have one row per sequence of q (", b, ")");
   const int64_t group = hq / hk, max_blocks = block_table.size(1);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();

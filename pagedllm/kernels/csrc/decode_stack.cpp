@@ -34,7 +34,14 @@ class DecodeStack : public torch::CustomClassHolder {
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
               at::Tensor cos, at::Tensor sin)
       : hq_(num_heads), hk_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos)), sin_(std::move(sin)) {}
+        cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK(hq_ > 0 && hk_ > 0 && hq_ % hk_ == 0, "num_heads (", hq_, ") must be a positive multiple of ",
+                "num_kv_heads (", hk_, ")");
+    TORCH_CHECK(d_ > 0 && d_ % 2 == 0, "head_dim must be positive and even, got ", d_);
+    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == d_ && sin_.sizes() == cos_.sizes(),
+                "cos and sin must be [positions, head_dim] tables of the same shape, got cos ", cos_.sizes(),
+                " and sin ", sin_.sizes());
+  }
 
   // weights: q, k, v, o, gate, up, down (x8 matrices) with their ggml types; qkv_bias: [] or 3.
   void add_layer(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<at::Tensor> qkv_bias,
@@ -52,6 +59,10 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor residual, const at::Tensor& positions,
                                              const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                                              const at::Tensor& block_table, const at::Tensor& context_lens) {
+    TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [T, hidden] of the same shape, "
+                "got x ", x.sizes(), " and residual ", residual.sizes());
+    TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, "kv_caches must be [layers, 2, blocks, block_size, "
+                "kv_heads, head_dim], got ", kv_caches.sizes());
     TORCH_CHECK(kv_caches.size(0) >= static_cast<int64_t>(layers_.size()) && kv_caches.is_contiguous() &&
                     kv_caches.scalar_type() == at::kFloat && kv_caches.size(4) * kv_caches.size(5) == hk_ * d_,
                 "kv_caches must be a contiguous float32 [layers, 2, blocks, block_size, kv_heads, head_dim] tensor");

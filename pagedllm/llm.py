@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -16,11 +18,15 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    """An offline engine: LLM(model=...).generate(prompts, SamplingParams(...))."""
+    """An offline engine: LLM(model=...).generate(prompts, SamplingParams(...)).
+
+    It logs at INFO to stderr (device, dtype, kernels, memory plan) unless the application has
+    set up logging; PAGEDLLM_LOGGING_LEVEL changes the level."""
 
     def __init__(self, model: str, tokenizer: Optional[str] = None, dtype: Any = "auto",
                  device: str = "auto", max_model_len: Optional[int] = None, seed: int = 0,
                  max_num_seqs: int = 64, trust_remote_code: bool = False, **kwargs: Any) -> None:
+        configure_logging()
         args = EngineArgs.from_kwargs(model, tokenizer=tokenizer, dtype=dtype, device=device,
                                       max_model_len=max_model_len, seed=seed,
                                       max_num_seqs=max_num_seqs,
@@ -87,16 +93,37 @@ class LLM:
                 engine.add_request(request_id, prompt, p)
                 added.append(request_id)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                speed = _Speed(bar)
                 while len(finished) < len(ids):
                     for out in engine.step():
                         if out.finished:
                             finished[out.request_id] = out
-                            bar.update(1)
+                            speed.finished(out)
         finally:  # an error or Ctrl-C leaves no request (or KV block) behind
             leftover = [r for r in added if r not in finished]
             if leftover:
                 engine.abort_request(leftover)
         return [finished[r] for r in ids]
+
+
+class _Speed:
+    """Advances the progress bar per finished request and shows input and output tok/s so far,
+    as vLLM's bar does."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.input_tokens = self.output_tokens = 0
+
+    def finished(self, out: RequestOutput) -> None:
+        """One more request done."""
+        self.input_tokens += len(out.prompt_token_ids)
+        self.output_tokens += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                                 f"output: {self.output_tokens / elapsed:.2f} toks/s",
+                                 refresh=False)
+        self.bar.update(1)
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

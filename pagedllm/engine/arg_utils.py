@@ -1,34 +1,94 @@
 """EngineArgs: the user-facing engine options, with vLLM's names."""
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from pagedllm.config import check_quantization
 
+if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
+    import torch
+
 logger = logging.getLogger("pagedllm")
 
+
+@dataclass(frozen=True)
+class IgnoredArg:
+    """A vLLM option this engine takes and ignores with a warning: why, and how vLLM's command
+    line spells its value."""
+
+    why: str = "it has no effect on this engine"
+    type: Optional[Callable[[str], Any]] = None  # None: an on/off switch (--x / --no-x)
+    nargs: Optional[str] = None
+    short: Optional[str] = None  # vLLM's short flag, e.g. -tp
+
+
+_ONE_DEVICE = "this engine runs on one device"
+_NO_GRAPHS = "the engine runs eagerly (no CUDA graphs)"
 # vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
-GPU_ONLY_ARGS = frozenset({
-    "enforce_eager", "swap_space", "cpu_offload_gb",
-    "tensor_parallel_size", "pipeline_parallel_size", "disable_custom_all_reduce",
-    "max_seq_len_to_capture", "cuda_graph_sizes", "compilation_config",
-    "distributed_executor_backend", "kv_cache_dtype", "disable_log_stats", "tokenizer_mode",
-    "load_format", "download_dir", "tokenizer_revision",
-    "enable_chunked_prefill", "disable_async_output_proc", "worker_cls", "hf_overrides",
-    "mm_processor_kwargs", "limit_mm_per_prompt", "task", "num_scheduler_steps",
-})
+IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
+    "enforce_eager": IgnoredArg("the engine always runs eagerly"),
+    "swap_space": IgnoredArg("preempted requests are recomputed, so no CPU swap space is "
+                             "reserved", float),
+    "cpu_offload_gb": IgnoredArg("weights stay on the device that runs them", float),
+    "tensor_parallel_size": IgnoredArg(_ONE_DEVICE, int, short="-tp"),
+    "pipeline_parallel_size": IgnoredArg(_ONE_DEVICE, int, short="-pp"),
+    "disable_custom_all_reduce": IgnoredArg(_ONE_DEVICE),
+    "max_seq_len_to_capture": IgnoredArg(_NO_GRAPHS, int),
+    "cuda_graph_sizes": IgnoredArg(_NO_GRAPHS, int, nargs="+"),
+    "compilation_config": IgnoredArg("the model is not compiled", str, short="-O"),
+    "distributed_executor_backend": IgnoredArg(_ONE_DEVICE, str),
+    "kv_cache_dtype": IgnoredArg("the KV cache is kept in the model's dtype", str),
+    "disable_log_stats": IgnoredArg("LLM() logs no periodic statistics"),
+    "tokenizer_mode": IgnoredArg("the tokenizer is always a fast (Rust) tokenizer", str),
+    "load_format": IgnoredArg("the format is read from the checkpoint (GGUF or safetensors)",
+                              str),
+    "download_dir": IgnoredArg("downloads go to the Hugging Face cache (HF_HUB_CACHE)", str),
+    "tokenizer_revision": IgnoredArg("the tokenizer comes from the model's revision", str),
+    "enable_chunked_prefill": IgnoredArg("long prompts are always prefilled in chunks"),
+    "disable_async_output_proc": IgnoredArg(),
+    "worker_cls": IgnoredArg(_ONE_DEVICE, str),
+    "hf_overrides": IgnoredArg("the checkpoint's config is used as it is", str),
+    "mm_processor_kwargs": IgnoredArg("the engine runs text-only models", str),
+    "limit_mm_per_prompt": IgnoredArg("the engine runs text-only models", str),
+    "task": IgnoredArg("the engine only generates text", str),
+    "num_scheduler_steps": IgnoredArg("the scheduler plans one step at a time", int),
+}
 
 USAGE_CONTEXTS = ("llm", "api_server")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # as vLLM's --dtype
+DEVICE_HELP = "auto, cpu, cuda (or cuda:N), rocm, xpu or mps; auto takes the first usable"
 
-_IGNORED_WHY = {
-    "swap_space": "preempted requests are recomputed, so no CPU swap space is reserved",
-    "enforce_eager": "the engine always runs eagerly",
-    "tensor_parallel_size": "this engine runs on one device",
-}
+
+def warn_ignored(name: str, value: Any) -> None:
+    """The one warning for a vLLM option that is taken and ignored (LLM() and `serve` alike)."""
+    logger.warning("%s=%r is ignored: %s", name, value, IGNORED_VLLM_ARGS[name].why)
+
+
+def add_ignored_cli_args(parser: argparse.ArgumentParser,
+                         exclude: frozenset[str] = frozenset()) -> None:
+    """vLLM's flags for IGNORED_VLLM_ARGS (but `exclude`), in a group of their own; a flag
+    left out stays None."""
+    group = parser.add_argument_group(
+        "vLLM options accepted and ignored", "taken so that vLLM command lines run; each one "
+        "given logs a warning saying why it has no effect here")
+    for name, arg in IGNORED_VLLM_ARGS.items():
+        if name in exclude:
+            continue
+        flags = ["--" + name.replace("_", "-")] + ([arg.short] if arg.short else [])
+        kind = dict(action=argparse.BooleanOptionalAction) if arg.type is None else dict(
+            type=arg.type, nargs=arg.nargs)
+        group.add_argument(*flags, dest=name, default=None, help=f"ignored: {arg.why}", **kind)
+
+
+def ignored_cli_values(args: argparse.Namespace,
+                       exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The IGNORED_VLLM_ARGS (but `exclude`, as given to add_ignored_cli_args) set on the
+    command line, by name (for EngineArgs.from_kwargs)."""
+    return {name: getattr(args, name) for name in IGNORED_VLLM_ARGS
+            if name not in exclude and getattr(args, name, None) is not None}
 
 
 @dataclass
@@ -67,9 +127,8 @@ class EngineArgs:
         for key, value in kwargs.items():
             if key in known:
                 ours[key] = value
-            elif key in GPU_ONLY_ARGS:
-                logger.warning("%s=%r is ignored: %s", key, value, _IGNORED_WHY.get(
-                    key, "it has no effect on this engine"))
+            elif key in IGNORED_VLLM_ARGS:
+                warn_ignored(key, value)
             else:
                 raise TypeError(f"unexpected keyword argument {key!r}; supported: "
                                 f"{', '.join(sorted(known - {'model'}))}")

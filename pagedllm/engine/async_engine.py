@@ -26,11 +26,12 @@ logger = logging.getLogger("pagedllm")
 class OutputListener(Protocol):
     """Receives per-request timing as outputs reach callers (e.g. Prometheus metrics)."""
 
-    def first_token(self, seconds: float) -> None: ...
+    def first_token(self, prompt_tokens: int, num_tokens: int, seconds: float) -> None: ...
 
     def next_tokens(self, num_tokens: int, seconds: float) -> None: ...
 
-    def finished(self, prompt_tokens: int, generation_tokens: int) -> None: ...
+    def finished(self, request_id: str, prompt_tokens: int, generation_tokens: int,
+                 seconds: float) -> None: ...
 
 
 class EngineOverloadedError(RuntimeError):
@@ -160,14 +161,14 @@ class AsyncLLM:
                     finished = True
                     raise RequestFailedError(f"request {request_id} failed: {item.error}")
                 finished = item.finished
-                last, tokens = self._observe(item, last, tokens, delta)
+                last, tokens = self._observe(item, started, last, tokens, delta)
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the caller went away (client disconnect): free its blocks now
                 self.abort(request_id)
 
-    def _observe(self, out: RequestOutput, last: float, tokens: int,
+    def _observe(self, out: RequestOutput, started: float, last: float, tokens: int,
                  delta: bool) -> tuple[float, int]:
         """Report timing to the listener; returns (time of this output, tokens so far)."""
         now, total = time.monotonic(), sum(len(c.token_ids) for c in out.outputs)
@@ -175,11 +176,12 @@ class AsyncLLM:
             total += tokens
         if self.listener is not None and total > tokens:
             if tokens == 0:
-                self.listener.first_token(now - last)
+                self.listener.first_token(len(out.prompt_token_ids), total, now - last)
             else:
                 self.listener.next_tokens(total - tokens, now - last)
         if self.listener is not None and out.finished:
-            self.listener.finished(len(out.prompt_token_ids), total)
+            self.listener.finished(out.request_id, len(out.prompt_token_ids), total,
+                                   now - started)
         return (now, total) if total > tokens else (last, tokens)
 
     def abort(self, request_id: str) -> None:

@@ -10,7 +10,7 @@ from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_weight_bytes
-from pagedllm.platforms import Platform, resolve_dtype, resolve_platform
+from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.worker.memory import InsufficientMemoryError, MemoryPlan, footprint, plan_memory
@@ -127,6 +127,25 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         return result, half
 
 
+def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quantization: str,
+                  dtype: torch.dtype, fell_back: bool) -> str:
+    """Why the engine computes in `dtype` (one log line)."""
+    if quantization != "none":
+        return (f"quantization {quantization}: pagedllm's CPU block kernels compute in float32 "
+                "(norms, biases and the KV cache too)")
+    if fell_back:
+        return "float32 weights do not fit in memory (dtype='auto')"
+    if str(args.dtype).lower() != "auto":
+        return f"dtype={str(args.dtype).removeprefix('torch.')!r} was asked for"
+    why = (f"dtype='auto': the {platform.name} default for a "
+           f"{ckpt.arch.torch_dtype or 'float'} checkpoint")
+    if platform.name == "cpu" and dtype == torch.bfloat16:
+        why += "; this CPU computes bf16 natively"
+    elif platform.name == "cpu" and not cpu_has_native_bf16():
+        why += "; this CPU has no native bf16, so float32 is faster"
+    return why
+
+
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     """Resolve the platform and dtype, and plan memory, for a checkpoint."""
     choice = resolve_platform(args.device)
@@ -139,8 +158,11 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
-    mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
+    mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
+    logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
+        args, ckpt, choice.platform, quantization, planned, planned != dtype))
     logger.info("%s", mem_plan.summary())
+    dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype, platform=choice.platform,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Iterable
 
 from pagedllm.config import EngineConfig, ModelArchConfig
@@ -16,6 +17,7 @@ from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedllm")
 
 class LLMEngine:
     """Synchronous engine: add requests, call step() until nothing is left."""
@@ -28,6 +30,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
         self.config = dataclasses.replace(config, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self.engine_core = EngineCore(self.config)
+        logger.info("kernels: %s", _kernels_summary(self.config))
         cache = self.config.cache
         self.input_processor = InputProcessor(tokenizer, self.config.scheduler.max_model_len,
                                               config.arch.vocab_size, frozenset(self.eos_token_ids),
@@ -101,6 +104,19 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use (0-1)."""
         return self.engine_core.kv_manager.usage
+
+
+def _kernels_summary(config: EngineConfig) -> str:
+    """Which code runs the model (after the worker loaded it): ops, attention, matmuls."""
+    platform, dtype = config.platform, config.dtype
+    ops = "pagedllm's compiled ops" if platform.op_impl(dtype) != "native" else "PyTorch ops"
+    matmuls = {"gguf": "matmuls on the GGUF's quantized blocks",
+               "int8": "int8 weight-only matmuls", "int4": "int4 weight-only matmuls"}.get(
+        config.quantization, f"{str(dtype).removeprefix('torch.')} matmuls")
+    summary = f"{ops}, {platform.attention_backend(dtype)} attention, {matmuls}"
+    if platform.name == "cpu" and not platform.kernels_ready:
+        summary += " (pagedllm's CPU kernels are not loaded: see the warning above)"
+    return summary
 
 
 def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:

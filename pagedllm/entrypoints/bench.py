@@ -14,6 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.engine.arg_utils import DEVICE_HELP, DTYPE_CHOICES
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 
@@ -43,11 +45,15 @@ def add_bench_parser(sub) -> None:
                        ("throughput", "N prompts offline: output and total tok/s"),
                        ("serve", "an OpenAI-compatible server under concurrency")):
         p = modes.add_parser(name, help=text, description=text)
-        p.add_argument("--model", default=None if name == "serve" else DEFAULT_MODEL)
-        p.add_argument("--input-len", type=_positive, default=100)
-        p.add_argument("--output-len", type=_positive, default=128)
-        p.add_argument("--num-prompts", type=_positive, default=1 if name == "latency" else 32)
-        p.add_argument("--output-json", default=None, metavar="PATH")
+        p.add_argument("--model", default=None if name == "serve" else DEFAULT_MODEL,
+                       help="the model to load" if name != "serve" else
+                       "the model to ask for (default: the server's first model)")
+        p.add_argument("--input-len", type=_positive, default=100, help="prompt tokens")
+        p.add_argument("--output-len", type=_positive, default=128, help="output tokens")
+        p.add_argument("--num-prompts", type=_positive, default=1 if name == "latency" else 32,
+                       help="requests")
+        p.add_argument("--output-json", default=None, metavar="PATH",
+                       help="also write the results as JSON here (default: stdout only)")
         if name == "latency":
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")
@@ -55,14 +61,18 @@ def add_bench_parser(sub) -> None:
                            help="requests run first and not timed")
         if name == "serve":
             p.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8000/v1")
-            p.add_argument("--max-concurrency", type=_positive, default=16)
-            p.add_argument("--api-key", default=None)
+            p.add_argument("--max-concurrency", type=_positive, default=16,
+                           help="requests in flight at once")
+            p.add_argument("--api-key", default=None, help="the server's key (default: no key)")
         else:
-            p.add_argument("--dtype", default="auto")
-            p.add_argument("--quantization", default=None,
-                           help="gguf (default for a GGUF on the CPU), int8, int4 or none")
-            p.add_argument("--device", default="auto")
-            p.add_argument("--max-num-seqs", type=int, default=64)
+            p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                           help="compute dtype; auto picks per device and checkpoint")
+            p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                           help="default: gguf for a GGUF on the CPU, else none; int8/int4 "
+                           "quantize a float checkpoint at load")
+            p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
+            p.add_argument("--max-num-seqs", type=int, default=64,
+                           help="most sequences in a batch")
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
                            help="json: every request constrained to a JSON array of at least "
                                 "--output-len integers (so it runs to --output-len tokens)")
@@ -185,8 +195,11 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
     base = base if base.endswith("/v1") else base + "/v1"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=None) as client:
-        model = args.model or (await client.get(f"{base}/models", headers=headers)).json()[
-            "data"][0]["id"]
+        try:
+            model = args.model or (await client.get(f"{base}/models", headers=headers)).json()[
+                "data"][0]["id"]
+        except httpx.TransportError as err:
+            raise ConnectionError(f"cannot reach {base}: {err}") from None
         sem = asyncio.Semaphore(args.max_concurrency)
 
         async def limited(i: int) -> dict[str, Any]:

@@ -6,28 +6,39 @@ import signal
 import sys
 from typing import Optional
 
+from pagedllm.engine.arg_utils import DEVICE_HELP
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
+CHAT_HELP = """commands (never sent to the model):
+  /help   this list
+  /clear  forget the conversation (the --system prompt stays)
+  /exit   quit (also /quit, Ctrl-D)
+Ctrl-C stops a reply and keeps the chat going."""
 
-def _add_backend_flags(p: argparse.ArgumentParser) -> None:
+
+def _add_backend_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[int]) -> None:
     p.add_argument("--url", default=None, help="a running OpenAI-compatible server, e.g. "
                    "http://127.0.0.1:8000/v1 (default: run the model in this process)")
-    p.add_argument("--model", default=None, help=f"model name (server) or path/name to load "
-                   f"in-process (default {DEFAULT_MODEL})")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--device", default="auto", help="in-process only")
+    p.add_argument("--model", default=None, help="model name on the server, or path/name to "
+                   f"load in-process (default: the server's first model, or {DEFAULT_MODEL})")
+    p.add_argument("--api-key", default=None, help="the server's key (default: no key)")
+    p.add_argument("--max-tokens", type=int, default=default_max_tokens,
+                   help="most tokens per reply" + ("" if default_max_tokens else
+                                                   " (default: up to the context length)"))
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    p.add_argument("--device", default="auto", metavar="DEVICE",
+                   help=f"in-process only: {DEVICE_HELP}")
 
 
 def add_client_parsers(sub) -> None:
     """`chat` and `complete` sub-commands."""
-    chat = sub.add_parser("chat", help="chat in the terminal (Ctrl-C stops a reply, Ctrl-D quits)")
-    _add_backend_flags(chat)
-    chat.add_argument("--system", default=None, help="a system prompt")
+    chat = sub.add_parser("chat", help="chat in the terminal (Ctrl-C stops a reply, Ctrl-D quits)",
+                          description="Chat with MODEL in the terminal.\n\n" + CHAT_HELP)
+    _add_backend_flags(chat, None)
+    chat.add_argument("--system", default=None, help="a system prompt (default: none)")
     complete = sub.add_parser("complete", help="complete a prompt from an argument or stdin")
     complete.add_argument("prompt", nargs="?", help="the prompt (default: read stdin)")
-    _add_backend_flags(complete)
+    _add_backend_flags(complete, 256)
 
 
 def _catch_ctrl_c() -> None:
@@ -54,7 +65,7 @@ def run_complete(args: argparse.Namespace) -> int:
         return 2
     backend = _backend(args)
     try:
-        for piece in backend.complete(prompt, args.max_tokens or 256, args.temperature):
+        for piece in backend.complete(prompt, args.max_tokens, args.temperature):
             sys.stdout.write(piece)
             sys.stdout.flush()
     except KeyboardInterrupt:
@@ -70,20 +81,38 @@ def run_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("chat ready — Ctrl-C stops a reply, Ctrl-D or /exit quits", file=sys.stderr, flush=True)
+    print("chat ready — /help lists commands, Ctrl-C stops a reply, Ctrl-D or /exit quits",
+          file=sys.stderr, flush=True)
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             return 0
-        if not line.strip():
+        if command.startswith("/") and " " not in command:
+            _chat_command(command, history)
+            continue
+        if not command:
             continue
         history.append({"role": "user", "content": line})
         reply = _stream_reply(backend, history, args)
         history.append({"role": "assistant", "content": reply})
+
+
+def _chat_command(command: str, history: list[dict[str, str]]) -> None:
+    """/help or /clear (which keeps the system prompt); anything else is named as unknown. A
+    line with a space, such as "/usr/bin is what?", is a message, not a command."""
+    if command == "/help":
+        print(CHAT_HELP, file=sys.stderr, flush=True)
+    elif command == "/clear":
+        del history[1 if history and history[0]["role"] == "system" else 0:]
+        print("(conversation cleared)", file=sys.stderr, flush=True)
+    else:
+        print(f"unknown command {command}; /help lists the commands", file=sys.stderr,
+              flush=True)
 
 
 def _stream_reply(backend, history: list[dict[str, str]], args: argparse.Namespace) -> str:

@@ -1,44 +1,69 @@
-"""`pagedllm serve`: load the model, start the OpenAI-compatible server, say how to call it."""
+"""`pagedllm serve`: bind the port, load the model, start the OpenAI-compatible server, say how
+to call it."""
 from __future__ import annotations
 
 import argparse
-from typing import Optional
-
-from pagedllm.config import QUANTIZATION_METHODS
+import asyncio
+import errno
+import functools
 import logging
 import os
+import socket
 import sys
+from typing import Awaitable, Callable, Optional
 
+import uvicorn
+
+from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
+                                       add_ignored_cli_args, ignored_cli_values)
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 logger = logging.getLogger("pagedllm")
+STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
+HONORED_VLLM_ARGS = frozenset({"disable_log_stats"})  # LLM() ignores them; the server does not
+
+
+class PortInUseError(OSError):
+    """The port `serve` was asked to listen on is taken."""
+
+
+class _ModelOnce(argparse.Action):
+    """The model, positional or --model: given twice is a usage error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:  # the optional positional, absent
+            return
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error("the model is given twice: pass it positionally or with --model, "
+                         "not both")
+        setattr(namespace, self.dest, values)
 
 
 def add_serve_parser(sub) -> None:
     """The `serve` sub-command's flags (vLLM's names)."""
     p = sub.add_parser("serve", help="start the OpenAI-compatible server",
                        description="Serve MODEL over an OpenAI-compatible HTTP API.")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"a .gguf file, an HF directory, or a known name (default {DEFAULT_MODEL})")
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit")
-    p.add_argument("--gguf-file", default=None, help="a .gguf file inside a Hub repo")
+    p.add_argument("model", nargs="?", default=None, action=_ModelOnce,
+                   help=f"a .gguf file, an HF directory, a Hub id or a known name (default: "
+                   f"{DEFAULT_MODEL})")
+    p.add_argument("--model", dest="model", default=None, action=_ModelOnce, metavar="MODEL",
+                   help="the model as a flag, as vLLM's older command lines give it")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
+    p.add_argument("--gguf-file", default=None, help="a .gguf file inside a Hub repo (default: "
+                   "the one the repo's files or a ':TAG' suffix pick)")
     p.add_argument("--model-source", default=None, choices=["huggingface", "modelscope"],
-                   help="where Hub ids are fetched from (PAGEDLLM_USE_MODELSCOPE=1 also selects "
-                   "ModelScope)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None, help="name clients send as `model`")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                   help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
-                   "quantize a float checkpoint at load; none dequantizes")
+                   help="where Hub ids are fetched from (default: huggingface, or modelscope "
+                   "when PAGEDLLM_USE_MODELSCOPE=1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--served-model-name", default=None, help="name clients send as `model` "
+                   "(default: the model argument)")
+    _add_engine_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
-                   "(or set PAGEDLLM_API_KEY)")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+                   "(default: $PAGEDLLM_API_KEY, else no key)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: "
+                   "the model's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let requests with tools use tool_choice "auto" (needs a tool-call parser)')
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
@@ -48,8 +73,61 @@ def add_serve_parser(sub) -> None:
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this get HTTP 503")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput line (every $VLLM_LOG_STATS_INTERVAL or "
+                   "$PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, while busy)")
     p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level")
+    add_ignored_cli_args(p, exclude=HONORED_VLLM_ARGS)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """EngineArgs fields as flags (LLM()'s keyword arguments)."""
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory or Hub id (default: "
+                   "the model's)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="compute dtype; auto picks per device and checkpoint")
+    p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
+                   "quantize a float checkpoint at load; none dequantizes")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output "
+                   "(default: the model's, shrunk to what memory holds)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens one "
+                   "step computes (default: chosen per device for short steps)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of prompt prefixes already computed")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes for the KV "
+                   "cache (default: sized from the memory available)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="number of KV-cache blocks on any device (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of free "
+                   "GPU memory to plan with (default: the platform's; no effect on the CPU)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may "
+                   "ask for")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generators")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the tokenizer run code from the model's repo")
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from the parsed flags; ignored vLLM options warn as LLM() does."""
+    return EngineArgs.from_kwargs(
+        args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, dtype=args.dtype,
+        device=args.device, max_model_len=args.max_model_len, seed=args.seed,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
+        trust_remote_code=args.trust_remote_code, revision=args.revision,
+        gguf_file=args.gguf_file, model_source=args.model_source,
+        quantization=args.quantization, usage_context="api_server", **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 
 def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:
@@ -63,51 +141,121 @@ def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[
         logger.info("tool calls: using the %r parser (the chat template's tool format); "
                        "--tool-call-parser overrides it", picked)
     elif args.enable_auto_tool_choice:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser: the chat template "
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the chat template "
                          "shows no tool-call format to pick one from")
     return picked
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine and run uvicorn until interrupted."""
-    import uvicorn
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, taken before the model loads so that a busy port is
+    refused at once rather than after the load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} is not an address of this machine: "
+                         f"{err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT socket is no owner
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"port {port} on {host} is already in use (another server?); "
+                                 "pass --port with a free port or stop the other process") \
+                from None
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return sock
 
-    from pagedllm.engine.arg_utils import EngineArgs
+
+def stats_interval() -> float:
+    """Seconds between throughput lines: the first of STATS_INTERVAL_ENV_VARS set, else 10."""
+    for var in STATS_INTERVAL_ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if value:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = 0.0
+            if seconds <= 0:
+                raise ValueError(f"{var}={value!r} must be a positive number of seconds")
+            return seconds
+    return 10.0
+
+
+def banner(name: str, host: str, port: int, api_key: Optional[str]) -> str:
+    """Where the server listens and how to call it."""
+    base = f"http://{host}:{port}/v1"
+    return (f"pagedllm serving {name!r} at {base}\n"
+            f"  curl {base}/chat/completions -H 'Content-Type: application/json'"
+            + (" -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if api_key else "")
+            + f" -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+            "\"content\": \"Hello!\"}]}'\n"
+            f"  or: OpenAI(base_url=\"{base}\", api_key=\"{'KEY' if api_key else 'EMPTY'}\")")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Bind the port, build the engine and run uvicorn until interrupted."""
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
+    from pagedllm.entrypoints.openai.request_log import OutputListeners, RequestLog
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
+    interval = stats_interval()
     chat_template = load_chat_template(args.chat_template)
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        revision=args.revision, gguf_file=args.gguf_file, model_source=args.model_source,
-        quantization=args.quantization, usage_context="api_server"))
-    name = args.served_model_name or args.model
+    sock = bind_port(args.host, args.port)
+    engine = LLMEngine.from_engine_args(engine_args(args))
+    name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
                         engine.config.scheduler.max_model_len, chat_template, parser,
                         args.enable_auto_tool_choice, args.exclude_tools_when_tool_choice_none)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
-    base = f"http://{args.host}:{args.port}/v1"
-    print(f"pagedllm serving {name!r} at {base}\n"
-          f"  curl {base}/chat/completions -H 'Content-Type: application/json'"
-          + (" -H 'Authorization: Bearer $PAGEDLLM_API_KEY'" if api_key else "")
-          + f" -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
-          "\"content\": \"Hello!\"}]}'\n"
-          f"  or: OpenAI(base_url=\"{base}\", api_key=\"{'KEY' if api_key else 'EMPTY'}\")",
-          file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(ctx, api_key), host=args.host, port=args.port,
-        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+    app = build_app(ctx, api_key)
+    request_log = RequestLog(log_requests=not args.disable_log_requests)
+    ctx.engine.listener = OutputListeners([ctx.engine.listener, request_log])  # + /metrics
+    stats = None if args.disable_log_stats else functools.partial(
+        request_log.log_stats_every, interval, ctx.engine.stats)
+    server = _Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                                    timeout_graceful_shutdown=5),
+                     banner(name, args.host, args.port, api_key), stats)
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
-    server.run()
-    ctx.engine.shutdown()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        ctx.engine.shutdown()
+        sock.close()
     if ctx.engine.error is not None:
         print(f"pagedllm serve: the engine stopped: {ctx.engine.error!r}; exiting with status 1",
               file=sys.stderr)
         return 1
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that prints the banner once it listens, and runs `background` (the
+    throughput line) while it serves."""
+
+    def __init__(self, config: uvicorn.Config, banner_text: str,
+                 background: Optional[Callable[[], Awaitable[None]]]) -> None:
+        super().__init__(config)
+        self.banner_text = banner_text
+        self.background = background
+        self._task: Optional[asyncio.Future] = None
+
+    async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.started:
+            return
+        print(self.banner_text, file=sys.stderr, flush=True)
+        if self.background is not None:
+            self._task = asyncio.ensure_future(self.background())
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await super().shutdown(sockets=sockets)

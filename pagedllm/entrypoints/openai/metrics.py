@@ -36,9 +36,12 @@ class ServerMetrics:
         self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
                               list(labels), buckets=_LATENCY_BUCKETS,
                               registry=self.registry).labels(**labels)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the "
+                              "last output.", list(labels), buckets=_LATENCY_BUCKETS,
+                              registry=self.registry).labels(**labels)
 
-    def first_token(self, seconds: float) -> None:
-        """A request's first output token reached its client."""
+    def first_token(self, prompt_tokens: int, num_tokens: int, seconds: float) -> None:
+        """A request's first output tokens reached its client, `seconds` after it arrived."""
         self._ttft.observe(seconds)
 
     def next_tokens(self, num_tokens: int, seconds: float) -> None:
@@ -46,10 +49,12 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self._itl.observe(seconds / num_tokens)
 
-    def finished(self, prompt_tokens: int, generation_tokens: int) -> None:
-        """A request ended."""
+    def finished(self, request_id: str, prompt_tokens: int, generation_tokens: int,
+                 seconds: float) -> None:
+        """A request ended, `seconds` after it arrived."""
         self._prompt.inc(prompt_tokens)
         self._gen.inc(generation_tokens)
+        self._e2e.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text page."""

@@ -57,7 +57,11 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     try:
         plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:
-        out.update(fits=False, dtype=str(chosen).removeprefix("torch."), reason=str(err))
+        offline = offline_alternative(model, num_params, device, max_model_len)
+        out.update(fits=False, dtype=str(chosen).removeprefix("torch."), offline_model=offline,
+                   reason=str(err) if offline is None else _with_way_out(
+                       str(err), f"  - a model already on this machine (no download): "
+                       f"{offline} (pagedllm serve {offline})"))
         return out
     itemsize = torch.empty((), dtype=chosen).element_size()
     per_token = kv_bytes_per_token(ckpt.arch, itemsize)
@@ -67,6 +71,32 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
                plan=plan.summary())
     return out
+
+
+def offline_alternative(model: str, num_params: int, device: Optional[str],
+                        max_model_len: Optional[int]) -> Optional[str]:
+    """The largest cached shipped model, smaller than `model`, that fits here: it needs neither
+    the Hub nor a download."""
+    from pagedllm.loader.model_store import cached_models, model_spec
+
+    asked = model_spec(model)
+    fitting = []
+    for name in cached_models():
+        if asked is not None and asked.name == name:
+            continue
+        report = model_report(name, device, "auto", max_model_len)
+        if report["fits"] and report["parameters"] < num_params:
+            fitting.append((report["parameters"], name))
+    return max(fitting)[1] if fitting else None
+
+
+def _with_way_out(reason: str, line: str) -> str:
+    """The planner's refusal with `line` among its ways out, before the advice of a smaller
+    model of the same family (which needs the Hub)."""
+    lines = reason.split("\n")
+    at = next((i for i, text in enumerate(lines) if text.startswith("  - a smaller model")),
+              len(lines))
+    return "\n".join(lines[:at] + [line] + lines[at:])
 
 
 def format_text(report: dict[str, Any]) -> str:

@@ -159,6 +159,9 @@ def bind_port(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT socket is no owner
     try:
         sock.bind(address)
+        # listening now holds the port (two bound, unlistened SO_REUSEADDR sockets may share
+        # it); clients that connect during the load wait in the backlog
+        sock.listen(2048)
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
@@ -196,16 +199,25 @@ def banner(name: str, host: str, port: int, api_key: Optional[str]) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Bind the port, build the engine and run uvicorn until interrupted."""
+    """Bind the port (a busy one is refused before anything is imported or loaded), then build
+    the engine and serve until interrupted."""
+    interval = stats_interval()
+    sock = bind_port(args.host, args.port)
+    try:
+        return _serve(args, sock, interval)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, interval: float) -> int:
+    """Load the model and run the app on `sock` until interrupted; 1 if the engine stopped."""
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
     from pagedllm.entrypoints.openai.request_log import OutputListeners, RequestLog
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
-    interval = stats_interval()
     chat_template = load_chat_template(args.chat_template)
-    sock = bind_port(args.host, args.port)
     engine = LLMEngine.from_engine_args(engine_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
@@ -228,7 +240,6 @@ def run_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         ctx.engine.shutdown()
-        sock.close()
     if ctx.engine.error is not None:
         print(f"pagedllm serve: the engine stopped: {ctx.engine.error!r}; exiting with status 1",
               file=sys.stderr)

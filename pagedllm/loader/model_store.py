@@ -350,6 +350,13 @@ def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
     return model_dir
 
 
+def cached_models() -> list[str]:
+    """Known models whose GGUF is already in the local cache, so they load with no network
+    (nothing is fetched or hashed here)."""
+    return [spec.name for spec in _MODELS.values()
+            if (_model_dir(spec) / spec.filename).is_file()]
+
+
 def resolve_model(model: str) -> str:
     """An existing local path unchanged; a known model name/alias -> its cached directory."""
     if os.path.exists(model):

@@ -48,7 +48,8 @@ def add_serve_parser(sub) -> None:
                    help=f"a .gguf file, an HF directory, a Hub id or a known name (default: "
                    f"{DEFAULT_MODEL})")
     p.add_argument("--model", dest="model", default=None, action=_ModelOnce, metavar="MODEL",
-                   help="the model as a flag, as vLLM's older command lines give it")
+                   help="the model as a flag, as vLLM's older command lines give it "
+                   f"(default: {DEFAULT_MODEL})")
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
     p.add_argument("--gguf-file", default=None, help="a .gguf file inside a Hub repo (default: "
                    "the one the repo's files or a ':TAG' suffix pick)")

@@ -1,19 +1,23 @@
 """A real pagedllm server (subprocess, loopback): SmolLM2 for the session, other models per module."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import tempfile
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 API_KEY = "test-key-123"
 MODEL = "smollm2-135m-instruct"
+QWEN7B_SHAPES = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
 
 
 def _free_port() -> int:
@@ -90,3 +94,15 @@ def server(smollm_gguf):
     srv = Server("--api-key", API_KEY, "--max-num-seqs", "32", "--quantization", "none")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def huge_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen2-shaped checkpoint (config and index, no weights) of 2**50 bytes: no machine
+    holds it, and planning reads only its metadata."""
+    path = tmp_path_factory.mktemp("huge")
+    shutil.copy(QWEN7B_SHAPES / "config.json", path / "config.json")
+    index = json.loads((QWEN7B_SHAPES / "model.safetensors.index.json").read_text())
+    index["metadata"]["total_size"] = 2 ** 50
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path

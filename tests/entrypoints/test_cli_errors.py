@@ -2,9 +2,7 @@
 no traceback unless --debug; LLM() raises the same message as one exception, not a chain."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))  # the f
 from fake_hub import FakeHub, FakeRepo, closed_port  # noqa: E402
 
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
-QWEN7B_SHAPES = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -41,18 +38,6 @@ def _refused(args: list[str], env: Optional[dict[str, str]] = None, code: int = 
     errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
     assert len(errors) == 1, proc.stderr[-3000:]
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def huge_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen2-shaped checkpoint (config and index, no weights) of 2**50 bytes: no machine
-    holds it, and planning reads only its metadata."""
-    path = tmp_path_factory.mktemp("huge")
-    shutil.copy(QWEN7B_SHAPES / "config.json", path / "config.json")
-    index = json.loads((QWEN7B_SHAPES / "model.safetensors.index.json").read_text())
-    index["metadata"]["total_size"] = 2 ** 50
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    return path
 
 
 @pytest.mark.parametrize("command", [

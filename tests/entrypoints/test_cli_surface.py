@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -91,14 +90,15 @@ def test_serve_accepts_every_option_llm_ignores_with_the_same_warning(caplog):
         assert from_cli[0].startswith(f"{name}=") and ignored.why in from_cli[0]
 
 
-def test_serve_logs_each_request_and_the_throughput_while_busy():
+def test_serve_logs_each_request_and_the_throughput_while_busy(tmp_path):
     """`serve --model` with vLLM flags it ignores: the warnings, the banner after the load, a
     line per finished request with the token counts of its usage, and the throughput line."""
     port = _free_port()
-    with tempfile.TemporaryFile("w+") as log:
+    log = tmp_path / "serve.log"  # read through its own file object: no offset shared
+    with open(log, "w") as out:
         proc = subprocess.Popen(
             CLI + ["serve", "--model", MODEL, "--port", str(port), "--enforce-eager", "-tp", "1"],
-            stdout=log, stderr=subprocess.STDOUT, text=True,
+            stdout=out, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PAGEDLLM_LOG_STATS_INTERVAL": "0.5"})
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{port}")
@@ -130,12 +130,11 @@ def _wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 180) -> Non
     raise AssertionError("the server did not become healthy")
 
 
-def _wait_for(log, needle: str, seconds: float) -> str:
+def _wait_for(log: Path, needle: str, seconds: float) -> str:
     """The log's text once it holds `needle` (or after `seconds`)."""
     deadline = time.monotonic() + seconds
     while True:
-        log.seek(0)
-        text = log.read()
+        text = log.read_text()
         if needle in text or time.monotonic() > deadline:
             return text
         time.sleep(0.2)

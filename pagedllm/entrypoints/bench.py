@@ -208,7 +208,10 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
                     "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             async with sem:
-                return await _one_request(client, f"{base}/completions", headers, body)
+                try:
+                    return await _one_request(client, f"{base}/completions", headers, body)
+                except httpx.TransportError as err:
+                    raise ConnectionError(f"lost {base} during the run: {err}") from None
 
         t = time.perf_counter()
         results = await asyncio.gather(*(limited(i) for i in range(args.num_prompts)))

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     doctor = sub.add_parser("doctor", help="report this machine and whether MODEL fits",
                             description="Report device probes, CPU, memory and, for MODEL, "
-                            "whether and how it fits. Reads metadata only.")
+                            "whether and how it fits.\nReads metadata only.")
     doctor.add_argument("model", nargs="?", help="a .gguf file, an HF directory, a Hub id or a "
                         "known name (default: none, the machine only)")
     doctor.add_argument("--json", action="store_true", help="print JSON for scripts")

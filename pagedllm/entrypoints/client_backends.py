@@ -30,7 +30,12 @@ class ServerBackend:
         return r.json()["data"][0]["id"]
 
     def _stream(self, path: str, body: dict[str, Any], pick) -> Iterator[str]:
-        body = {**body, "model": self.model, "stream": True}
+        try:
+            yield from self._stream_from(path, {**body, "model": self.model, "stream": True}, pick)
+        except httpx.TransportError as err:  # the server went away
+            raise ConnectionError(f"cannot reach {self.base}: {err}") from None
+
+    def _stream_from(self, path: str, body: dict[str, Any], pick) -> Iterator[str]:
         with httpx.stream("POST", f"{self.base}{path}", json=body, headers=self.headers,
                           timeout=None) as resp:
             if resp.status_code != 200:

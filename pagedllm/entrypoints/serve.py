@@ -76,6 +76,8 @@ def add_serve_parser(sub) -> None:
                    help="queued requests beyond this get HTTP 503")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
+    p.add_argument("--enable-log-requests", action="store_true", help="vLLM's switch for the "
+                   "request lines, which are on here unless --disable-log-requests")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput line (every $VLLM_LOG_STATS_INTERVAL or "
                    "$PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, while busy)")

@@ -3,6 +3,8 @@
 The build is keyed by the source, the compiler flags, the torch version and the CPU's instruction-set flags, because
 it is compiled for the CPU it runs on (-march=native). `python -m pagedllm.kernels` builds it ahead
 of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
+Without a compiler or ninja it fails at once; a failed build's output goes to build.log in the
+build folder, and a process tries once (KernelBuildError says why, in one line).
 """
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
-    if choice.platform.kernels_error is not None and ckpt.kind == "gguf" and quantization == "none":
+    fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"
+    if fell_back and choice.platform.kernels_error is not None:  # not on a GPU: kernels failed
         logger.warning("%s", _dequantized_note(ckpt, choice.platform, dtype, mem_plan.weight_bytes))
     logger.info("%s", mem_plan.summary())
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)

@@ -56,10 +56,8 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if build_kernels and not platform.load_kernels():
         if wanted is not None:
             raise ValueError(f"quantization={wanted!r} needs pagedllm's CPU kernels, which "
-                             "could not be built (see the warning above)")
-        logger.warning("dequantizing the GGUF to %s at load: the CPU kernels are unavailable",
-                       args.dtype)
-        return "none"
+                             f"could not be built: {platform.kernels_error}")
+        return "none"  # make_engine_config says so, with the dtype and the cost
     return wanted or "gguf"
 
 
@@ -127,6 +125,16 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         return result, half
 
 
+def _dequantized_note(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                      weight_bytes: int) -> str:
+    """The one line that says a GGUF runs dequantized because the kernels did not build: why,
+    in which dtype, and the weights' resident size against their size in GGUF blocks."""
+    kept = gguf_weight_bytes(ckpt, platform.block_types(), 4)  # kept blocks compute in float32
+    return (f"pagedllm's CPU kernels could not be built: {platform.kernels_error}. The GGUF is "
+            f"dequantized to {_dtype_name(dtype)} at load: weights {fmt_bytes(weight_bytes)} "
+            f"instead of {fmt_bytes(kept)} in GGUF blocks, and decode is slower")
+
+
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     """Resolve the platform and dtype, and plan memory, for a checkpoint."""
     choice = resolve_platform(args.device)
@@ -140,6 +148,9 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     mem_plan, dtype = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
+    fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"
+    if fell_back and choice.platform.kernels_error is not None:  # not on a GPU: kernels failed
+        logger.warning("%s", _dequantized_note(ckpt, choice.platform, dtype, mem_plan.weight_bytes))
     logger.info("%s", mem_plan.summary())
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     return EngineConfig(

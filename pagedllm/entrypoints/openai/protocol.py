@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -51,6 +53,51 @@ class OpenAIBaseModel(BaseModel):
                            ", ".join(unknown))
 
 
+def check_json_values(body: Any) -> None:
+    """PydanticCustomError naming the first string that is not valid Unicode (a lone surrogate,
+    which JSON's \\ud800 escapes allow and no tokenizer or UTF-8 encoder takes) or number that
+    is not finite (Python's JSON parser takes NaN and Infinity). Iterative: a deeply nested body
+    cannot exhaust the stack here."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(path, value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise PydanticCustomError("json_number", "{value} is not a finite number",
+                                      {"field": path, "value": str(value)})
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(path, key, " in a key")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value)
+                         if not isinstance(item, int))
+
+
+def _check_unicode(path: str, text: str, where: str = "") -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PydanticCustomError(
+            "unicode", "a lone surrogate ({code}) at character {pos}{where} is not valid Unicode",
+            {"field": path or "body", "code": f"U+{ord(text[err.start]):04X}",
+             "pos": err.start, "where": where}) from None
+
+
+class RequestBody(OpenAIBaseModel):
+    """A request's whole body: its strings valid Unicode and its numbers finite, checked before
+    the fields (check_json_values)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     """stream_options of a streaming request."""
 
@@ -65,7 +112,7 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: Optional[dict[str, Any]] = None
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
 
     model: Optional[str] = None
@@ -227,7 +274,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = True
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a prompt or chat messages."""
 
     model: Optional[str] = None
@@ -238,7 +285,7 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False  # also each token's string (vLLM's token_strs)
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: Optional[str] = None

@@ -114,8 +114,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     """The JSON response, or an async iterator of SSE lines when req.stream."""
     model = ctx.check_model(req.model)
     plan = _plan(ctx, req)
-    ids = chat_prompt_ids(ctx, req, plan.tools if plan else None)
     params = _params(ctx, req, plan)
+    # the template and the tokenizing on the tokenizer's thread: the event loop stays free
+    ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:

@@ -5,11 +5,12 @@ import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -44,6 +45,10 @@ class ServerContext:
     tool_parser: Optional[str] = None  # --tool-call-parser, else the one the template implies
     enable_auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
+
+    def __post_init__(self) -> None:
+        self.tokens = PromptTokens(self.engine.tokenizer, self.max_model_len)
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model`; 404 for an unknown one."""

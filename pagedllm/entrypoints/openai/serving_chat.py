@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedllm.engine.chat_messages import template_messages
 from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
                                                         prompt_logprobs_json, sse,
@@ -14,7 +14,6 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, S
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:

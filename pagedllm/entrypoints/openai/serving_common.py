@@ -11,10 +11,10 @@ from typing import Any, AsyncIterator, Optional
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
+from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-MAX_N = 16  # most samples per request (n and best_of)
 
 
 class OpenAIError(Exception):

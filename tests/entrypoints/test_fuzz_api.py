@@ -91,10 +91,9 @@ def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_sche
         _check(response)
         slowest = max(slowest, time.monotonic() - t0)
         statuses[response.status_code] += 1
-        if response.status_code >= 400: print("   ", response.text[:150])
-
 
     fuzz()
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert statuses[200] >= 3, statuses  # the fuzz got past validation, into the engine
     print(f"{path}: {sum(statuses.values())} cases in {time.monotonic() - started:.1f} s "
           f"(slowest {slowest:.2f} s), statuses {dict(statuses)}")

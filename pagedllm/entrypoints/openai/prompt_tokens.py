@@ -1,7 +1,7 @@
 """Tokenizing for the HTTP handlers: bounded in size, and off the event loop.
 
-A text prompt longer than max_model_len * chars_per_token characters cannot fit the context, so
-it is refused before any tokenizing (tokenizing a 20 MB text takes seconds and gigabytes). The
+A text prompt longer than max_model_len * chars_per_token characters cannot fit the context
+(CharBound), so it is refused before any tokenizing (tokenizing a 20 MB text takes seconds and gigabytes). The
 tokenizing that remains runs on one worker thread: the event loop keeps answering meanwhile,
 and at most one request's tokenizing holds memory at a time.
 """
@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 # how many characters of the input one character of normalized text may stand for, per
@@ -23,9 +23,21 @@ _NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4,  # composition: at most 4 code points
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}
 
 
-def chars_per_token(tokenizer: Any) -> Optional[int]:
-    """The most characters of input one token can stand for, or None where the tokenizer may drop
-    input (then a text's length bounds nothing). Each input character is covered by at least one
+class CharBound(NamedTuple):
+    """A lower bound on the tokens of a text, from its length alone."""
+
+    chars_per_token: int  # the most characters one token can stand for
+    vanishing: str  # characters the tokenizer drops (no token has their byte): not counted
+
+    def fewest_tokens(self, text: str) -> int:
+        """No tokenizing of text gives fewer tokens than this."""
+        dropped = sum(text.count(c) for c in self.vanishing)
+        return math.ceil((len(text) - dropped) / self.chars_per_token)
+
+
+def char_bound(tokenizer: Any) -> Optional[CharBound]:
+    """The tokenizer's CharBound, or None where it may drop input beyond a few known characters
+    (then a text's length bounds nothing). Each kept input character is covered by at least one
     token, and a token covers at most as many characters as its vocabulary string has (a
     byte-level string has one character per byte; a byte-fallback token, '<0xE2>', covers at
     most one), scaled by how far normalizing can shrink the text."""
@@ -34,12 +46,39 @@ def chars_per_token(tokenizer: Any) -> Optional[int]:
         return None
     shrink = _shrink(_state(backend.normalizer))
     pre = _types(_state(backend.pre_tokenizer))
-    model = backend.model
-    covers_all = type(model).__name__ == "BPE" and (getattr(model, "byte_fallback", False)
-                                                    or "ByteLevel" in pre)
-    if shrink is None or pre is None or not covers_all:
+    if shrink is None or pre is None or type(backend.model).__name__ != "BPE":
         return None
-    return shrink * max(len(t) for t in backend.get_vocab(with_added_tokens=True))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    vanishing = _vanishing(backend.model, pre, vocab)
+    if vanishing is None:
+        return None
+    return CharBound(shrink * max(len(t) for t in vocab), vanishing)
+
+
+def _vanishing(model: Any, pre: set[str], vocab: dict[str, int]) -> Optional[str]:
+    """The characters BPE drops for want of a token for their bytes, or None where that is more
+    than single-byte characters (a missing continuation byte, no byte-level alphabet and no
+    complete byte fallback). SmolLM2's vocabulary lacks 6 ASCII control bytes, for one."""
+    if "ByteLevel" in pre:
+        missing = [b for b, c in enumerate(_BYTE_LEVEL) if c not in vocab]
+        if any(0x80 <= b < 0xC0 for b in missing):
+            return None
+        return "".join(chr(b) for b in missing if b < 0x80)
+    if getattr(model, "byte_fallback", False) and all(f"<0x{b:02X}>" in vocab
+                                                      for b in range(256)):
+        return ""
+    return None
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte -> character map, the one the ByteLevel pre-tokenizer writes bytes in."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
+
+_BYTE_LEVEL = _byte_level_chars()
 
 
 def _state(component: Any) -> Optional[dict[str, Any]]:
@@ -77,7 +116,7 @@ class PromptTokens:
 
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
-        self.chars_per_token = chars_per_token(tokenizer)
+        self.bound = char_bound(tokenizer)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -87,9 +126,9 @@ class PromptTokens:
     def check_text(self, text: str, field: str) -> None:
         """ValueError naming field for a text too long to fit max_model_len whatever its tokens
         (checked without tokenizing)."""
-        if self.chars_per_token is None:
+        if self.bound is None:
             return
-        fewest = math.ceil(len(text) / self.chars_per_token)
+        fewest = self.bound.fewest_tokens(text)
         if fewest >= self.max_model_len:
             raise ValueError(
                 f"{field} is {len(text)} characters long, so at least {fewest} tokens, but "
@@ -116,4 +155,4 @@ class PromptTokens:
         return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
 
 
-__all__ = ["PromptTokens", "chars_per_token"]
+__all__ = ["CharBound", "PromptTokens", "char_bound"]

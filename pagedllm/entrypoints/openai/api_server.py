@@ -106,7 +106,7 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
-        logger.error("internal error answering a request", exc_info=err)
+        # Starlette re-raises err after this answer: uvicorn logs its traceback
         body = OpenAIError(f"internal server error: {type(err).__name__}: {err}", 500)
         return JSONResponse(body.body(), status_code=500)
 

@@ -39,7 +39,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
 
 
 def _routing_error(request: Request, err: HTTPException) -> OpenAIError:
-    """Starlette's 404 (no such path) and 405 (wrong method) as OpenAI errors."""
+    """Starlette's and FastAPI's HTTP errors as OpenAI errors: 404 (no such path), 405 (wrong
+    method), FastAPI's 400 for a body it cannot parse, bounded_http's 408 and 413."""
     where = f"{request.method} {request.url.path}"
     if err.status_code == 404:
         return OpenAIError(f"{where}: no such endpoint", 404)

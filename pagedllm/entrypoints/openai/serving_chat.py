@@ -15,7 +15,6 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as template input: known roles, text content (string or text parts), an
     assistant's tool_calls and a tool message's tool_call_id."""

@@ -16,7 +16,6 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
-
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object with an HTTP status."""
 

@@ -9,7 +9,9 @@ Two layers, because uvicorn has neither bound:
 - ReadTimedH11Protocol (uvicorn's h11 protocol) closes a connection whose request headers have
   not arrived within read_timeout_s, or whose body is still trickling in after the response
   went out: half-open connections do not stay open indefinitely.
-Starlette's RequestBodyLimitMiddleware (FastAPI's max_body_size) is not used: it answers in
+uvicorn's limit_concurrency is not set: it counts idle connections too (a few thousand
+half-open ones would turn every request away) and answers in plain text; the deadline frees
+them instead. Starlette's RequestBodyLimitMiddleware (FastAPI's max_body_size) is not used: it answers in
 plain text or FastAPI's {"detail"} and looks at Content-Length only once the app reads the body
 or starts its response.
 """

@@ -11,9 +11,9 @@ Two layers, because uvicorn has neither bound:
   went out: half-open connections do not stay open indefinitely.
 uvicorn's limit_concurrency is not set: it counts idle connections too (a few thousand
 half-open ones would turn every request away) and answers in plain text; the deadline frees
-them instead. Starlette's RequestBodyLimitMiddleware (FastAPI's max_body_size) is not used: it answers in
-plain text or FastAPI's {"detail"} and looks at Content-Length only once the app reads the body
-or starts its response.
+them instead. Starlette's RequestBodyLimitMiddleware (FastAPI's max_body_size) is not used:
+it answers in plain text or FastAPI's {"detail"} and looks at Content-Length only once the app
+reads the body or starts its response.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -268,3 +270,13 @@ def test_routing_auth_and_malformed_http_errors_are_openai_error_objects(bounded
     head, _, body = _read_until_closed(sock, 5).partition(b"\r\n\r\n")
     sock.close()
     assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["code"] == 400
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-request-body-bytes", "0", "max_body_bytes must be >= 1, got 0"),
+    ("--request-read-timeout", "0", "read_timeout_s must be > 0, got 0.0"),
+])
+def test_bad_limits_stop_serve_before_loading(flag, value, message):
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", flag, value],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and f"pagedllm serve: {message}" in proc.stderr

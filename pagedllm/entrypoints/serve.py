@@ -5,6 +5,7 @@ import argparse
 from typing import Optional
 
 from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 import logging
 import os
 import sys
@@ -36,8 +37,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
                    "quantize a float checkpoint at load; none dequantizes")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
-                   "(or set PAGEDLLM_API_KEY)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
+                   "endpoint but /health, /metrics, /version and the API docs (or set "
+                   "PAGEDLLM_API_KEY)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let requests with tools use tool_choice "auto" (needs a tool-call parser)')
@@ -48,6 +50,11 @@ def add_serve_parser(sub) -> None:
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this get HTTP 503")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get HTTP 413, refused while being read")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="seconds the server waits on a client's request headers or body "
+                   "bytes; then 408 or the connection is closed")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -76,9 +83,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
+    from pagedllm.entrypoints.openai.bounded_http import uvicorn_options
+    from pagedllm.entrypoints.openai.limits import HttpLimits
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
     chat_template = load_chat_template(args.chat_template)
+    try:
+        limits = HttpLimits(args.max_request_body_bytes, args.request_read_timeout)
+    except ValueError as err:
+        raise SystemExit(f"pagedllm serve: {err}") from None
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,8 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
           f"  or: OpenAI(base_url=\"{base}\", api_key=\"{'KEY' if api_key else 'EMPTY'}\")",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(
-        build_app(ctx, api_key), host=args.host, port=args.port,
-        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5))
+        build_app(ctx, api_key, limits), host=args.host, port=args.port,
+        log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+        **uvicorn_options(limits)))
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)

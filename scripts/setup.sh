@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv, torch (CPU build when no NVIDIA GPU), pagedllm[test], known models.
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+#
+# Without an NVIDIA GPU, torch comes from PyTorch's CPU wheel index ($PAGEDLLM_TORCH_INDEX_URL,
+# default https://download.pytorch.org/whl/cpu), or from pip's default index when that one does
+# not answer; the log says which. The functions come first and main runs only when the script is
+# executed, so tests/test_setup_script.py can source it and run one of them.
 
-log() { echo "[setup] $*" >&2; }
-trap 'echo "[setup] FAILED at line $LINENO: $BASH_COMMAND" >&2' ERR
-
+TORCH_CPU_PIN="torch==2.13.0"
+TORCH_CPU_INDEX="${PAGEDLLM_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+PROBE_TIMEOUT_S=5
 VENV=.venv
 PY="$VENV/bin/python"
 STAMP="$VENV/.pagedllm-install-stamp"
-TORCH_CPU_PIN="torch==2.13.0"
+
+log() { echo "[setup] $*" >&2; }
 
 quiet() {  # run a command silently; on failure show its full output and fail
   local out rc=0
@@ -23,6 +27,10 @@ quiet() {  # run a command silently; on failure show its full output and fail
   return "$rc"
 }
 
+pip_install() {  # pip install ARGS... into the venv, quietly
+  quiet "$PY" -m pip install -q --disable-pip-version-check "$@"
+}
+
 require_py310() {  # $1: interpreter; fail with a clear message unless it is Python >= 3.10
   if ! "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
     echo "[setup] error: pagedllm needs Python >= 3.10; '$1' is $("$1" --version 2>&1 || echo missing)" >&2
@@ -30,34 +38,68 @@ require_py310() {  # $1: interpreter; fail with a clear message unless it is Pyt
   fi
 }
 
-if [ ! -x "$PY" ]; then
-  command -v python3 >/dev/null || { echo "[setup] error: python3 not found on PATH" >&2; exit 1; }
-  require_py310 python3
-  log "creating $VENV with $(python3 --version 2>&1)"
-  quiet python3 -m venv "$VENV"
-fi
-require_py310 "$PY"
+index_reachable() {  # $1: a package index URL; true when it answers within PROBE_TIMEOUT_S
+  "$PY" - "$1" "$PROBE_TIMEOUT_S" <<'EOF' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=float(sys.argv[2])).close()
+EOF
+}
 
-if nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; else has_gpu=0; fi
-want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') gpu=$has_gpu root=$PWD"
-
-if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want_stamp" ] \
-   || ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pagedllm") is None)'; then
-  if [ "$has_gpu" = 0 ]; then
-    # A plain `torch` requirement would pull the large CUDA build; pin the CPU one first.
-    log "no NVIDIA GPU (nvidia-smi -L failed): installing $TORCH_CPU_PIN (CPU build)"
-    quiet "$PY" -m pip install -q --disable-pip-version-check "$TORCH_CPU_PIN"
+install_cpu_torch() {  # torch's CPU build: from PyTorch's CPU index, else from pip's default
+  if index_reachable "$TORCH_CPU_INDEX"; then
+    log "installing $TORCH_CPU_PIN (CPU build) from $TORCH_CPU_INDEX"
+    if pip_install --index-url "$TORCH_CPU_INDEX" "$TORCH_CPU_PIN"; then
+      return 0
+    fi
+    log "installing from $TORCH_CPU_INDEX failed; trying pip's default index"
+  else
+    log "$TORCH_CPU_INDEX did not answer within ${PROBE_TIMEOUT_S} s"
   fi
-  log "installing pagedllm (editable) with test extras"
-  quiet "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
-  echo "$want_stamp" > "$STAMP"
-else
-  log "pagedllm already installed for this pyproject.toml"
+  # on PyPI itself the Linux x86-64 wheel is the CUDA build (several GB): `pagedllm doctor`
+  # warns when that happened and prints the command that swaps it
+  log "installing $TORCH_CPU_PIN from pip's default index (a CPU build only where that index has one)"
+  pip_install "$TORCH_CPU_PIN"
+}
+
+main() {
+  set -euo pipefail
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  trap 'echo "[setup] FAILED at line $LINENO: $BASH_COMMAND" >&2' ERR
+
+  if [ ! -x "$PY" ]; then
+    command -v python3 >/dev/null || { echo "[setup] error: python3 not found on PATH" >&2; exit 1; }
+    require_py310 python3
+    log "creating $VENV with $(python3 --version 2>&1)"
+    quiet python3 -m venv "$VENV"
+  fi
+  require_py310 "$PY"
+
+  local has_gpu want_stamp
+  if nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; else has_gpu=0; fi
+  want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') gpu=$has_gpu root=$PWD"
+
+  if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want_stamp" ] \
+     || ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pagedllm") is None)'; then
+    if [ "$has_gpu" = 0 ]; then
+      # A plain `torch` requirement would pull the large CUDA build; pin the CPU one first.
+      log "no NVIDIA GPU (nvidia-smi -L failed)"
+      install_cpu_torch
+    fi
+    log "installing pagedllm (editable) with test extras"
+    pip_install -e ".[test]"
+    echo "$want_stamp" > "$STAMP"
+  else
+    log "pagedllm already installed for this pyproject.toml"
+  fi
+
+  log "building the CPU kernels (cached per machine; about a minute the first time)"
+  "$PY" -m pagedllm.kernels >&2 || log "warning: the CPU kernels did not build; GGUF models will be dequantized at load (slower, larger)"
+
+  log "fetching known models into the cache"
+  "$PY" -m pagedllm.loader.model_store --all >&2
+  log "done"
+}
+
+if ! (return 0 2>/dev/null); then  # `return` works only in a sourced file: executed, run main
+  main "$@"
 fi
-
-log "building the CPU kernels (cached per machine; about a minute the first time)"
-"$PY" -m pagedllm.kernels >&2 || log "warning: the CPU kernels did not build; GGUF models will be dequantized at load (slower, larger)"
-
-log "fetching known models into the cache"
-"$PY" -m pagedllm.loader.model_store --all >&2
-log "done"

@@ -1,4 +1,10 @@
-"""Shared fixtures: real GGUF models and HF checkpoint directories built from them."""
+"""Shared fixtures: real GGUF models and HF checkpoint directories built from them.
+
+The shipped GGUFs come from the model store's cache (pagedllm.paths.cache_dir(), read only);
+what the suite builds from them, the float32 HF exports (~2.9 GB), goes to the suite's own cache,
+$PAGEDLLM_TEST_CACHE (default ~/.cache/pagedllm-tests), kept between runs because it is slow to
+rebuild; delete it to reclaim the space.
+"""
 from __future__ import annotations
 
 import gc
@@ -11,7 +17,6 @@ from typing import Callable
 import pytest
 
 from pagedllm.loader.model_store import ensure_gguf
-from pagedllm.paths import cache_dir
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
@@ -57,10 +62,22 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     gc.collect()
 
 
+def suite_cache_dir() -> Path:
+    """The test suite's own cache: $PAGEDLLM_TEST_CACHE, else ~/.cache/pagedllm-tests."""
+    env = os.environ.get("PAGEDLLM_TEST_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedllm-tests"
+
+
+@pytest.fixture(scope="session")
+def suite_cache() -> Path:
+    """suite_cache_dir(), where the suite keeps what it exports."""
+    return suite_cache_dir()
+
+
 def build_hf_dir(name: str) -> Path:
-    """Cached HF checkpoint dir for a known model: cache_dir()/hf/<name>-<sha>/, built once."""
+    """Cached HF checkpoint dir for a known model: suite_cache_dir()/hf/<name>-<sha>/, built once."""
     gguf_path = ensure_gguf(name)
-    final = cache_dir() / "hf" / f"{name}-{sha256_file(gguf_path)[:12]}"
+    final = suite_cache_dir() / "hf" / f"{name}-{sha256_file(gguf_path)[:12]}"
     if (final / _DONE).is_file():
         return final
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")

@@ -56,10 +56,8 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if build_kernels and not platform.load_kernels():
         if wanted is not None:
             raise ValueError(f"quantization={wanted!r} needs pagedllm's CPU kernels, which "
-                             "could not be built (see the warning above)")
-        logger.warning("dequantizing the GGUF to %s at load: the CPU kernels are unavailable",
-                       args.dtype)
-        return "none"
+                             f"could not be built: {platform.kernels_error}")
+        return "none"  # make_engine_config says so, with the dtype and the cost
     return wanted or "gguf"
 
 
@@ -127,13 +125,23 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         return result, half
 
 
+def _dequantized_note(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                      weight_bytes: int) -> str:
+    """The one line that says a GGUF runs dequantized because the kernels did not build: why,
+    in which dtype, and the weights' resident size against their size in GGUF blocks."""
+    kept = gguf_weight_bytes(ckpt, platform.block_types(), 4)  # kept blocks compute in float32
+    return (f"pagedllm's CPU kernels could not be built: {platform.kernels_error}. The GGUF is "
+            f"dequantized to {_dtype_name(dtype)} at load: weights {fmt_bytes(weight_bytes)} "
+            f"instead of {fmt_bytes(kept)} in GGUF blocks, and decode is slower")
+
+
 def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quantization: str,
-                  dtype: torch.dtype, fell_back: bool) -> str:
+                  dtype: torch.dtype, halved: bool) -> str:
     """Why the engine computes in `dtype` (one log line)."""
     if quantization != "none":
         return (f"quantization {quantization}: pagedllm's CPU block kernels compute in float32 "
                 "(norms, biases and the KV cache too)")
-    if fell_back:
+    if halved:
         return "float32 weights do not fit in memory (dtype='auto')"
     if str(args.dtype).lower() != "auto":
         return f"dtype={str(args.dtype).removeprefix('torch.')!r} was asked for"
@@ -159,6 +167,10 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
+    fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"
+    if fell_back and choice.platform.kernels_error is not None:  # not on a GPU: kernels failed
+        logger.warning("%s", _dequantized_note(ckpt, choice.platform, planned,
+                                               mem_plan.weight_bytes))
     logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
         args, ckpt, choice.platform, quantization, planned, planned != dtype))
     logger.info("%s", mem_plan.summary())

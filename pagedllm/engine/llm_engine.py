@@ -114,8 +114,8 @@ def _kernels_summary(config: EngineConfig) -> str:
                "int8": "int8 weight-only matmuls", "int4": "int4 weight-only matmuls"}.get(
         config.quantization, f"{str(dtype).removeprefix('torch.')} matmuls")
     summary = f"{ops}, {platform.attention_backend(dtype)} attention, {matmuls}"
-    if platform.name == "cpu" and not platform.kernels_ready:
-        summary += " (pagedllm's CPU kernels are not loaded: see the warning above)"
+    if platform.kernels_error is not None:
+        summary += f" (pagedllm's CPU kernels could not be built: {platform.kernels_error})"
     return summary
 
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.torch_build import cuda_build_warning, torch_build_facts
 from pagedllm.platforms import cpu_platform, resolve_platform
 from pagedllm.platforms.gpu import list_gpus
 from pagedllm.platforms.interface import fmt_bytes
@@ -22,7 +23,8 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
     return {
         "python": sys.version.split()[0], "os": _platform.platform(),
         "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
-                  "hip": getattr(torch.version, "hip", None)},
+                  "hip": getattr(torch.version, "hip", None),
+                  "cuda_build_warning": cuda_build_warning(torch_build_facts())},
         "probes": [{"platform": p.platform, "usable": p.usable, "detail": p.detail}
                    for p in choice.probes],
         "chosen": {"platform": choice.platform.name, "requested": choice.requested,
@@ -103,7 +105,10 @@ def format_text(report: dict[str, Any]) -> str:
     """The human-readable doctor report."""
     lines = [f"pagedllm doctor — Python {report['python']}, {report['os']}",
              f"torch {report['torch']['version']} (CUDA build: {report['torch']['cuda'] or 'no'}"
-             f", HIP build: {report['torch']['hip'] or 'no'})", "device probes:"]
+             f", HIP build: {report['torch']['hip'] or 'no'})"]
+    if report["torch"].get("cuda_build_warning"):
+        lines.append(f"  warning: {report['torch']['cuda_build_warning']}")
+    lines.append("device probes:")
     for p in report["probes"]:
         lines.append(f"  {p['platform']:5} {'usable    ' if p['usable'] else 'not usable'}  "
                      f"{p['detail']}")

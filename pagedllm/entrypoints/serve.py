@@ -17,6 +17,8 @@ import uvicorn
 from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
                                        add_ignored_cli_args, ignored_cli_values)
+from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
+                                                HttpLimits)
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 logger = logging.getLogger("pagedllm")
@@ -61,8 +63,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients send as `model` "
                    "(default: the model argument)")
     _add_engine_flags(p)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
-                   "(default: $PAGEDLLM_API_KEY, else no key)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
+                   "endpoint but /health, /metrics, /version and the API docs (default: "
+                   "$PAGEDLLM_API_KEY, else no key)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: "
                    "the model's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -74,6 +77,11 @@ def add_serve_parser(sub) -> None:
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond this get HTTP 503")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get HTTP 413, refused while being read")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="seconds the server waits on a client's request headers or body "
+                   "bytes; then 408 or the connection is closed")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     p.add_argument("--enable-log-requests", action="store_true", help="vLLM's switch for the "
@@ -205,18 +213,21 @@ def run_serve(args: argparse.Namespace) -> int:
     """Bind the port (a busy one is refused before anything is imported or loaded), then build
     the engine and serve until interrupted."""
     interval = stats_interval()
+    limits = HttpLimits(args.max_request_body_bytes, args.request_read_timeout)
     sock = bind_port(args.host, args.port)
     try:
-        return _serve(args, sock, interval)
+        return _serve(args, sock, interval, limits)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, interval: float) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
+           limits: HttpLimits) -> int:
     """Load the model and run the app on `sock` until interrupted; 1 if the engine stopped."""
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
+    from pagedllm.entrypoints.openai.bounded_http import uvicorn_options
     from pagedllm.entrypoints.openai.request_log import OutputListeners, RequestLog
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
@@ -228,13 +239,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float) -> in
                         engine.config.scheduler.max_model_len, chat_template, parser,
                         args.enable_auto_tool_choice, args.exclude_tools_when_tool_choice_none)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
-    app = build_app(ctx, api_key)
+    app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)
     ctx.engine.listener = OutputListeners([ctx.engine.listener, request_log])  # + /metrics
     stats = None if args.disable_log_stats else functools.partial(
         request_log.log_stats_every, interval, ctx.engine.stats)
     server = _Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
-                                    timeout_graceful_shutdown=5),
+                                    timeout_graceful_shutdown=5, **uvicorn_options(limits)),
                      banner(name, args.host, args.port, api_key), stats)
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server

@@ -3,6 +3,8 @@
 The build is keyed by the source, the compiler flags, the torch version and the CPU's instruction-set flags, because
 it is compiled for the CPU it runs on (-march=native). `python -m pagedllm.kernels` builds it ahead
 of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
+Without a compiler or ninja it fails at once; a failed build's output goes to build.log in the
+build folder, and a process tries once (KernelBuildError says why, in one line).
 """
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
+import shutil
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator, Optional, TextIO
 
 import torch
 
@@ -29,7 +35,13 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 
 
 class KernelBuildError(RuntimeError):
-    """The CPU kernels could not be compiled or loaded; the message says why and what to do."""
+    """The CPU kernels could not be compiled or loaded: why, in one line, and where the full
+    build output went (None when the build never started, e.g. no compiler)."""
+
+    def __init__(self, reason: str, log_path: Optional[Path] = None) -> None:
+        super().__init__(reason + (f"; build log: {log_path}" if log_path else ""))
+        self.reason = reason
+        self.log_path = log_path
 
 
 def _cpu_flags() -> str:
@@ -62,50 +74,108 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
 
+def missing_build_tool() -> Optional[str]:
+    """Why a build cannot start here (no C++ compiler, no ninja), or None; checked before
+    torch's cpp_extension, which would log a warning block and run ninja to find out."""
+    cxx = os.environ.get("CXX", "").strip() or "c++"  # what cpp_extension compiles with
+    compiler = shlex.split(cxx)[0]
+    if shutil.which(compiler) is None:
+        where = f"CXX={compiler} does not exist" if os.sep in compiler else \
+            f"{compiler!r} is not on PATH"
+        return f"no C++ compiler: {where}; install g++ or set CXX"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed; pip install ninja"
+    return None
+
+
+@contextmanager
+def _torch_log_to(log: TextIO) -> Iterator[None]:
+    """Send cpp_extension's log records (its compiler and ABI warning blocks) to the build log
+    instead of stderr."""
+    torch_logger = logging.getLogger("torch.utils.cpp_extension")
+    handler = logging.StreamHandler(log)
+    propagate = torch_logger.propagate
+    torch_logger.addHandler(handler)
+    torch_logger.propagate = False
+    try:
+        yield
+    finally:
+        torch_logger.removeHandler(handler)
+        torch_logger.propagate = propagate
+
+
+def _first_error_line(output: str) -> str:
+    """The compiler's first error line of a failed build's output (else its first line)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]  # gcc/clang: "file:line:col: error:"
+    return (errors or lines or ["no output"])[0][:200]
+
+
+def _build(key: str, build_dir: Path) -> None:
+    """Compile and load the kernels into this process; KernelBuildError on any failure."""
+    reason = missing_build_tool()
+    if reason is not None:
+        raise KernelBuildError(reason)
+    from torch.utils import cpp_extension  # imports setuptools (~0.3 s): only to build
+
+    log_path = build_dir / "build.log"
+    started = time.monotonic()
+    logger.info("compiling pagedllm CPU kernels into %s (once per machine, about a minute)",
+                build_dir)
+    with open(log_path, "w") as log, _torch_log_to(log):
+        try:
+            cpp_extension.load(name=f"pagedllm_ggml_{key}", sources=[str(s) for s in _SOURCES],
+                               extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
+                               build_directory=str(build_dir), is_python_module=False,
+                               verbose=False)
+        except Exception as err:  # headers missing, compile or link error, load error
+            log.write(f"{type(err).__name__}: {err}\n")
+            raise KernelBuildError(f"the build failed: {_first_error_line(str(err))}",
+                                   log_path) from err
+    logger.info("compiled pagedllm CPU kernels in %.0f s", time.monotonic() - started)
+
+
 @lru_cache(maxsize=1)
-def _load() -> None:
+def _load() -> Optional[KernelBuildError]:
+    """Load the kernels, building them first if needed; the error when they cannot be, kept
+    like a success so that a process tries once (a retry would only fail again, differently)."""
     key = build_key()
     build_dir = _build_dir(key)
     built = build_dir / f"pagedllm_ggml_{key}.so"
     if built.is_file():  # the key covers the sources, torch and the CPU: load it as it is
         torch.ops.load_library(str(built))
-        return
-    from torch.utils import cpp_extension  # imports setuptools (~0.3 s): only to build
-
+        return None
     build_dir.mkdir(parents=True, exist_ok=True)
     _ensure_ninja_on_path()
-    started = time.monotonic()
-    logger.info("compiling pagedllm CPU kernels into %s (once per machine, about a minute)",
-                build_dir)
     try:
-        cpp_extension.load(name=f"pagedllm_ggml_{key}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=list(_CFLAGS), extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
-    except Exception as err:  # compiler missing, headers missing, link error
-        raise KernelBuildError(
-            f"could not build pagedllm's CPU kernels in {build_dir}: {err}\n"
-            "  ways out: install a C++ compiler (apt install g++) and ninja (pip install ninja), "
-            "or load the model dequantized with quantization='none'") from err
-    logger.info("compiled pagedllm CPU kernels in %.0f s", time.monotonic() - started)
+        _build(key, build_dir)
+    except KernelBuildError as err:
+        return err
+    return None
+
+
+def build_error() -> Optional[KernelBuildError]:
+    """Why the kernels failed to build in this process; None if they loaded or were never tried."""
+    return _load() if _load.cache_info().currsize > 0 else None
 
 
 def kernels_loaded() -> bool:
     """True once the kernels are loaded in this process (never builds)."""
-    return _load.cache_info().currsize > 0
+    return _load.cache_info().currsize > 0 and _load() is None
 
 
 def load_kernels() -> None:
     """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards."""
     with _LOCK:
-        _load()
+        error = _load()
+    if error is not None:
+        raise error
 
 
 def kernels_available() -> bool:
-    """True when the kernels load (building them if needed); failures are logged, not raised."""
+    """True when the kernels load (building them if needed); build_error() says why not."""
     try:
         load_kernels()
         return True
-    except KernelBuildError as err:
-        logger.warning("%s", err)
+    except KernelBuildError:
         return False

@@ -9,6 +9,6 @@ if __name__ == "__main__":
     try:
         load_kernels()
     except KernelBuildError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: pagedllm's CPU kernels could not be built: {err}", file=sys.stderr)
         sys.exit(1)
     print("pagedllm CPU kernels ready")

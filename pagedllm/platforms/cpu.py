@@ -106,6 +106,11 @@ class CpuPlatform(Platform):
     def kernels_ready(self) -> bool:
         return kernels.kernels_loaded()
 
+    @property
+    def kernels_error(self) -> Optional[str]:
+        error = kernels.build_error()
+        return None if error is None else str(error)
+
     def op_impl(self, dtype: torch.dtype) -> str:
         # the C++ ops (kernels/csrc/cpu_ops.cpp) take float32 tensors
         return "cpu" if dtype == torch.float32 and self.kernels_ready else "native"

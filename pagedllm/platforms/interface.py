@@ -91,6 +91,11 @@ class Platform(ABC):
         """The compiled ops are loaded (never builds)."""
         return False
 
+    @property
+    def kernels_error(self) -> Optional[str]:
+        """Why load_kernels() found the compiled ops unusable, in one line; None otherwise."""
+        return None
+
     def op_impl(self, dtype: torch.dtype) -> str:
         """Which forward_<impl> layers with several implementations run: "native" (PyTorch)
         unless the platform has its own ops for this dtype."""

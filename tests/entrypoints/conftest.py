@@ -11,6 +11,7 @@ import tempfile
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import httpx
 import pytest
@@ -29,7 +30,8 @@ def _free_port() -> int:
 class Server:
     """A running `pagedllm serve` process."""
 
-    def __init__(self, *extra: str, model: str = MODEL) -> None:
+    def __init__(self, *extra: str, model: str = MODEL,
+                 preexec_fn: Optional[Callable[[], None]] = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the log goes to a file: a pipe nobody reads would block the server once full
@@ -38,7 +40,7 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port",
              str(self.port), *(("--dtype", "float32") if model == MODEL else ()), *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, text=True)
+            stdout=self.log, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

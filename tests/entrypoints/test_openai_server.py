@@ -157,15 +157,22 @@ def test_api_key_is_required(server):
     bad = OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(AuthenticationError):
         bad.models.list()
-    assert httpx.get(f"{server.url}/v1/models").status_code == 401
-    assert httpx.get(f"{server.url}/health").status_code == 200  # outside /v1: open
+    for method, path in (("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("GET", "/nonexistent")):
+        r = httpx.request(method, f"{server.url}{path}", json={"prompt": "x", "tokens": [1]})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):  # probes and the docs
+        assert httpx.get(f"{server.url}{path}").status_code == 200, path
 
 
 def test_tokenize_detokenize_version(server):
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"] == \
-        "Hello world"
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [-1]}).status_code == 400
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    ids = httpx.post(f"{server.url}/tokenize", headers=headers,
+                     json={"prompt": "Hello world"}).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", headers=headers,
+                      json={"tokens": ids}).json()["prompt"] == "Hello world"
+    assert httpx.post(f"{server.url}/detokenize", headers=headers,
+                      json={"tokens": [-1]}).status_code == 400
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 

@@ -83,8 +83,8 @@ def test_token_ids_prompt_logprobs_and_token_strs(client, server):
     plp = choice["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(choice["prompt_token_ids"])
     assert str(choice["prompt_token_ids"][1]) in plp[1]
-    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world",
-                                                  "return_token_strs": True}).json()
+    t = httpx.post(f"{server.url}/tokenize", headers=_headers(),
+                   json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert len(t["token_strs"]) == t["count"] and "".join(t["token_strs"]).endswith("world")
 
 

@@ -135,3 +135,19 @@ def test_serve_picks_the_parser_from_the_template_and_logs_it(caplog):
     assert _tool_parser(args(), "{{ messages }}") is None
     with pytest.raises(SystemExit, match="--tool-call-parser"):
         _tool_parser(args(enable_auto_tool_choice=True), "{{ messages }}")
+
+
+def test_llama3_json_streams_each_call_when_its_json_completes():
+    stream = Llama3JsonToolParser().streamer()
+    first = '<|python_tag|>{"name": "f", "parameters": {"a": 1}}'
+    pieces = [first[:20], first[20:], '; {"name": "g", ', '"parameters": {}}']
+    got = [[c.name for c in stream.feed(p).calls] for p in pieces]
+    assert got == [[], ["f"], [], ["g"]]  # f goes out before g is written
+    last = stream.finish()
+    assert (last.content, last.calls) == ("", [])
+
+
+def test_llama3_json_tag_and_no_call_is_content_unchanged():
+    text = '<|python_tag|>{"not": "a call"}'
+    content, calls, _ = _streamed(Llama3JsonToolParser(), text)
+    assert (content, calls) == (text, [])

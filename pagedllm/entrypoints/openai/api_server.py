@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
+from functools import partial
 from typing import Any, Awaitable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
@@ -13,6 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.entrypoints.openai.auth import ApiKeyAuth
+from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
+from pagedllm.entrypoints.openai.limits import HttpLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
@@ -31,18 +34,25 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    field = ".".join(loc) or None
+    # a whole-body check (protocol.RequestBody) names its field in ctx
+    field = ".".join(loc) or (first.get("ctx") or {}).get("field")
     return f"{field or 'body'}: {first.get('msg', 'invalid value')}", field
 
 
 def _routing_error(request: Request, err: HTTPException) -> OpenAIError:
-    """Starlette's 404 (no such path) and 405 (wrong method) as OpenAI errors."""
+    """Starlette's and FastAPI's HTTP errors as OpenAI errors: 404 (no such path), 405 (wrong
+    method), FastAPI's 400 for a body it cannot parse, bounded_http's 408 and 413."""
     where = f"{request.method} {request.url.path}"
     if err.status_code == 404:
         return OpenAIError(f"{where}: no such endpoint", 404)
     if err.status_code == 405:
         allowed = (err.headers or {}).get("Allow", "")
         return OpenAIError(f"{where}: method not allowed; this path takes {allowed}", 405)
+    if isinstance(err.__cause__, RecursionError):  # FastAPI's JSON parsing of the body
+        return OpenAIError(f"{where}: the request body nests JSON arrays or objects too deeply",
+                           400)
+    if err.__cause__ is not None:
+        return OpenAIError(f"{where}: {err.detail}: {err.__cause__}", err.status_code)
     return OpenAIError(f"{where}: {err.detail}", err.status_code)
 
 
@@ -68,8 +78,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional
     return task.result() if task.done() else None
 
 
-def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
-    """The FastAPI application."""
+def build_app(ctx: ServerContext, api_key: Optional[str] = None,
+              limits: HttpLimits = HttpLimits()) -> FastAPI:
+    """The FastAPI application. Every error it answers is OpenAI's error object."""
     app = FastAPI(title="pagedllm", version=__version__)
     metrics = ServerMetrics(ctx.engine, ctx.served_model_names[0])
     ctx.engine.listener = metrics
@@ -94,15 +105,18 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
         body = _routing_error(request, err)
         return JSONResponse(body.body(), status_code=body.status, headers=err.headers)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = OpenAIError("invalid or missing API key: send 'Authorization: Bearer KEY'",
-                                  401)
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(RecursionError)
+    async def _too_deep(_: Request, err: RecursionError) -> JSONResponse:
+        # only input nested beyond the interpreter's stack gets here (a template's tojson of a
+        # deep tools object, say)
+        body = OpenAIError(f"the request nests too deeply to process: {err}", 400)
+        return JSONResponse(body.body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        # Starlette re-raises err after this answer: uvicorn logs its traceback
+        body = OpenAIError(f"internal server error: {type(err).__name__}: {err}", 500)
+        return JSONResponse(body.body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -135,20 +149,20 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(req.model)
         tok = ctx.engine.tokenizer
-        if req.messages is not None:
-            try:
-                ids = ctx.engine.chat_prompt_ids(
-                    conversation(req.messages), chat_template=ctx.chat_template,
-                    add_generation_prompt=req.add_generation_prompt)
-            except ValueError as err:
-                raise bad_request(err) from None
-        elif req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        else:
-            raise OpenAIError("send 'prompt' or 'messages'", 400, "prompt")
+        try:
+            if req.messages is not None:
+                ids = await ctx.tokens.run(partial(
+                    ctx.engine.chat_prompt_ids, chat_template=ctx.chat_template,
+                    add_generation_prompt=req.add_generation_prompt), conversation(req.messages))
+            elif req.prompt is not None:
+                (ids,) = await ctx.tokens.encode([req.prompt], ["prompt"], req.add_special_tokens)
+            else:
+                raise OpenAIError("send 'prompt' or 'messages'", 400, "prompt")
+        except ValueError as err:
+            raise bad_request(err) from None
         out = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
         if req.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+            out["token_strs"] = await ctx.tokens.run(tok.convert_ids_to_tokens, ids)
         return out
 
     @app.post("/detokenize")
@@ -158,8 +172,11 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None) -> FastAPI:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(f"tokens must be ids in [0, {vocab}), got {bad[0]}", 400, "tokens")
-        return {"prompt": ctx.engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await ctx.tokens.run(ctx.engine.tokenizer.decode, req.tokens)}
 
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(BoundedBodies, limits=limits)  # added last: the outermost
     return app
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -30,6 +32,27 @@ _IS_SET: dict[str, Callable[[Any], bool]] = {
 }
 # Informational fields of OpenAI's API that change nothing in the answer: accepted quietly.
 _INFORMATIONAL = {"user", "metadata", "service_tier"}
+MAX_N = 16  # most samples per request (n and best_of)
+ROLES = ("system", "user", "assistant", "tool", "developer")
+_SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a torch generator's seed (vLLM's bounds)
+_IDS = {"items": {"minimum": 0}}
+_TEXT, _TOKENS = {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1,
+                                                     "items": {"type": "integer", "minimum": 0}}
+# a completion's prompt: a text, texts, token ids, or lists of token ids; none empty
+_PROMPTS = [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _TOKENS,
+            {"type": "array", "minItems": 1, "items": _TOKENS}]
+_TOOLS = {"items": {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}}
+
+
+def _described(default: Any = None, **schema: Any) -> Any:
+    """A field whose OpenAPI schema also states what the server accepts (ranges, enums), for
+    clients and the API fuzz test. The checks themselves stay in SamplingParams and the handlers,
+    whose messages name the field."""
+    return Field(default, json_schema_extra=schema)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -51,6 +74,51 @@ class OpenAIBaseModel(BaseModel):
                            ", ".join(unknown))
 
 
+def check_json_values(body: Any) -> None:
+    """PydanticCustomError naming the first string that is not valid Unicode (a lone surrogate,
+    which JSON's \\ud800 escapes allow and no tokenizer or UTF-8 encoder takes) or number that
+    is not finite (Python's JSON parser takes NaN and Infinity). Iterative: a deeply nested body
+    cannot exhaust the stack here."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(path, value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise PydanticCustomError("json_number", "{value} is not a finite number",
+                                      {"field": path, "value": str(value)})
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(path, key, " in a key")
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value)
+                         if not isinstance(item, int))
+
+
+def _check_unicode(path: str, text: str, where: str = "") -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PydanticCustomError(
+            "unicode", "a lone surrogate ({code}) at character {pos}{where} is not valid Unicode",
+            {"field": path or "body", "code": f"U+{ord(text[err.start]):04X}",
+             "pos": err.start, "where": where}) from None
+
+
+class RequestBody(OpenAIBaseModel):
+    """A request's whole body: its strings valid Unicode and its numbers finite, checked before
+    the fields (check_json_values)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
+
+
 class StreamOptions(OpenAIBaseModel):
     """stream_options of a streaming request."""
 
@@ -65,43 +133,47 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: Optional[dict[str, Any]] = None
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    n: int = 1
-    best_of: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
+    max_tokens: Optional[int] = _described(minimum=0)
+    n: int = _described(1, minimum=1, maximum=MAX_N)
+    best_of: Optional[int] = _described(minimum=1, maximum=MAX_N)
+    temperature: Optional[float] = _described(minimum=0)
+    top_p: Optional[float] = _described(exclusiveMinimum=0, maximum=1)
+    # checked here: past a torch generator's range the engine itself would fail on it
+    seed: Optional[int] = Field(None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = _described(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = _described(0.0, minimum=-2, maximum=2)
     user: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None  # JSON keys are strings: token ids as text
+    # JSON keys are strings: token ids as text
+    logit_bias: Optional[dict[str, float]] = _described(
+        propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     # vLLM extras
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    top_k: Optional[int] = _described(minimum=-1)
+    min_p: Optional[float] = _described(minimum=0, maximum=1)
+    repetition_penalty: Optional[float] = _described(exclusiveMinimum=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = _described(0, minimum=0)
+    stop_token_ids: Optional[list[int]] = _described(**_IDS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = None
-    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = _described(minimum=0)
+    allowed_token_ids: Optional[list[int]] = _described(minItems=1, **_IDS)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[str] = None
+    guided_regex: Optional[str] = _described(minLength=1)
+    guided_choice: Optional[list[str]] = _described(minItems=1, items={"minLength": 1})
+    guided_grammar: Optional[str] = _described(minLength=1)
+    guided_decoding_backend: Optional[str] = _described(enum=list(_BACKENDS))
     # vLLM's response extras
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:123"
@@ -196,17 +268,21 @@ def _structured_outputs(fields: Any) -> StructuredOutputsParams:
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[int], list[list[int]]] = Field(
+        json_schema_extra=lambda schema: schema.update(anyOf=_PROMPTS))
     echo: bool = False
     suffix: Optional[str] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = _described(minimum=0)
 
 
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation."""
 
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    role: str = _described(..., enum=list(ROLES))
+    # text parts only (serving_chat.conversation)
+    content: Optional[Union[str, list[dict[str, Any]]]] = _described(items={
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}})
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
     tool_call_id: Optional[str] = None  # a tool message's answer to that call
@@ -215,23 +291,25 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
+    messages: list[ChatMessage] = _described(..., minItems=1)
+    max_completion_tokens: Optional[int] = _described(minimum=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = _described(minimum=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     documents: Optional[list[dict[str, Any]]] = None  # for templates that render them (RAG)
     # OpenAI function tools; checked in chat_tools (400 naming tools / tool_choice)
-    tools: Optional[Any] = None
+    tools: Optional[Any] = _described(**_TOOLS)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a prompt or chat messages."""
 
+    model_config = ConfigDict(json_schema_extra={
+        "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -240,8 +318,8 @@ class TokenizeRequest(OpenAIBaseModel):
     return_token_strs: bool = False  # also each token's string (vLLM's token_strs)
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: Optional[str] = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[int] = Field(default_factory=list, json_schema_extra=_IDS)

@@ -6,15 +6,13 @@ from typing import Any, AsyncIterator, Callable, Optional
 from pagedllm.engine.chat_messages import template_messages
 from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
                                                         prompt_logprobs_json, sse,
                                                         start_prompts, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -113,8 +111,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest)
     """The JSON response, or an async iterator of SSE lines when req.stream."""
     model = ctx.check_model(req.model)
     plan = _plan(ctx, req)
-    ids = chat_prompt_ids(ctx, req, plan.tools if plan else None)
     params = _params(ctx, req, plan)
+    # the template and the tokenizing on the tokenizer's thread: the event loop stays free
+    ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     rid = new_id("chatcmpl")
     (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
     if req.stream:

@@ -5,15 +5,15 @@ import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
+from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-MAX_N = 16  # most samples per request (n and best_of)
 
 
 class OpenAIError(Exception):
@@ -44,6 +44,10 @@ class ServerContext:
     tool_parser: Optional[str] = None  # --tool-call-parser, else the one the template implies
     enable_auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
+
+    def __post_init__(self) -> None:
+        self.tokens = PromptTokens(self.engine.tokenizer, self.max_model_len)
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model`; 404 for an unknown one."""

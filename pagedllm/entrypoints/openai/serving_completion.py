@@ -16,15 +16,35 @@ from pagedllm.sampling_params import SamplingParams
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
 
-def _prompts(req: CompletionRequest) -> list[Union[str, dict]]:
+def _prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
     p = req.prompt
     if isinstance(p, str):
         return [p]
     if not p:
         raise OpenAIError("prompt must not be empty", 400, "prompt")
     if all(isinstance(t, int) for t in p):
-        return [{"prompt_token_ids": p}]
-    return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+        return [p]
+    return p
+
+
+async def _engine_prompts(ctx: ServerContext, prompts: list[Union[str, list[int]]]) -> list[dict]:
+    """Each prompt as the engine's {"prompt", "prompt_token_ids"}: texts length-checked, then
+    tokenized off the event loop; token-id prompts length-checked (a 400 naming prompt[i])."""
+    fields = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+    texts = [(f, p) for f, p in zip(fields, prompts) if isinstance(p, str)]
+    try:
+        for f, text in texts:
+            if not text:
+                raise ValueError(f"{f} must not be empty")
+        encoded = iter(await ctx.tokens.encode([t for _, t in texts], [f for f, _ in texts]))
+        out = []
+        for f, p in zip(fields, prompts):
+            ids = next(encoded) if isinstance(p, str) else p
+            ctx.tokens.check_ids(ids, f)
+            out.append({"prompt_token_ids": ids, **({"prompt": p} if isinstance(p, str) else {})})
+        return out
+    except ValueError as err:
+        raise bad_request(err) from None
 
 
 def _params(ctx: ServerContext, req: CompletionRequest) -> SamplingParams:
@@ -98,6 +118,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest):
     model = ctx.check_model(req.model)
     prompts = _prompts(req)
     params = _params(ctx, req)
+    prompts = await _engine_prompts(ctx, prompts)
     rid = new_id("cmpl")
     gens = start_prompts(ctx.engine, prompts, params, rid)
     if req.stream:

@@ -202,33 +202,60 @@ class Llama3JsonToolParser:
 
 
 class Llama3JsonStreamer:
-    """An output that starts like JSON (or the python tag) is held to the end and parsed whole;
-    any other output streams as content."""
+    """An output that starts like JSON (or the python tag) is held, and each call goes out as
+    soon as its JSON object is complete; any other output streams as content."""
+
+    SEPARATORS = "; \n\t"
 
     def __init__(self, parser: Llama3JsonToolParser) -> None:
         self.parser = parser
         self.buffer = ""
         self.holding: Optional[bool] = None  # undecided until the first non-space text
+        self.calls_sent = 0
+        self.held_head = ""  # what went before the JSON: leading space, the python tag
+        self._decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> StreamDelta:
         """Take the next piece of generated text."""
         if self.holding is False:
             return StreamDelta(content=text)
         self.buffer += text
+        if self.holding:
+            return self._complete_calls()
         head = self.buffer.lstrip()
         if not head or self.parser.TAG.startswith(head):
             return StreamDelta()
         self.holding = head.startswith("{") or head.startswith(self.parser.TAG)
         if self.holding:
-            return StreamDelta()
+            everything, self.buffer = self.buffer, head.removeprefix(self.parser.TAG)
+            self.held_head = everything[:len(everything) - len(self.buffer)]  # spaces, tag
+            return self._complete_calls()
         out, self.buffer = StreamDelta(content=self.buffer), ""
         return out
 
+    def _complete_calls(self) -> StreamDelta:
+        """The calls whose JSON objects are now complete at the front of the buffer."""
+        out = StreamDelta()
+        while True:
+            body = self.buffer.lstrip(self.SEPARATORS)
+            try:
+                obj, end = self._decoder.raw_decode(body)
+            except ValueError:
+                return out  # incomplete (or not JSON: finish() decides)
+            call = _call_from_json(json.dumps(obj), self.parser.ARGS)
+            if call is None:
+                return out  # a JSON object that is no call: finish() decides
+            out.calls.append(call)
+            self.calls_sent += 1
+            self.buffer = body[end:]
+
     def finish(self) -> StreamDelta:
-        """The end of the output: parse what was held."""
+        """The end of the output: what is left is more calls or, failing that, content."""
         text, self.buffer = self.buffer, ""
-        if not text:
+        if not text.strip(self.SEPARATORS):
             return StreamDelta()
+        if self.calls_sent == 0:
+            text = self.held_head + text  # content, if it is no call, is the output as it was
         content, calls = self.parser.extract(text)
         return StreamDelta(content="" if calls else (content or ""), calls=calls)
 

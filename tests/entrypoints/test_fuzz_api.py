@@ -1,0 +1,99 @@
+"""A fuzzed API stays up: schemathesis requests, built from the OpenAPI schema the server serves
+(valid bodies and bodies that break it), against the real SmolLM2 server. Passing means no 5xx,
+no hang, every 4xx OpenAI's error object, and the server healthy at the end."""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
+
+from conftest import API_KEY, MODEL
+
+schemathesis = pytest.importorskip("schemathesis")
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
+MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _short(case):
+    """The case with at most MAX_TOKENS generated (chat's default runs to max_model_len)."""
+    body = case.body
+    if isinstance(body, dict):
+        for name in ("max_tokens", "max_completion_tokens"):
+            if not _at_most(body.get(name), MAX_TOKENS):
+                body[name] = MAX_TOKENS
+        if "min_tokens" in body and not _at_most(body["min_tokens"], MAX_TOKENS):
+            body["min_tokens"] = MAX_TOKENS
+    return case
+
+
+def _at_most(value, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value <= limit
+
+
+def _check_error_object(status: int, text: str) -> None:
+    error = json.loads(text)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["code"] == status
+    assert error["param"] is None or isinstance(error["param"], str)
+
+
+def _check_stream(text: str) -> None:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", text[-500:]
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        if "error" in chunk:  # an error event mid-stream: only a client's fault may end one
+            assert chunk["error"]["code"] < 500, chunk
+
+
+def _check(response) -> None:
+    status, text = response.status_code, response.text
+    assert status < 500, f"{status}: {text[:1000]}"
+    if status >= 400:
+        _check_error_object(status, text)
+    elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        _check_stream(text)
+    else:
+        json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    raw = httpx.get(f"{server.url}/openapi.json").json()
+    # `model` is the served name or absent: random names would only ever get the 404
+    for schema in raw["components"]["schemas"].values():
+        if "model" in schema.get("properties", {}):
+            schema["properties"]["model"] = {"anyOf": [{"enum": [MODEL]}, {"type": "null"}]}
+    return schemathesis.openapi.from_dict(raw)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_schema, path):
+    operation = api_schema[path]["POST"]
+    cases = st.one_of(operation.as_strategy(mode) for mode in schemathesis.GenerationMode)
+    started, slowest, statuses = time.monotonic(), 0.0, Counter()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=cases.map(_short))
+    def fuzz(case):
+        nonlocal slowest
+        t0 = time.monotonic()
+        note(f"body: {case.body!r}"[:2000])
+        response = case.call(base_url=server.url, headers=HEADERS, timeout=60)
+        _check(response)
+        slowest = max(slowest, time.monotonic() - t0)
+        statuses[response.status_code] += 1
+
+    fuzz()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert statuses[200] >= 3, statuses  # the fuzz got past validation, into the engine
+    print(f"{path}: {sum(statuses.values())} cases in {time.monotonic() - started:.1f} s "
+          f"(slowest {slowest:.2f} s), statuses {dict(statuses)}")

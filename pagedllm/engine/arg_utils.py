@@ -121,7 +121,8 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
-        """Split keyword arguments into ours, GPU-only ones (warned and dropped) and unknown ones."""
+        """Split keyword arguments into ours, ignored vLLM ones (warned and dropped) and unknown
+        ones (TypeError)."""
         known = {f.name for f in fields(cls)}
         ours = {}
         for key, value in kwargs.items():

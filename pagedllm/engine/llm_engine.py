@@ -19,6 +19,7 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
+
 class LLMEngine:
     """Synchronous engine: add requests, call step() until nothing is left."""
 

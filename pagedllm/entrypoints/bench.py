@@ -60,7 +60,8 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--num-iters-warmup", type=_non_negative, default=1,
                            help="requests run first and not timed")
         if name == "serve":
-            p.add_argument("--url", required=True, help="the server to measure, e.g. http://127.0.0.1:8000/v1")
+            p.add_argument("--url", required=True,
+                           help="the server to measure, e.g. http://127.0.0.1:8000/v1")
             p.add_argument("--max-concurrency", type=_positive, default=16,
                            help="requests in flight at once")
             p.add_argument("--api-key", default=None, help="the server's key (default: no key)")

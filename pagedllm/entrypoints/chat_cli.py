@@ -61,8 +61,7 @@ def run_complete(args: argparse.Namespace) -> int:
     _catch_ctrl_c()
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
-        print("pagedllm complete: empty prompt", file=sys.stderr)
-        return 2
+        raise ValueError("the prompt is empty: pass PROMPT or send it on stdin")
     backend = _backend(args)
     try:
         for piece in backend.complete(prompt, args.max_tokens, args.temperature):

@@ -138,7 +138,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
         trust_remote_code=args.trust_remote_code, revision=args.revision,
         gguf_file=args.gguf_file, model_source=args.model_source,
-        quantization=args.quantization, usage_context="api_server", **ignored_cli_values(args, HONORED_VLLM_ARGS))
+        quantization=args.quantization, usage_context="api_server",
+        **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 
 def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pexpect
-import pytest
 
 from conftest import API_KEY, MODEL, _free_port
 from pagedllm.engine.arg_utils import DTYPE_CHOICES, IGNORED_VLLM_ARGS, EngineArgs
@@ -203,7 +202,8 @@ def test_llm_logs_its_choices_and_its_progress_bar_counts_requests():
 
 
 def test_logging_level_from_the_environment(huge_model):
-    job = f"from pagedllm import LLM\ntry:\n    LLM({str(huge_model)!r})\nexcept ValueError:\n    pass"
+    job = (f"from pagedllm import LLM\ntry:\n    LLM({str(huge_model)!r})\n"
+           "except ValueError:\n    pass")
     levels = {}
     for level in ("", "WARNING"):
         env = {**os.environ, "PAGEDLLM_LOGGING_LEVEL": level}

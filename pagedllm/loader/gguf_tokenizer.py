@@ -18,6 +18,8 @@ from typing import Optional
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
 
 logger = logging.getLogger("pagedllm")
@@ -123,7 +125,7 @@ def _special_token(vocab: GGUFVocab, token_id: Optional[int], key: str) -> Optio
     if token_id is None:
         return None
     if not 0 <= token_id < len(vocab.tokens):
-        raise ValueError(f"tokenizer.ggml.{key}={token_id} is outside the vocabulary "
+        raise ModelFileError(f"tokenizer.ggml.{key}={token_id} is outside the vocabulary "
                          f"of {len(vocab.tokens)} tokens")
     return vocab.tokens[token_id]
 
@@ -179,6 +181,7 @@ def tokenizer_from_gguf(path: str | Path, *, trust_remote_code: bool = False
     """The tokenizer a GGUF file describes: built from its metadata, or by transformers when
     it is of a kind not built here (logged at INFO with the reason)."""
     path = Path(path)
+    gguf_header(path)  # a file the engine would refuse (truncated, corrupt) is refused here too
     vocab = read_gguf_vocab(path)
     try:
         return build_tokenizer(vocab)

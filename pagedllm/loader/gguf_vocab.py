@@ -1,6 +1,6 @@
 """Read the tokenizer a GGUF file describes: its `tokenizer.*` metadata, arrays included.
 
-gguf_loader's header reader skips arrays (loading weights never needs them); a tokenizer needs
+gguf_header's reader skips arrays (loading weights never needs them); a tokenizer needs
 the vocabulary and merges in full. This walks only the metadata section of the file, through a
 memory map, and keeps the `tokenizer.*` keys: about 0.3 s for Qwen2's 152k tokens and merges,
 where gguf.GGUFReader takes ~10 s (it makes a numpy view per string).
@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from pagedllm.loader.errors import ModelFileError
 
 _GGUF_MAGIC = b"GGUF"
 # GGUF value type id -> struct format of one scalar (8: string, 9: array).
@@ -44,8 +46,8 @@ class _Walker:
     def __init__(self, buf: mmap.mmap, path: Path) -> None:
         self.buf, self.path, self.pos = buf, path, 0
 
-    def _truncated(self, at: int) -> ValueError:
-        return ValueError(f"{self.path}: GGUF metadata is truncated or corrupt "
+    def _truncated(self, at: int) -> ModelFileError:
+        return ModelFileError(f"{self.path}: GGUF metadata is truncated or corrupt "
                           f"(a value at byte {at} runs past the end of the file)")
 
     def _take(self, n: int) -> int:
@@ -73,7 +75,7 @@ class _Walker:
         try:
             return self.buf[start:start + n].decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{self.path}: GGUF string at byte {start} is not valid UTF-8") from None
+            raise ModelFileError(f"{self.path}: GGUF string at byte {start} is not valid UTF-8") from None
 
     def value(self, vtype: int, keep: bool) -> Any:
         """A metadata value; with keep False, arrays are skipped and None returned."""
@@ -82,7 +84,7 @@ class _Walker:
         if vtype == _STRING:
             return self.string()
         if vtype != _ARRAY:
-            raise ValueError(f"{self.path}: GGUF metadata has unknown value type {vtype} "
+            raise ModelFileError(f"{self.path}: GGUF metadata has unknown value type {vtype} "
                              f"at byte {self.pos - 4}")
         etype, count = self.scalar("I"), self.scalar("Q")
         if etype in _SCALARS:
@@ -121,15 +123,15 @@ def read_tokenizer_fields(path: str | Path) -> dict[str, Any]:
     """Every `tokenizer.*` metadata key of a GGUF with its value (arrays as tuples)."""
     path = Path(path)
     if path.stat().st_size < 24:  # magic, version and two counts; mmap refuses empty files
-        raise ValueError(f"{path} is not a GGUF file (too short)")
+        raise ModelFileError(f"{path} is not a GGUF file (too short)")
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         walker = _Walker(buf, path)
         if buf[:4] != _GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+            raise ModelFileError(f"{path} is not a GGUF file (bad magic)")
         walker.pos = 4
         version = walker.scalar("I")
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            raise ModelFileError(f"{path}: GGUF version {version} is not supported (2 or 3)")
         walker.scalar("Q")  # tensor count: the tensor table is not needed here
         fields: dict[str, Any] = {}
         for _ in range(walker.scalar("Q")):
@@ -142,12 +144,12 @@ def read_tokenizer_fields(path: str | Path) -> dict[str, Any]:
 
 
 def read_gguf_vocab(path: str | Path) -> GGUFVocab:
-    """The tokenizer metadata of a GGUF file; ValueError if it has no vocabulary."""
+    """The tokenizer metadata of a GGUF file; ModelFileError if it has none or is corrupt."""
     fields = read_tokenizer_fields(path)
     tokens = fields.get("tokenizer.ggml.tokens")
     model = fields.get("tokenizer.ggml.model")
     if not tokens or not isinstance(model, str):
-        raise ValueError(f"{path} has no tokenizer in its metadata "
+        raise ModelFileError(f"{path} has no tokenizer in its metadata "
                          "(tokenizer.ggml.model and tokenizer.ggml.tokens are required)")
     types = fields.get("tokenizer.ggml.token_type")
     merges = fields.get("tokenizer.ggml.merges")

@@ -15,7 +15,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.loader import gguf_tokenizer, gguf_tokenizer_cache
-from pagedllm.loader.gguf_loader import gguf_header
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.gguf_tokenizer import NotBuildable, build_tokenizer, tokenizer_from_gguf
 from pagedllm.loader.gguf_tokenizer_cache import SOURCE_MARKER, cache_folder, cached_gguf_tokenizer
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
@@ -77,6 +78,17 @@ def test_reader_matches_gguf_reader(smollm_gguf):
     assert (vocab.bos_id, vocab.eos_id, vocab.pad_id, vocab.unk_id) == (1, 2, 2, 0)
     assert (vocab.add_bos, vocab.add_eos) == (False, None)
     assert vocab.chat_template == field["tokenizer.chat_template"].contents()
+
+
+@pytest.mark.parametrize("cut", [30, 1_000, 200_000, 600_000, 1_200_000, 1_700_000])
+def test_reader_refuses_a_cut_file_by_name(smollm_gguf, tmp_path, cut):
+    """Cuts in the preamble, the vocabulary, the token types and the merges."""
+    path = tmp_path / "cut.gguf"
+    with open(smollm_gguf, "rb") as fh:
+        path.write_bytes(fh.read(cut))
+    with pytest.raises(ModelFileError, match="truncated or corrupt") as info:
+        read_gguf_vocab(path)
+    assert str(path) in str(info.value)
 
 
 @pytest.mark.parametrize("text", TEXTS)

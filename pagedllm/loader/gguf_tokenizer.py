@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
 
@@ -100,9 +99,8 @@ def _merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
     return pairs  # type: ignore[return-value]
 
 
-def build_backend(vocab: GGUFVocab) -> Tokenizer:
-    """The `tokenizers.Tokenizer` of a byte-level BPE vocabulary; NotBuildable if not exact."""
-    pre = _check_vocab(vocab)
+def _backend(vocab: GGUFVocab, pre: PreTokenization) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a checked byte-level BPE vocabulary."""
     bpe = models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=_merges(vocab),
                      dropout=None, unk_token=None, continuing_subword_prefix="",
                      end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
@@ -120,28 +118,23 @@ def build_backend(vocab: GGUFVocab) -> Tokenizer:
     return backend
 
 
-def _special_token(vocab: GGUFVocab, token_id: Optional[int], key: str) -> Optional[str]:
-    """The text of a special token id from the metadata, checked against the vocabulary."""
-    if token_id is None:
-        return None
-    if not 0 <= token_id < len(vocab.tokens):
-        raise ModelFileError(f"tokenizer.ggml.{key}={token_id} is outside the vocabulary "
-                         f"of {len(vocab.tokens)} tokens")
-    return vocab.tokens[token_id]
+def _special_token(vocab: GGUFVocab, token_id: Optional[int]) -> Optional[str]:
+    """The text of a special token id (read_gguf_vocab checked it is in the vocabulary)."""
+    return None if token_id is None else vocab.tokens[token_id]
 
 
 def _special_tokens(vocab: GGUFVocab) -> dict[str, Optional[str]]:
     """bos/eos/pad/unk token texts for the wrapper (None where the file names none)."""
-    return {"bos_token": _special_token(vocab, vocab.bos_id, "bos_token_id"),
-            "eos_token": _special_token(vocab, vocab.eos_id, "eos_token_id"),
-            "pad_token": _special_token(vocab, vocab.pad_id, "padding_token_id"),
-            "unk_token": _special_token(vocab, vocab.unk_id, "unknown_token_id")}
+    return {"bos_token": _special_token(vocab, vocab.bos_id),
+            "eos_token": _special_token(vocab, vocab.eos_id),
+            "pad_token": _special_token(vocab, vocab.pad_id),
+            "unk_token": _special_token(vocab, vocab.unk_id)}
 
 
 def build_tokenizer(vocab: GGUFVocab) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer for a GGUF vocabulary; NotBuildable if not exact."""
-    backend = build_backend(vocab)
-    pre = PRE_TOKENIZATIONS[vocab.pre]  # type: ignore[index]
+    pre = _check_vocab(vocab)
+    backend = _backend(vocab, pre)
     add_bos = pre.add_bos if vocab.add_bos is None else vocab.add_bos
     specials = _special_tokens(vocab)
     # an explicit add_bos_token/add_eos_token makes transformers write the post-processor
@@ -165,8 +158,6 @@ def _match_metadata(tok: PreTrainedTokenizerBase, vocab: GGUFVocab) -> None:
 def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
                            trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """transformers' own GGUF tokenizer, with the file's template and special tokens."""
-    from transformers import AutoTokenizer
-
     # a folder holding only the GGUF, so tokenizer files beside it cannot leak in
     with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp:
         (Path(tmp) / path.name).symlink_to(path.resolve())

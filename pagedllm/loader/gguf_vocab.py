@@ -109,9 +109,33 @@ class _Walker:
         self.pos = pos
 
 
-def _optional_int(fields: dict[str, Any], key: str) -> Optional[int]:
+def _token_id(fields: dict[str, Any], key: str, n_tokens: int, path: Path) -> Optional[int]:
+    """A special token id from the metadata, or None; ModelFileError if it is no token."""
+    value = fields.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    if not isinstance(value, int) or not 0 <= value < n_tokens:
+        raise ModelFileError(f"{path}: tokenizer.ggml.{key}={value!r} is not a token id "
+                             f"(the vocabulary has {n_tokens} tokens)")
+    return value
+
+
+def _array(fields: dict[str, Any], key: str, kind: type, path: Path) -> Optional[tuple]:
+    """An array of the metadata, or None; ModelFileError if it holds anything but kind."""
+    value = fields.get(f"tokenizer.ggml.{key}")
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or not all(type(v) is kind for v in value):
+        raise ModelFileError(f"{path}: tokenizer.ggml.{key} is not an array of {kind.__name__}")
+    return value
+
+
+def _text(fields: dict[str, Any], key: str, path: Path) -> Optional[str]:
+    """A string of the metadata, or None; ModelFileError if it is something else."""
     value = fields.get(key)
-    return None if value is None else int(value)
+    if value is not None and not isinstance(value, str):
+        raise ModelFileError(f"{path}: {key} is not a string")
+    return value
 
 
 def _optional_bool(fields: dict[str, Any], key: str) -> Optional[bool]:
@@ -145,22 +169,23 @@ def read_tokenizer_fields(path: str | Path) -> dict[str, Any]:
 
 def read_gguf_vocab(path: str | Path) -> GGUFVocab:
     """The tokenizer metadata of a GGUF file; ModelFileError if it has none or is corrupt."""
+    path = Path(path)
     fields = read_tokenizer_fields(path)
-    tokens = fields.get("tokenizer.ggml.tokens")
+    tokens = _array(fields, "tokens", str, path)
     model = fields.get("tokenizer.ggml.model")
     if not tokens or not isinstance(model, str):
         raise ModelFileError(f"{path} has no tokenizer in its metadata "
-                         "(tokenizer.ggml.model and tokenizer.ggml.tokens are required)")
-    types = fields.get("tokenizer.ggml.token_type")
-    merges = fields.get("tokenizer.ggml.merges")
+                             "(tokenizer.ggml.model and tokenizer.ggml.tokens are required)")
+    types = _array(fields, "token_type", int, path)
+    merges = _array(fields, "merges", str, path)
+    n = len(tokens)
     return GGUFVocab(
-        model=model, pre=fields.get("tokenizer.ggml.pre"), tokens=tuple(tokens),
-        token_types=None if types is None else tuple(int(t) for t in types),
-        merges=None if merges is None else tuple(merges),
-        bos_id=_optional_int(fields, "tokenizer.ggml.bos_token_id"),
-        eos_id=_optional_int(fields, "tokenizer.ggml.eos_token_id"),
-        pad_id=_optional_int(fields, "tokenizer.ggml.padding_token_id"),
-        unk_id=_optional_int(fields, "tokenizer.ggml.unknown_token_id"),
+        model=model, pre=_text(fields, "tokenizer.ggml.pre", path), tokens=tokens, token_types=types,
+        merges=merges,
+        bos_id=_token_id(fields, "bos_token_id", n, path),
+        eos_id=_token_id(fields, "eos_token_id", n, path),
+        pad_id=_token_id(fields, "padding_token_id", n, path),
+        unk_id=_token_id(fields, "unknown_token_id", n, path),
         add_bos=_optional_bool(fields, "tokenizer.ggml.add_bos_token"),
         add_eos=_optional_bool(fields, "tokenizer.ggml.add_eos_token"),
-        chat_template=fields.get("tokenizer.chat_template"))
+        chat_template=_text(fields, "tokenizer.chat_template", path))

@@ -213,12 +213,7 @@ def test_add_bos_follows_the_flag_then_llama_cpp_default():
     assert tok("ab").input_ids[0] != bos and tok("ab").input_ids[-1] == _byte_vocab().eos_id
 
 
-def test_special_token_id_outside_vocabulary_is_an_error():
-    with pytest.raises(ValueError, match=r"tokenizer.ggml.bos_token_id=9999 is outside"):
-        build_tokenizer(_byte_vocab(bos_id=9999))
-
-
-def _sentencepiece_gguf(path: Path) -> Path:
+def _sentencepiece_gguf(path: Path, bos_id: int = 1) -> Path:
     """A tiny llama-arch GGUF with a SentencePiece ('llama') vocabulary."""
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in dict(block_count=1, context_length=64, embedding_length=8,
@@ -229,7 +224,7 @@ def _sentencepiece_gguf(path: Path) -> Path:
     writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"])
     writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -1.5, -1.2, -0.5])
     writer.add_token_types([2, 3, 3, 1, 1, 1, 1, 1, 1])
-    writer.add_bos_token_id(1)
+    writer.add_bos_token_id(bos_id)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     writer.add_tensor("token_embd.weight", np.zeros((9, 8), dtype=np.float32))
@@ -238,6 +233,14 @@ def _sentencepiece_gguf(path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_special_token_id_outside_the_vocabulary_is_refused_by_name(tmp_path):
+    path = _sentencepiece_gguf(tmp_path / "bad.gguf", bos_id=9)
+    with pytest.raises(ModelFileError, match=r"bos_token_id=9 is not a token id \(the vocabulary "
+                                              r"has 9 tokens\)") as info:
+        read_gguf_vocab(path)
+    assert str(path) in str(info.value)
 
 
 def test_sentencepiece_goes_to_transformers_with_a_reason(tmp_path, monkeypatch, caplog):

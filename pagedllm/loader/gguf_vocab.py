@@ -20,6 +20,7 @@ _GGUF_MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
+_MAX_NESTING = 4  # arrays of arrays: none in practice; a hostile file must not recurse deeply
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class _Walker:
         except UnicodeDecodeError:
             raise ModelFileError(f"{self.path}: GGUF string at byte {start} is not valid UTF-8") from None
 
-    def value(self, vtype: int, keep: bool) -> Any:
+    def value(self, vtype: int, keep: bool, depth: int = 0) -> Any:
         """A metadata value; with keep False, arrays are skipped and None returned."""
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype])
@@ -94,7 +95,10 @@ class _Walker:
         self._check_count(count, 8 if etype == _STRING else 12)  # u64 length; nested header
         if etype == _STRING:
             return tuple(self.string() for _ in range(count)) if keep else self._skip_strings(count)
-        values = [self.value(etype, keep) for _ in range(count)]  # nested arrays
+        if depth >= _MAX_NESTING:
+            raise ModelFileError(f"{self.path}: GGUF metadata nests arrays deeper than "
+                                 f"{_MAX_NESTING} at byte {self.pos}")
+        values = [self.value(etype, keep, depth + 1) for _ in range(count)]  # nested arrays
         return values if keep else None
 
     def _skip_strings(self, count: int) -> None:

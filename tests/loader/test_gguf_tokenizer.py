@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import random
 import shutil
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -89,6 +91,34 @@ def test_reader_refuses_a_cut_file_by_name(smollm_gguf, tmp_path, cut):
     with pytest.raises(ModelFileError, match="truncated or corrupt") as info:
         read_gguf_vocab(path)
     assert str(path) in str(info.value)
+
+
+def test_mutated_headers_read_or_raise_model_file_error(tmp_path):
+    """Seeded fuzzing: bytes, hostile counts and lengths, and cuts in a small GGUF's metadata
+    give a vocabulary or a ModelFileError, never another exception."""
+    path = _sentencepiece_gguf(tmp_path / "seed.gguf")
+    clean = path.read_bytes()
+    rng, outcomes = random.Random(7), {"read": 0, "refused": 0}
+    for case in range(300):
+        data = bytearray(clean)
+        at, kind = rng.randrange(24, len(clean) - 8), rng.choice(("bytes", "u64", "u32", "cut"))
+        if kind == "bytes":
+            data[at] = rng.randrange(256)
+        elif kind == "cut":
+            data = data[:at]
+        else:
+            nasty = rng.choice((0, 1, 9, 255, 2**31, 2**32 - 1, 2**63, 2**64 - 1))
+            fmt = "<Q" if kind == "u64" else "<I"
+            data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, nasty % 2 ** (8 * struct.calcsize(fmt)))
+        path.write_bytes(bytes(data))
+        try:
+            read_gguf_vocab(path)
+            outcomes["read"] += 1
+        except ModelFileError:
+            outcomes["refused"] += 1
+        except Exception as err:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"case {case} ({kind} at {at}): {type(err).__name__}: {err}")
+    assert outcomes["refused"] >= 100 and outcomes["read"] >= 10, outcomes
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -6,6 +6,7 @@
       locks/             one lock file per model, held while it is fetched
       kernels/<key>/     the compiled CPU kernels, one folder per build key
       hub-headers/       header-only stubs of hub checkpoints (never inside the HF cache)
+      tokenizers/<key>/  the tokenizer of a GGUF given by path, built once from its metadata
 """
 from __future__ import annotations
 

@@ -218,3 +218,31 @@ def test_default_qwen_model_in_real_cache(monkeypatch):
     tok = AutoTokenizer.from_pretrained(ms.resolve_model("Qwen/Qwen2.5-Coder-0.5B-Instruct"))
     assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == EXPECTED_CHAT
     assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [151644, 151645]
+
+
+def test_tokenizer_export_is_built_from_gguf_metadata(tmp_path, monkeypatch):
+    """The export uses the metadata builder (never transformers' GGUF reader) and writes files
+    that load back to the same tokenizer."""
+    from pagedllm.loader import gguf_tokenizer
+    from pagedllm.loader.gguf_tokenizer import build_tokenizer
+    from pagedllm.loader.gguf_vocab import read_gguf_vocab
+    from pagedllm.loader.tokenizer_files import load_tokenizer_files
+
+    spec = ms.model_spec(SMOL)
+    gguf_path = ms.ensure_gguf(SMOL)  # the real cache, before pointing the store elsewhere
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / spec.filename).symlink_to(gguf_path)
+    monkeypatch.setattr(gguf_tokenizer, "transformers_tokenizer",
+                        lambda *a, **k: pytest.fail("export went through transformers' GGUF path"))
+    assert ms._export_tokenizer(spec, model_dir) == ["chat_template.jinja", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    exported, built = load_tokenizer_files(model_dir), build_tokenizer(read_gguf_vocab(gguf_path))
+    text = "<|im_start|>user\nhé 12 🤗<|im_end|>"
+    assert exported(text).input_ids == built(text).input_ids
+    assert exported.apply_chat_template(CHAT, add_generation_prompt=True) == \
+        built.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert (exported.bos_token, exported.eos_token, exported.pad_token, exported.unk_token) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+    assert not list((cache_dir() / "tmp").iterdir())  # scratch removed

@@ -299,27 +299,17 @@ def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path
 
 
 def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
-    """Export HF tokenizer files from the GGUF into model_dir; return their names."""
+    """Export HF tokenizer files from the GGUF's metadata into model_dir; return their names."""
     # transformers takes seconds to import: only when a tokenizer is exported
-    from transformers import AutoTokenizer
+    from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
+    from pagedllm.loader.tokenizer_files import save_tokenizer_files
 
-    from pagedllm.loader.tokenizer import load_tokenizer
-
-    gguf_path = model_dir / spec.filename
     tmp = pathlib.Path(tempfile.mkdtemp(dir=_tmp_root(), prefix=f"{spec.name}-tok-"))
     try:
-        # Load through a dir holding only the GGUF, so stale exports can't leak in.
-        (tmp / "src").mkdir()
-        (tmp / "src" / spec.filename).symlink_to(gguf_path.resolve())
-        tok = load_tokenizer(tmp / "src" / spec.filename)  # template, bos, eos from the metadata
-        out = tmp / "out"
-        tok.save_pretrained(str(out))
-        saved = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-        if saved.chat_template != tok.chat_template:
-            raise RuntimeError(f"saved tokenizer of {spec.name} lost the GGUF chat template")
-        names = sorted(p.name for p in out.iterdir() if p.name not in _FORBIDDEN_EXPORTS)
+        files = save_tokenizer_files(tokenizer_from_gguf(model_dir / spec.filename), tmp)
+        names = [n for n in files if n not in _FORBIDDEN_EXPORTS]
         for n in names:
-            os.replace(out / n, model_dir / n)
+            os.replace(tmp / n, model_dir / n)
         return names
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -60,8 +60,9 @@ def _stated_ranges():
         low = spec.get("minimum", spec.get("exclusiveMinimum"))
         high = spec.get("maximum")
         if low is None and high is None or name in ("seed", "max_tokens", "logprobs",
-                                                     "prompt_logprobs"):
-            continue  # pydantic's own check; 0 only with echo; the engine's max_logprobs
+                                                     "prompt_logprobs", "best_of"):
+            continue  # pydantic's own check; 0 only with echo; the engine's max_logprobs;
+            # best_of must equal n
         step = 1 if "integer" in json.dumps(spec) else 1e-6
         lowest = None if low is None else low + (step if "exclusiveMinimum" in spec else 0)
         yield name, lowest, high, None if low is None else lowest - step, \

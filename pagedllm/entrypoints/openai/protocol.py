@@ -139,7 +139,9 @@ class SamplingFields(RequestBody):
     model: Optional[str] = None
     max_tokens: Optional[int] = _described(minimum=0)
     n: int = _described(1, minimum=1, maximum=MAX_N)
-    best_of: Optional[int] = _described(minimum=1, maximum=MAX_N)
+    best_of: Optional[int] = _described(
+        minimum=1, maximum=MAX_N,
+        description="must equal n: returning the best n of more samples is not supported")
     temperature: Optional[float] = _described(minimum=0)
     top_p: Optional[float] = _described(exclusiveMinimum=0, maximum=1)
     # checked here: past a torch generator's range the engine itself would fail on it

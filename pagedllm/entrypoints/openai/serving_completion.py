@@ -40,6 +40,9 @@ async def _engine_prompts(ctx: ServerContext, prompts: list[Union[str, list[int]
         out = []
         for f, p in zip(fields, prompts):
             ids = next(encoded) if isinstance(p, str) else p
+            if isinstance(p, str) and not ids:
+                raise ValueError(f"{f} tokenizes to no tokens (the tokenizer drops every "
+                                 "character of it); send text the tokenizer keeps, or token ids")
             ctx.tokens.check_ids(ids, f)
             out.append({"prompt_token_ids": ids, **({"prompt": p} if isinstance(p, str) else {})})
         return out

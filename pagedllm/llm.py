@@ -12,7 +12,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -88,9 +88,14 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         finished: dict[str, RequestOutput] = {}
+        final_only: dict[int, SamplingParams] = {}  # one copy per distinct params object
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+                # only the finished outputs are returned: the engine makes no others (as vLLM)
+                if id(p) not in final_only and isinstance(p, SamplingParams):
+                    final_only[id(p)] = p.clone()
+                    final_only[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(request_id, prompt, final_only.get(id(p), p))
                 added.append(request_id)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
                 speed = _Speed(bar)

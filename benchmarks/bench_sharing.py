@@ -16,10 +16,14 @@ import tempfile
 
 # environment of each policy; "default" is what pagedllm sets when the user sets nothing
 POLICIES = {
-    "default": {},
+    "default": {},  # pagedllm's own choice (GOMP_SPINCOUNT=1000, pagedllm/__init__.py)
     "gomp-spin-300k": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own default
+    "gomp-spin-30k": {"GOMP_SPINCOUNT": "30000"},
     "gomp-spin-10k": {"GOMP_SPINCOUNT": "10000"},
+    "gomp-spin-3k": {"GOMP_SPINCOUNT": "3000"},
     "gomp-spin-1k": {"GOMP_SPINCOUNT": "1000"},
+    "gomp-spin-100": {"GOMP_SPINCOUNT": "100"},
+    "gomp-spin-0": {"GOMP_SPINCOUNT": "0"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
 }

@@ -1,4 +1,15 @@
 """pagedllm: a vLLM-compatible LLM inference engine that runs on the device the machine has."""
+import os as _os
+import sys as _sys
+
+# OpenMP threads waiting at a barrier spin GOMP_SPINCOUNT times (libgomp's default: 300,000)
+# before they sleep. On a 2-vCPU machine two pagedllm processes then burn each other's cores:
+# decode fell from 57-65 tok/s alone to 7-18 tok/s each with two at once; with 1,000 spins,
+# 58-59 alone and 30-33 each (benchmarks/bench_sharing.py; batched throughput ~10% lower).
+# libgomp reads it once, when torch loads it: set it before that, unless the user chose.
+if ("torch" not in _sys.modules and "GOMP_SPINCOUNT" not in _os.environ
+        and "OMP_WAIT_POLICY" not in _os.environ):
+    _os.environ["GOMP_SPINCOUNT"] = "1000"
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__

@@ -133,7 +133,7 @@ def test_serve_picks_the_parser_from_the_template_and_logs_it(caplog):
     assert "'hermes' parser" in caplog.text
     assert _tool_parser(args(tool_call_parser="llama3_json"), "<tool_call>") == "llama3_json"
     assert _tool_parser(args(), "{{ messages }}") is None
-    with pytest.raises(SystemExit, match="--tool-call-parser"):
+    with pytest.raises(ValueError, match="--tool-call-parser"):
         _tool_parser(args(enable_auto_tool_choice=True), "{{ messages }}")
 
 

@@ -92,14 +92,17 @@ def test_llm_without_compiler_says_once_why_and_in_which_dtype(tmp_path, smollm_
               "out = llm.generate(['Hi'], SamplingParams(max_tokens=1), use_tqdm=False)\n"
               "print(str(llm.llm_engine.config.dtype).removeprefix('torch.'))\n"
               "print(len(out[0].outputs[0].token_ids))\n")
-    proc, _ = _run(["-c", script, str(smollm_gguf)], {"CXX": "/nonexistent/c++"},
+    # LLM() logs its choices at INFO; the warnings alone must be this one line
+    proc, _ = _run(["-c", script, str(smollm_gguf)], {"CXX": "/nonexistent/c++",
+                                                      "PAGEDLLM_LOGGING_LEVEL": "WARNING"},
                    tmp_path / "cache", timeout=300)
     assert proc.returncode == 0, proc.stderr
     dtype, tokens = proc.stdout.split()
     assert tokens == "1"
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr  # not the build's output, not a second attempt
-    line = lines[0]
-    assert line.startswith("pagedllm's CPU kernels could not be built: no C++ compiler: "
-                           "CXX=/nonexistent/c++ does not exist")
+    line = lines[0]  # after the log line's level and time
+    assert line.startswith("WARNING ")
+    assert ("pagedllm's CPU kernels could not be built: no C++ compiler: "
+            "CXX=/nonexistent/c++ does not exist") in line
     assert f"dequantized to {dtype} at load: weights " in line and "in GGUF blocks" in line

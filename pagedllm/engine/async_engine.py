@@ -80,9 +80,12 @@ class AsyncLLM:
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
-        # constrained requests are compiled on the handlers' threads; the grammar engine's view
-        # of the vocabulary is built once, here, rather than inside the first such request
-        threading.Thread(target=engine.input_processor.grammars.warm_up,
+
+    def warm_up_grammars(self) -> None:
+        """Build the grammar engine's view of the vocabulary (~1.5 s for Qwen2's) on a side
+        thread now, rather than inside the first constrained request. The server calls it once
+        it is listening, so that start-up does not wait for it."""
+        threading.Thread(target=self.engine.input_processor.grammars.warm_up,
                          name="pagedllm-grammar-warm-up", daemon=True).start()
 
     @property

@@ -247,7 +247,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
         request_log.log_stats_every, interval, ctx.engine.stats)
     server = _Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=5, **uvicorn_options(limits)),
-                     banner(name, args.host, args.port, api_key), stats)
+                     banner(name, args.host, args.port, api_key), stats,
+                     on_started=ctx.engine.warm_up_grammars)
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
@@ -263,14 +264,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server that prints the banner once it listens, and runs `background` (the
-    throughput line) while it serves."""
+    """uvicorn's server that prints the banner once it listens, calls `on_started` (work that
+    need not delay readiness), and runs `background` (the throughput line) while it serves."""
 
     def __init__(self, config: uvicorn.Config, banner_text: str,
-                 background: Optional[Callable[[], Awaitable[None]]]) -> None:
+                 background: Optional[Callable[[], Awaitable[None]]],
+                 on_started: Optional[Callable[[], None]] = None) -> None:
         super().__init__(config)
         self.banner_text = banner_text
         self.background = background
+        self.on_started = on_started
         self._task: Optional[asyncio.Future] = None
 
     async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
@@ -278,6 +281,8 @@ class _Server(uvicorn.Server):
         if not self.started:
             return
         print(self.banner_text, file=sys.stderr, flush=True)
+        if self.on_started is not None:
+            self.on_started()
         if self.background is not None:
             self._task = asyncio.ensure_future(self.background())
 

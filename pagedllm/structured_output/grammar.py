@@ -20,7 +20,6 @@ from typing import Any, Optional
 import llguidance
 import torch
 from llguidance import LLMatcher
-from llguidance.torch import fill_next_token_bitmask
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -34,8 +33,14 @@ class GrammarState:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the ids allowed next into bitmask[row]."""
-        fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Write the ids allowed next into bitmask[row] (int32 words on the CPU).
+
+        What llguidance.torch.fill_next_token_bitmask does, without importing that module: it
+        pulls in torch's compiler (torch._dynamo), ~1.9 s of every start-up."""
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("the grammar bitmask must be contiguous int32 rows on the CPU")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar rejects it."""

@@ -27,6 +27,8 @@ from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
 from pagedllm.worker.model_loader import load_model
 
 
+PROMPT_LOGPROBS_ROWS = 128  # prompt positions whose logits exist at once (78 MB for 152k ids)
+
 class ModelRunner:
     """Keeps per-request state, builds step inputs, runs the model and the sampler."""
 
@@ -159,10 +161,17 @@ class ModelRunner:
             if last <= first:
                 continue
             row0 = seq.start + first - st.num_computed_tokens
-            logits = self.model.compute_logits(hidden[row0:row0 + last - first])  # [S, V]
-            targets = torch.tensor(st.token_ids[first + 1:last + 1], device=self.device)
-            lp = compute_prompt_logprobs(logits, targets, k)
-            out.prompt_logprobs[st.req_id] = [_row_logprobs(lp, i, k) for i in range(last - first)]
+            entries = []
+            # a few rows of logits at a time: [1024, 152k] float32 logits and their log-softmax
+            # would take 1.2 GB at once
+            for start in range(first, last, PROMPT_LOGPROBS_ROWS):
+                end = min(start + PROMPT_LOGPROBS_ROWS, last)
+                rows = hidden[row0 + start - first:row0 + end - first]
+                logits = self.model.compute_logits(rows)  # [rows, V]
+                targets = torch.tensor(st.token_ids[start + 1:end + 1], device=self.device)
+                lp = compute_prompt_logprobs(logits, targets, k)
+                entries += [_row_logprobs(lp, i, k) for i in range(end - start)]
+            out.prompt_logprobs[st.req_id] = entries
             st.num_prompt_logprobs = last
 
 

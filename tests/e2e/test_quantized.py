@@ -32,7 +32,9 @@ def qwen_ppl_float32(qwen_gguf):
 
 
 @pytest.fixture(scope="module")
-def qwen_blocks(qwen_gguf):
+def qwen_blocks(qwen_gguf, qwen_ppl_float32):
+    # after the float32 reference is computed and freed: the two models never coexist (the
+    # suite's peak memory)
     return LLM(model=str(qwen_gguf), max_model_len=2048)
 
 

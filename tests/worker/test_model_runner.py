@@ -99,6 +99,25 @@ def test_prompt_logprobs_cover_every_prompt_position(runner):
     _step(runner, finished=["p"])
 
 
+def test_prompt_logprobs_are_the_same_in_chunks_of_rows(runner, monkeypatch):
+    """The runner computes prompt logprobs a few rows of logits at a time (memory); the
+    numbers do not depend on where the chunks fall."""
+    import pagedllm.worker.model_runner as model_runner
+
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    whole = runner.execute_model(SchedulerOutput([_new("w", PROMPT, [50, 51], params)], [],
+                                                 {"w": len(PROMPT)})).prompt_logprobs["w"]
+    _step(runner, finished=["w"])
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", 2)
+    chunked = runner.execute_model(SchedulerOutput([_new("c", PROMPT, [50, 51], params)], [],
+                                                   {"c": len(PROMPT)})).prompt_logprobs["c"]
+    _step(runner, finished=["c"])
+    assert len(PROMPT) - 1 > 2 and len(chunked) == len(whole)
+    for c, w in zip(chunked, whole):  # a matmul's rows may round differently by batch size
+        assert c.token_ids[0] == w.token_ids[0]
+        assert c.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
+
 def test_persistent_buffers_are_not_reallocated(runner):
     ptrs = (runner.buffers.input_ids.data_ptr(), runner.buffers.block_table.data_ptr())
     _generate(runner, {"x": (PROMPT, [30, 31, 32])}, steps=3)

@@ -88,13 +88,12 @@ class LLM:
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        final_only: dict[int, SamplingParams] = {}  # one copy per distinct params object
+        # only the finished outputs are returned, so the engine makes no others (as vLLM's LLM);
+        # one copy per distinct params object
+        distinct = {id(p): p for p in params if isinstance(p, SamplingParams)}
+        final_only = {key: _final_only(p) for key, p in distinct.items()}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                # only the finished outputs are returned: the engine makes no others (as vLLM)
-                if id(p) not in final_only and isinstance(p, SamplingParams):
-                    final_only[id(p)] = p.clone()
-                    final_only[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
                 engine.add_request(request_id, prompt, final_only.get(id(p), p))
                 added.append(request_id)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -109,6 +108,13 @@ class LLM:
             if leftover:
                 engine.abort_request(leftover)
         return [finished[r] for r in ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of params whose request outputs only once, finished."""
+    copy = params.clone()
+    copy.output_kind = RequestOutputKind.FINAL_ONLY
+    return copy
 
 
 class _Speed:

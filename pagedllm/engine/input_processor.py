@@ -96,8 +96,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             ids = self.tokenizer.encode(prompt)
             if not ids:
-                raise ValueError("prompt tokenizes to no tokens (the tokenizer drops every "
-                                 "character of it); send text the tokenizer keeps, or token ids")
+                raise no_tokens_error("prompt")
             bad = max(ids)
             if bad >= self.vocab_size:  # a tokenizer with more ids than the model's embedding
                 raise ValueError(f"prompt tokenizes to id {bad}, outside the model's vocabulary "
@@ -128,6 +127,12 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
                 "the prompt plus at least one generated token must fit; shorten the prompt or "
                 "raise max_model_len")
+
+
+def no_tokens_error(field: str) -> ValueError:
+    """The refusal of a text prompt that tokenizes to nothing (the engine's and the server's)."""
+    return ValueError(f"{field} tokenizes to no tokens (the tokenizer drops every character of "
+                      "it); send text the tokenizer keeps, or token ids")
 
 
 def _child_seed(seed: int, index: int) -> int:

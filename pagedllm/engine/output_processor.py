@@ -41,8 +41,12 @@ class _ParentState:
     samples: list[_SampleState]
     prompt_logprobs: Optional[PromptLogprobs] = None
     error: Optional[str] = None  # why the request failed (its samples finish with "error")
-    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     sent_any: bool = False  # DELTA: prompt logprobs go with the first output only
+
+    @property
+    def kind(self) -> RequestOutputKind:
+        """What each output carries (every sample has the request's params)."""
+        return self.samples[0].params.output_kind
 
     @property
     def finished(self) -> bool:
@@ -61,8 +65,7 @@ class OutputProcessor:
                     children: list[tuple[str, SamplingParams]]) -> None:
         """Register a user request and the ids of its child sequences (one per sample)."""
         samples = [self._new_sample(i, params) for i, (_, params) in enumerate(children)]
-        parent = _ParentState(request_id, prompt, list(prompt_token_ids), samples,
-                              kind=children[0][1].output_kind)
+        parent = _ParentState(request_id, prompt, list(prompt_token_ids), samples)
         if children[0][1].prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self._parents[request_id] = parent

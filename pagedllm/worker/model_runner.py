@@ -18,16 +18,16 @@ from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.worker.captured_decode import CapturedDecode
 from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
                                          build_step_inputs)
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
 from pagedllm.worker.model_loader import load_model
 
-
 PROMPT_LOGPROBS_ROWS = 128  # prompt positions whose logits exist at once (78 MB for 152k ids)
+
 
 class ModelRunner:
     """Keeps per-request state, builds step inputs, runs the model and the sampler."""

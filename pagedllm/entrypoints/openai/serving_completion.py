@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 from typing import Any, AsyncIterator, Optional, Union
 
+from pagedllm.engine.input_processor import no_tokens_error
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
@@ -41,8 +42,7 @@ async def _engine_prompts(ctx: ServerContext, prompts: list[Union[str, list[int]
         for f, p in zip(fields, prompts):
             ids = next(encoded) if isinstance(p, str) else p
             if isinstance(p, str) and not ids:
-                raise ValueError(f"{f} tokenizes to no tokens (the tokenizer drops every "
-                                 "character of it); send text the tokenizer keeps, or token ids")
+                raise no_tokens_error(f)
             ctx.tokens.check_ids(ids, f)
             out.append({"prompt_token_ids": ids, **({"prompt": p} if isinstance(p, str) else {})})
         return out

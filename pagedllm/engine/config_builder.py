@@ -9,7 +9,7 @@ import torch
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, gguf_weight_bytes
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_weight_bytes
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
@@ -85,6 +85,19 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
+def _kept_weight_bytes(ckpt: Checkpoint, platform: Platform, quantization: str,
+                       itemsize: int) -> Optional[int]:
+    """Resident weight bytes of a GGUF that keeps some blocks (model_loader's plan), else None
+    (every weight at itemsize)."""
+    if ckpt.kind != "gguf" or quantization not in ("gguf", "none"):
+        return None
+    if quantization == "gguf":
+        return gguf_weight_bytes(ckpt, platform.block_types(), itemsize)
+    embed = gguf_kept_embedding(ckpt, platform.block_types())
+    return (None if embed is None else gguf_weight_bytes(
+        ckpt, frozenset({embed}), itemsize, kept_names=frozenset({"token_embd.weight"})))
+
+
 def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        dtype: torch.dtype, quantization: Optional[str] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
@@ -99,8 +112,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     def plan(dt: torch.dtype) -> MemoryPlan:
         itemsize = torch.empty((), dtype=dt).element_size()
         # int8/int4 quantize after a float load: plan for the float weights (the load peak)
-        weights = (gguf_weight_bytes(ckpt, platform.block_types(), itemsize)
-                   if quantization == "gguf" else None)
+        weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
         name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights)
         return plan_memory(fp, mem, block_size=args.block_size, max_model_len=args.max_model_len,

@@ -45,4 +45,14 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-__all__ = ["keep_freed_memory", "MAX_MMAP_THRESHOLD"]
+def trim_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim); False where this is
+    not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+__all__ = ["keep_freed_memory", "trim_freed_memory", "MAX_MMAP_THRESHOLD"]

@@ -16,13 +16,25 @@ from torch import nn
 from pagedllm.config import EngineConfig
 from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import pack_x8
-from pagedllm.layers.quantization import quantize_float_model
-from pagedllm.loader.checkpoint import load_weights, resolve_checkpoint
+from pagedllm.layers.quantization import QuantPlan, quantize_float_model
+from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import gguf_quant_plan
+from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.registry import build_model
 
 logger = logging.getLogger("pagedllm")
+
+
+def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantPlan:
+    """Which matrices keep their GGUF blocks: all the kernels run with "gguf"; with "none",
+    the token embedding only (gguf_kept_embedding: its lookup is exact either way)."""
+    if ckpt.kind != "gguf":
+        return {}
+    if quant == "gguf":
+        return gguf_quant_plan(ckpt.path, kernel_types)
+    embed = gguf_kept_embedding(ckpt, kernel_types) if quant == "none" else None
+    return {} if embed is None else {"model.embed_tokens": embed}
 
 
 def load_model(config: EngineConfig) -> nn.Module:
@@ -31,7 +43,7 @@ def load_model(config: EngineConfig) -> nn.Module:
     platform, quant = config.platform, config.quantization
     device = platform.device()
     ckpt = resolve_checkpoint(config.model_path)
-    plan = gguf_quant_plan(ckpt.path, platform.block_types()) if quant == "gguf" else None
+    plan = _block_plan(ckpt, quant, platform.block_types())
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan)
     with torch.no_grad():
@@ -40,9 +52,11 @@ def load_model(config: EngineConfig) -> nn.Module:
         check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)
-    if quant != "none":
+    if quant != "none" or plan:
         pack_x8(model)  # the eight-row layout of the CPU kernels
-    logger.info("loaded %s (%s, %s, quantization %s) in %.1f s", ckpt.path,
-                config.arch.architecture, str(config.dtype).removeprefix("torch."), quant,
+    kept = (f", token embedding kept in {plan['model.embed_tokens'].name} blocks"
+            if quant == "none" and plan else "")
+    logger.info("loaded %s (%s, %s, quantization %s%s) in %.1f s", ckpt.path,
+                config.arch.architecture, str(config.dtype).removeprefix("torch."), quant, kept,
                 time.monotonic() - started)
     return model

@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 
-from helpers import last_logits, parity_prompts
+from pagedllm.layers.ggml_linear import GGMLEmbedding
+
+from helpers import last_logits, model_runner, parity_prompts
 
 NUM_TOKENS = 32
 MODELS = ["smollm", "qwen"]
@@ -54,6 +56,10 @@ def test_gguf_float32_matches_hf(reference, smollm_gguf, qwen_gguf):
     # quantization="none": the blocks dequantized to float32, as transformers loads a GGUF
     llm = LLM(model=str(gguf), dtype="float32", quantization="none")
     _check_llm(llm, prompts, tokens, logits)
+    # the embedding keeps its blocks where the head does not share it (Qwen's GGUF has its own
+    # output.weight; SmolLM2's head is tied): the lookup is exact, only the memory changes
+    embed = model_runner(llm).model.model.embed_tokens
+    assert isinstance(embed, GGMLEmbedding) == (name == "qwen")
     assert llm.llm_engine.engine_core.kv_manager.pool.num_free_blocks == llm.llm_engine.engine_core.kv_manager.pool.num_blocks
 
 

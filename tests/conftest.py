@@ -133,3 +133,11 @@ def _return_freed_memory() -> Iterator[None]:
     yield
     gc.collect()
     trim_freed_memory()
+
+
+@pytest.fixture(autouse=True)
+def _return_freed_memory_per_test() -> Iterator[None]:
+    """The same after each test, without the collection (a test's engine is freed when its
+    last reference goes): a module's earlier engines are not kept under its later ones."""
+    yield
+    trim_freed_memory()

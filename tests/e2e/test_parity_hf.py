@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, SamplingParams
 
 from pagedllm.layers.ggml_linear import GGMLEmbedding
+from pagedllm.platforms.malloc import trim_freed_memory
 
 from helpers import last_logits, model_runner, parity_prompts
 
@@ -36,6 +37,7 @@ def reference(request, smollm_hf_dir, qwen_hf_dir):
             tokens.append(out[0, ids.shape[1]:].tolist())
     del hf
     gc.collect()
+    trim_freed_memory()  # before the tests load pagedllm's float32 copy
     return request.param, hf_dir, prompts, tokens, logits
 
 

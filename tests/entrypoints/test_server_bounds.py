@@ -159,6 +159,13 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(bounded)
         error = _error(r, 400)
         assert error["param"] == "prompt" and "characters long" in error["message"]
         assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()  # a chat message: refused before the template renders it
+    r = httpx.post(f"{bounded.url}/v1/chat/completions", headers=HEADERS, timeout=60,
+                   json={"messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": huge}], "max_tokens": 1})
+    error = _error(r, 400)
+    assert error["param"] == "messages[1].content" and "characters long" in error["message"]
+    assert time.monotonic() - t0 < 5
     # tokenizing 3 MB would take ~500 MB (measured: 4 MB, 690 MB); the check takes none
     assert _status(pid, "VmHWM") - rss_before < 100 << 20
 

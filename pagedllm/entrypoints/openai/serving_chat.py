@@ -46,10 +46,16 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def chat_prompt_ids(ctx: ServerContext, req: ChatCompletionRequest,
                     tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-    """Token ids of the templated conversation (with the tools the template renders)."""
+    """Token ids of the templated conversation (with the tools the template renders). A user or
+    system message too long to fit max_model_len is refused before the template renders it
+    (chat templates write those messages out whole)."""
+    messages = conversation(req.messages)
     try:
+        for i, m in enumerate(messages):
+            if m["role"] in ("user", "system"):
+                ctx.tokens.check_text(m["content"], f"messages[{i}].content")
         return ctx.engine.chat_prompt_ids(
-            conversation(req.messages), chat_template=ctx.chat_template, tools=tools,
+            messages, chat_template=ctx.chat_template, tools=tools,
             documents=req.documents, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs)

@@ -73,6 +73,15 @@ def _build_dir(key: str) -> Path:
     return cache_dir() / "kernels" / key
 
 
+def _library_path(key: str) -> Path:
+    return _build_dir(key) / f"pagedllm_ggml_{key}.so"
+
+
+def kernels_built() -> bool:
+    """True when this machine's build is in the cache (loading it would not compile)."""
+    return _library_path(build_key()).is_file()
+
+
 def _ensure_ninja_on_path() -> None:
     # the `ninja` wheel puts its binary next to the interpreter, which may not be on PATH
     bindir = str(Path(sys.executable).parent)
@@ -147,7 +156,7 @@ def _load() -> Optional[KernelBuildError]:
     like a success so that a process tries once (a retry would only fail again, differently)."""
     key = build_key()
     build_dir = _build_dir(key)
-    built = build_dir / f"pagedllm_ggml_{key}.so"
+    built = _library_path(key)
     if built.is_file():  # the key covers the sources, torch and the CPU: load it as it is
         torch.ops.load_library(str(built))
         return None
@@ -171,11 +180,22 @@ def kernels_loaded() -> bool:
 
 
 def load_kernels() -> None:
-    """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards."""
+    """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards. A
+    PAGEDLLM_KERNEL_ISA this CPU cannot run is a ValueError here, before any model runs."""
     with _LOCK:
         error = _load()
     if error is not None:
         raise error
+    _chosen_isa()
+
+
+def _chosen_isa() -> tuple[str, str]:
+    """(variant, why) of the x8 matmuls, chosen on the first call; ValueError for a
+    PAGEDLLM_KERNEL_ISA that names no variant or one this CPU cannot execute."""
+    try:
+        return torch.ops.pagedllm.kernel_isa()
+    except RuntimeError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
 
 
 def kernels_available() -> bool:
@@ -200,9 +220,5 @@ def kernel_isa() -> KernelIsa:
     """The x8 matmuls' variant (loads the kernels); ValueError when PAGEDLLM_KERNEL_ISA asks for
     one that does not exist or that this CPU cannot execute."""
     load_kernels()
-    ops = torch.ops.pagedllm
-    try:
-        name, reason = ops.kernel_isa()
-    except RuntimeError as err:
-        raise ValueError(str(err).splitlines()[0]) from None
-    return KernelIsa(name, reason, tuple(ops.kernel_isas()))
+    name, reason = _chosen_isa()
+    return KernelIsa(name, reason, tuple(torch.ops.pagedllm.kernel_isas()))

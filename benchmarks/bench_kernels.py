@@ -1,11 +1,17 @@
 """Speed of the GGML block kernels against float32 GEMM (torch/MKL) on the default model's shapes.
 
     .venv/bin/python benchmarks/bench_kernels.py [--rows 1 4 16 64 512]
+    .venv/bin/python benchmarks/bench_kernels.py --isa avx2 avx512vnni --rows 1 32 128
+
 
 For each GGML type and shape: the x8 int8-activation kernel (what every batch size uses on
 the CPU), and float32 F.linear on the already-dequantized matrix (MKL; what it would take
 to beat), in ms and GFLOP/s. Single matrices stay in the cache here: for the bandwidth a whole
 model sees, time a decode step (bench_step_overhead.py).
+
+With --isa, the x8 kernel's instruction-set variants instead (kernels/csrc/ggml_x8_isa.h), timed
+in turns (rounds of each variant in a row, best of the rounds, so that noise from other processes
+falls on all of them alike), with each one's time against the first's.
 """
 from __future__ import annotations
 
@@ -45,11 +51,38 @@ def timed(fn, min_time: float = 0.3) -> float:
     return (time.perf_counter() - start) / n
 
 
+def compare_variants(variants: list[str], rows: list[int], rounds: int) -> None:
+    """Each variant's time per shape and row count, and its ratio to the first variant's."""
+    ops = torch.ops.pagedllm
+    print(f"{'type':6} {'shape':>13} {'M':>4} " + " ".join(f"{v + ' ms':>14}" for v in variants)
+          + " " + " ".join(f"{v + '/' + variants[0]:>22}" for v in variants[1:]))
+    for qtype, n, k in SHAPES:
+        packed = ops.ggml_pack_x8(random_blocks(qtype, n, k), int(qtype), k)
+        for m in rows:
+            x = torch.randn(m, k)
+            best = {v: float("inf") for v in variants}
+            for _ in range(rounds):
+                for v in variants:
+                    ops.set_kernel_isa(v)
+                    best[v] = min(best[v], timed(lambda: ops.ggml_linear_x8(x, [packed], [int(qtype)], k), 0.15))
+            print(f"{qtype.name:6} {n:>6}x{k:<6} {m:>4} " + " ".join(f"{best[v] * 1e3:>14.3f}" for v in variants)
+                  + " " + " ".join(f"{best[v] / best[variants[0]]:>22.3f}" for v in variants[1:]))
+    ops.set_kernel_isa("auto")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    ap.add_argument("--isa", nargs="+", help="compare these x8 kernel variants (e.g. avx2 avx512vnni)")
+    ap.add_argument("--rounds", type=int, default=5, help="turns per variant with --isa")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_kernels()
+    if args.isa:
+        compare_variants(args.isa, args.rows, args.rounds)
+        return
     print(f"{'type':6} {'shape':>13} {'M':>4} {'kernel ms':>10} {'GF/s':>6} {'f32 ms':>8} {'GF/s':>6}")
     for qtype, n, k in SHAPES:
         w = random_blocks(qtype, n, k)

@@ -30,8 +30,23 @@ def platform_report(device: Optional[str] = None) -> dict[str, Any]:
         "chosen": {"platform": choice.platform.name, "requested": choice.requested,
                    "source": choice.source},
         "cpu": cpu.describe()["cpu"], "memory": cpu.describe()["memory"],
-        "platform": choice.platform.describe(), "gpus": list_gpus(),
+        "platform": choice.platform.describe(), "gpus": list_gpus(), "kernels": kernel_report(),
     }
+
+
+def kernel_report() -> dict[str, Any]:
+    """Which instruction-set variant the kept-block (x8) matmuls run and why; from a build
+    already in the cache only (the doctor never compiles)."""
+    from pagedllm import kernels
+
+    if not kernels.kernels_built():
+        return {"isa": None, "reason": "the CPU kernels are not built yet "
+                                       "(python -m pagedllm.kernels builds them)"}
+    try:
+        isa = kernels.kernel_isa()
+    except (kernels.KernelBuildError, ValueError) as err:
+        return {"isa": None, "reason": str(err)}
+    return {"isa": isa.name, "reason": isa.reason, "runnable": list(isa.runnable)}
 
 
 def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
@@ -101,6 +116,13 @@ def _with_way_out(reason: str, line: str) -> str:
     return "\n".join(lines[:at] + [line] + lines[at:])
 
 
+def _kernel_line(k: dict[str, Any]) -> str:
+    if k["isa"] is None:
+        return f"kept-block matmuls: {k['reason']}"
+    return (f"kept-block matmuls: {k['isa']} kernels ({k['reason']}); this CPU runs "
+            f"{', '.join(k['runnable'])}; PAGEDLLM_KERNEL_ISA forces one")
+
+
 def format_text(report: dict[str, Any]) -> str:
     """The human-readable doctor report."""
     lines = [f"pagedllm doctor — Python {report['python']}, {report['os']}",
@@ -117,6 +139,7 @@ def format_text(report: dict[str, Any]) -> str:
     cpu = report["cpu"]
     lines += [f"CPU: {cpu['model']}; ISA: {', '.join(cpu['features']) or 'baseline'}; "
               f"native bf16: {'yes' if cpu['native_bf16'] else 'no'}",
+              _kernel_line(report["kernels"]),
               f"threads: {cpu['threads']} ({cpu['threads_source']})",
               f"memory: {fmt_bytes(report['memory']['available_bytes'])} usable "
               f"({report['memory']['source']})"]

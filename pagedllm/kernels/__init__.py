@@ -1,7 +1,9 @@
 """Compiled CPU kernels: built once per machine with the local compiler, cached, loaded as torch ops.
 
 The build is keyed by the source, the compiler flags, the torch version and the CPU's instruction-set flags, because
-it is compiled for the CPU it runs on (-march=native). `python -m pagedllm.kernels` builds it ahead
+it is compiled for the CPU it runs on (-march=native). The x8 matmuls are in it once per instruction set
+(AVX2, AVX512-VNNI, AVX-VNNI), each compiled for its own target, and the one that runs is chosen
+at run time from the CPU's features or PAGEDLLM_KERNEL_ISA (kernel_isa() says which and why). `python -m pagedllm.kernels` builds it ahead
 of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
 Without a compiler or ninja it fails at once; a failed build's output goes to build.log in the
 build folder, and a process tries once (KernelBuildError says why, in one line).
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
@@ -56,6 +59,9 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     """Short hash of what the compiled library depends on."""
+    # The CPU flags stay in the key although the x8 matmuls choose their variant at run time: the
+    # rest of the library is -march=native, so a cache folder shared by machines of different
+    # instruction sets holds one build per CPU instead of one that would SIGILL on the others.
     h = hashlib.sha256()
     for source in sorted(p for p in _CSRC.iterdir() if p.is_file()):
         h.update(source.name.encode() + source.read_bytes())
@@ -65,6 +71,15 @@ def build_key() -> str:
 
 def _build_dir(key: str) -> Path:
     return cache_dir() / "kernels" / key
+
+
+def _library_path(key: str) -> Path:
+    return _build_dir(key) / f"pagedllm_ggml_{key}.so"
+
+
+def kernels_built() -> bool:
+    """True when this machine's build is in the cache (loading it would not compile)."""
+    return _library_path(build_key()).is_file()
 
 
 def _ensure_ninja_on_path() -> None:
@@ -141,7 +156,7 @@ def _load() -> Optional[KernelBuildError]:
     like a success so that a process tries once (a retry would only fail again, differently)."""
     key = build_key()
     build_dir = _build_dir(key)
-    built = build_dir / f"pagedllm_ggml_{key}.so"
+    built = _library_path(key)
     if built.is_file():  # the key covers the sources, torch and the CPU: load it as it is
         torch.ops.load_library(str(built))
         return None
@@ -165,11 +180,22 @@ def kernels_loaded() -> bool:
 
 
 def load_kernels() -> None:
-    """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards."""
+    """Build (if needed) and load the kernels; torch.ops.pagedllm.* exist afterwards. A
+    PAGEDLLM_KERNEL_ISA this CPU cannot run is a ValueError here, before any model runs."""
     with _LOCK:
         error = _load()
     if error is not None:
         raise error
+    _chosen_isa()
+
+
+def _chosen_isa() -> tuple[str, str]:
+    """(variant, why) of the x8 matmuls, chosen on the first call; ValueError for a
+    PAGEDLLM_KERNEL_ISA that names no variant or one this CPU cannot execute."""
+    try:
+        return torch.ops.pagedllm.kernel_isa()
+    except RuntimeError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
 
 
 def kernels_available() -> bool:
@@ -179,3 +205,20 @@ def kernels_available() -> bool:
         return True
     except KernelBuildError:
         return False
+
+
+@dataclass(frozen=True)
+class KernelIsa:
+    """The instruction-set variant the x8 matmuls run, why, and which ones this CPU can run."""
+
+    name: str  # e.g. "avx512vnni", "avx2"
+    reason: str  # e.g. "auto: the CPU has avx2 fma f16c ...", "PAGEDLLM_KERNEL_ISA=avx2"
+    runnable: tuple[str, ...]  # best first
+
+
+def kernel_isa() -> KernelIsa:
+    """The x8 matmuls' variant (loads the kernels); ValueError when PAGEDLLM_KERNEL_ISA asks for
+    one that does not exist or that this CPU cannot execute."""
+    load_kernels()
+    name, reason = _chosen_isa()
+    return KernelIsa(name, reason, tuple(torch.ops.pagedllm.kernel_isas()))

@@ -2,7 +2,7 @@
 import logging
 import sys
 
-from pagedllm.kernels import KernelBuildError, load_kernels
+from pagedllm.kernels import KernelBuildError, kernel_isa, load_kernels
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -11,4 +11,8 @@ if __name__ == "__main__":
     except KernelBuildError as err:
         print(f"error: pagedllm's CPU kernels could not be built: {err}", file=sys.stderr)
         sys.exit(1)
-    print("pagedllm CPU kernels ready")
+    except ValueError as err:  # PAGEDLLM_KERNEL_ISA names a variant this CPU cannot run
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    isa = kernel_isa()
+    print(f"pagedllm CPU kernels ready; kept-block matmuls: {isa.name} ({isa.reason})")

@@ -1,0 +1,107 @@
+"""The x8 matmuls' instruction-set variants (kernels/csrc/ggml_x8_isa.h): each one this machine
+executes gives the AVX2 variant's numbers bit for bit at every batch size, and the reference's
+within the int8 rounding; the choice follows PAGEDLLM_KERNEL_ISA, and asking for a variant the
+CPU cannot execute is an error naming the missing feature."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedllm.kernels import kernel_isa, load_kernels
+from pagedllm.layers.ggml_linear import X8_TYPES
+
+from test_ggml_kernels import random_blocks, rel_error
+
+ops = torch.ops.pagedllm
+REPO = Path(__file__).resolve().parents[2]
+SIMD_VARIANTS = ("avx512vnni", "avxvnni")  # each against avx2, the baseline
+# gemv tiles of 4, 2 and 1 (1-7 rows); the gemm from 8, in chunks of 64 rows
+ROWS = (1, 2, 3, 4, 7, 8, 9, 33, 64, 65)
+
+
+@pytest.fixture(autouse=True)
+def restore_variant():
+    load_kernels()
+    before = ops.kernel_isa()[0]
+    yield
+    ops.set_kernel_isa(before)
+
+
+def _use(variant: str) -> None:
+    """Force `variant`, or skip the test where this machine cannot execute it (the error names
+    the missing CPU feature)."""
+    try:
+        ops.set_kernel_isa(variant)
+    except RuntimeError as err:
+        pytest.skip(str(err).splitlines()[0])
+
+
+@pytest.mark.parametrize("qtype", sorted(X8_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("variant", SIMD_VARIANTS)
+def test_variant_gives_avx2_numbers_bit_for_bit(variant, qtype):
+    _use("avx2")
+    k = 512  # two K-quant super-blocks, sixteen 32-value blocks
+    raw = torch.from_numpy(random_blocks(qtype, 40, k, seed=5))
+    packed = ops.ggml_pack_x8(raw, int(qtype), k)
+    ref_w = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(40, k)).double()
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(1))
+    expected = {m: ops.ggml_linear_x8(x[:m], [packed], [int(qtype)], k)[0] for m in ROWS}
+    _use(variant)
+    for m in ROWS:
+        y = ops.ggml_linear_x8(x[:m], [packed], [int(qtype)], k)[0]
+        assert torch.equal(y, expected[m]), f"{variant} differs from avx2 at {m} rows"
+        assert rel_error(y, x[:m].double() @ ref_w.t()) < 0.02
+
+
+def test_generic_variant_matches_the_reference():
+    _use("generic")  # dequantize, then a float32 matmul: what a CPU without AVX2 runs
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 16, 256))
+    x = torch.randn(3, 256)
+    y = ops.ggml_linear_x8(x, [ops.ggml_pack_x8(raw, int(T.Q4_K), 256)], [int(T.Q4_K)], 256)[0]
+    ref = torch.from_numpy(gguf_dequantize(raw.numpy(), T.Q4_K).reshape(16, 256)).double()
+    assert rel_error(y, x.double() @ ref.t()) < 1e-5
+
+
+def test_auto_takes_the_first_runnable_variant():
+    runnable = ops.kernel_isas()
+    assert runnable[-1] == "generic" and "avx2" in runnable  # the suite runs on AVX2 machines
+    assert ops.set_kernel_isa("auto") == runnable[0]
+    name, reason = ops.kernel_isa()
+    assert name == runnable[0] and reason.startswith("set_kernel_isa('auto'): the CPU has avx2")
+
+
+def test_unknown_variant_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="unknown kernel variant 'sse9' .one of: auto, "):
+        ops.set_kernel_isa("sse9")
+
+
+def _kernel_isa_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PAGEDLLM_KERNEL_ISA=value)
+    code = "from pagedllm.kernels import kernel_isa; k = kernel_isa(); print(k.name, '|', k.reason)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_environment_variable_forces_the_variant():
+    proc = _kernel_isa_in_subprocess("avx2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "avx2 | PAGEDLLM_KERNEL_ISA=avx2"
+
+
+def test_environment_variable_naming_a_variant_the_cpu_lacks_is_a_value_error():
+    lacking = [v for v in SIMD_VARIANTS if v not in kernel_isa().runnable]
+    if not lacking:
+        pytest.skip("this CPU executes every variant")
+    proc = _kernel_isa_in_subprocess(lacking[0])
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ValueError: PAGEDLLM_KERNEL_ISA={lacking[0]} asks for the {lacking[0]} "
+                           "kernels, but this machine lacks "), last
+    assert "it can run: " in last

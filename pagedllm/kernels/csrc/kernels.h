@@ -7,13 +7,16 @@
 #include <vector>
 
 namespace pagedllm_ops {  // cpu_ops.cpp
+// t must be a contiguous float32 CPU tensor (the error names it)
+void check_f32(const at::Tensor& t, const char* name);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 void write_kv_(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
+// paged_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, double scale);
 }  // namespace pagedllm_ops
 
 namespace pagedllm_ggml {

@@ -2,6 +2,11 @@
 // (-march=native decides), and the small vector helpers they all use.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
@@ -21,5 +26,46 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+#ifdef PAGEDLLM_AVX2
+// exp(x) for x <= 0 (softmax after the max is subtracted), to ~2 ulp: x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for exp(r), and 2^n put into the exponent bits.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  // below: exp underflows to (near) zero anyway
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// exp_nonpositive for one value, the same operations in the same order: bit for bit the same
+// result, so a value does not depend on whether it fell in a vector or in a tail.
+inline float exp_nonpositive1(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.f);
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
 
 }  // namespace pagedllm_simd

@@ -89,6 +89,29 @@ def test_paged_decode_attention_over_partial_key_blocks_and_head_groups(d):
         torch.testing.assert_close(out[i], ref)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
+    """An AVX-512 CPU runs the AVX-512 path unless the avx2 kernels are forced; both give the
+    same numbers bit for bit, so both are run here where the CPU can."""
+    if "avx512vnni" not in ops.kernel_isas():
+        pytest.skip("this CPU lacks avx512f/bw/vl/vnni: only the AVX2 path runs here")
+    hq, hk, bs = 14, 2, 16
+    lens = torch.tensor([1, 15, 16, 17, 33, 70, 129])
+    blocks = -(-int(lens.max()) // bs)
+    kv = torch.randn(2, len(lens) * blocks, bs, hk, d)
+    table = torch.randperm(len(lens) * blocks).view(len(lens), blocks)
+    q = torch.randn(len(lens), hq, d)
+    before = ops.kernel_isa()[0]
+    try:
+        ops.set_kernel_isa("avx2")
+        avx2 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
+        ops.set_kernel_isa("avx512vnni")
+        avx512 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
+    finally:
+        ops.set_kernel_isa(before)
+    assert torch.equal(avx2, avx512)
+
+
 def test_silu_mul_matches_torch_and_does_not_depend_on_the_length():
     gate = torch.randn(3, 4867) * 6
     gate[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # no overflow at either end

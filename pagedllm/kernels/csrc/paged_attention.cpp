@@ -8,12 +8,14 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "ggml_x8_isa.h"
 #include "kernels.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace pagedllm_ops {
@@ -165,10 +167,10 @@ void attend_group_avx512(const float* q, const float* kc, const float* vc, RowOf
 // cached rows (row p at kc/vc + row_offset(p)); out gets group * d values.
 template <class RowOffset>
 void attend_group(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                  int64_t group, int64_t d, float scale, float* scores, float* out) {
+                  int64_t group, int64_t d, float scale, float* scores, float* out, bool avx512) {
 #ifdef __AVX512F__
-  if (d == 64) return attend_group_avx512<4>(q, kc, vc, row_offset, len, group, scale, scores, out);
-  if (d == 128) return attend_group_avx512<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
+  if (avx512 && d == 64) return attend_group_avx512<4>(q, kc, vc, row_offset, len, group, scale, scores, out);
+  if (avx512 && d == 128) return attend_group_avx512<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
 #endif
 #ifdef PAGEDLLM_AVX2
   if (d == 64) return attend_group_avx2<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
@@ -222,6 +224,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const float* vc = kc + nblocks * bs * hk * d;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // The AVX-512 path (in a build for an AVX-512 CPU) runs when the matmuls' kernel variant is an
+  // AVX-512 one: PAGEDLLM_KERNEL_ISA=avx2 (or set_kernel_isa) runs the AVX2 path, which is how
+  // the tests compare the two on an AVX-512 machine.
+  const bool avx512 = std::strncmp(pagedllm_ggml::x8::active_isa().name, "avx512", 6) == 0;
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
@@ -231,7 +237,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
       scores.resize(group * len);
       const auto row_offset = [&](int64_t p) { return ((blocks[p / bs] * bs + p % bs) * hk + g) * d; };
       attend_group(qp + (i * hq + g * group) * d, kc, vc, row_offset, len, group, d, sc,
-                   scores.data(), op + (i * hq + g * group) * d);
+                   scores.data(), op + (i * hq + g * group) * d, avx512);
     }
   });
   return out;

@@ -52,6 +52,29 @@ def test_linear_matches_dequantize_then_matmul(qtype, m):
         assert torch.equal(ops.ggml_linear_x8(x[i:i + 1], [packed], [int(qtype)], 768)[0], y[i:i + 1])
 
 
+def test_q8_0_rows_in_a_gemm_batch_equal_each_row_alone():
+    """Q8_0's gemm (8+ rows) gives every row the numbers of the gemv (that row alone) bit for bit,
+    in each variant this CPU runs, also at the extremes: weights -128 and 127, x at +-127."""
+    k = 256
+    raw = random_blocks(T.Q8_0, 16, k, seed=7).reshape(16, k // 32, 34)
+    raw[0, :, 2:] = np.uint8(0x80)  # every weight of row 0 is -128
+    raw[1, :, 2:] = np.uint8(0x7F)  # and of row 1, 127
+    packed = ops.ggml_pack_x8(torch.from_numpy(raw.reshape(16, -1)), int(T.Q8_0), k)
+    x = torch.randn(65, k, generator=torch.Generator().manual_seed(2))
+    x[3] = -1.0  # each block of x quantizes to -127 throughout
+    x[4, ::32] = 100.0  # one +127 per block, the rest small
+    before = ops.kernel_isa()[0]
+    try:
+        for variant in (v for v in ops.kernel_isas() if v != "generic"):
+            ops.set_kernel_isa(variant)
+            alone = torch.cat([ops.ggml_linear_x8(x[i:i + 1], [packed], [int(T.Q8_0)], k)[0] for i in range(65)])
+            for m in (8, 9, 33, 64, 65):
+                y = ops.ggml_linear_x8(x[:m], [packed], [int(T.Q8_0)], k)[0]
+                assert torch.equal(y, alone[:m]), f"{variant}: the gemm at {m} rows differs from the gemv"
+    finally:
+        ops.set_kernel_isa(before)
+
+
 def test_several_weights_in_one_call():
     raws = [torch.from_numpy(random_blocks(t, 16, 256, seed=i))
             for i, t in enumerate((T.Q5_0, T.Q8_0, T.Q4_K))]

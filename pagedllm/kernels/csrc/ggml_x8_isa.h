@@ -40,7 +40,7 @@ using GemmFn = void (*)(const uint8_t* w, int64_t nrec, const XBlocks& x, int64_
                         int64_t ldo);
 
 struct TypeKernels {  // one ggml type's kernels in one variant; null where it has none
-  GemmFn many;        // kGemmRows x rows and more (none for Q8_0: the gemv takes every row)
+  GemmFn many;        // kGemmRows x rows and more
   GemvFn c4, c2, c1;  // 4, 2 and 1 x rows
 };
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
 from pagedllm.config import EngineConfig, ModelArchConfig
@@ -14,6 +13,7 @@ from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, Pro
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
 from pagedllm.loader.sources import locate_model
+from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -25,23 +25,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, tokenizer: Any,
                  gen_config: dict[str, Any]) -> None:
-        """tokenizer may still be loading (a Future, from from_engine_args): the weights load
-        meanwhile, unless only the tokenizer names the end-of-sequence token."""
-        if not isinstance(tokenizer, Future):
-            _check_tokenizer_fits(tokenizer, config)  # before any weight is loaded
+        _check_tokenizer_fits(tokenizer, config)
+        self.tokenizer = tokenizer
         self.generation_config = gen_config
-        self.eos_token_ids = _eos_ids(config.arch, gen_config, None)
-        if not self.eos_token_ids:
-            tokenizer = _loaded_tokenizer(tokenizer, config)
-            self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
+        self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
         self.config = dataclasses.replace(config, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self.engine_core = EngineCore(self.config)
-        try:
-            tokenizer = _loaded_tokenizer(tokenizer, config)
-        except BaseException:
-            self.engine_core.shutdown()
-            raise
-        self.tokenizer = tokenizer
         logger.info("kernels: %s", _kernels_summary(self.config))
         cache = self.config.cache
         self.input_processor = InputProcessor(tokenizer, self.config.scheduler.max_model_len,
@@ -58,12 +47,8 @@ class LLMEngine:
         config = make_engine_config(args, meta)
         ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path())
         config = dataclasses.replace(config, model_path=str(ckpt.path))
-        # the tokenizer (importing transformers, ~0.9 s) loads on a side thread while the weights
-        # load: the weights' reads and kernels release the GIL
-        pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer")
-        tokenizer = pool.submit(_load_tokenizer, args.tokenizer or ckpt.tokenizer_path,
-                                args.trust_remote_code)
-        pool.shutdown(wait=False)
+        tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
+                                   trust_remote_code=args.trust_remote_code)
         return cls(config, tokenizer, generation_config(ckpt))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
@@ -144,23 +129,9 @@ def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:
     return ids
 
 
-def _load_tokenizer(path: Any, trust_remote_code: bool) -> Any:
-    from pagedllm.loader.tokenizer import load_tokenizer  # imports transformers: on this thread
-
-    return load_tokenizer(path, trust_remote_code=trust_remote_code)
-
-
-def _loaded_tokenizer(tokenizer: Any, config: EngineConfig) -> Any:
-    """The tokenizer, waited for if it is still loading, checked against the embedding."""
-    if isinstance(tokenizer, Future):
-        tokenizer = tokenizer.result()
-        _check_tokenizer_fits(tokenizer, config)
-    return tokenizer
-
-
 def _check_tokenizer_fits(tokenizer: Any, config: EngineConfig) -> None:
-    """Refuse a tokenizer with ids the model has no embedding for (e.g. another model's
-    tokenizer.json beside a GGUF)."""
+    """Refuse, before any weight is loaded, a tokenizer with ids the model has no embedding for
+    (e.g. another model's tokenizer.json beside a GGUF)."""
     size = len(tokenizer)
     if size > config.arch.vocab_size:
         raise ValueError(

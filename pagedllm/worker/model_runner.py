@@ -26,7 +26,7 @@ from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepI
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
 from pagedllm.worker.model_loader import load_model
 
-PROMPT_LOGPROBS_ROWS = 128  # prompt positions whose logits exist at once (78 MB for 152k ids)
+PROMPT_LOGPROBS_ROWS = 32  # prompt positions whose logits exist at once (19 MB for 152k ids)
 
 
 class ModelRunner:

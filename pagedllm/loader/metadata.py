@@ -35,11 +35,11 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
 
 def gguf_kept_embedding(ckpt: Checkpoint,
                         kernel_types: frozenset) -> Optional[GGMLQuantizationType]:
-    """The block format the token embedding of a GGUF keeps when
-    it runs with quantization "none", else None. A lookup dequantizes whole rows to the values
-    a dequantized table would hold (llama.cpp's get_rows does the same), so keeping its blocks
-    changes only the memory (Qwen2.5-0.5B: 0.14 GB in Q8_0 against 0.54 GB in float32). None
-    when the head shares the embedding (the head must be float) or its type has no kernels."""
+    """The block format the token embedding of a GGUF keeps when it runs with quantization
+    "none", else None. A lookup dequantizes whole rows to the values a dequantized table would
+    hold (llama.cpp's get_rows does the same), so keeping its blocks changes only the memory
+    (Qwen2.5-0.5B: 0.14 GB in Q8_0 against 0.54 GB in float32). None when the head shares the
+    embedding (the head must be float) or its type has no kernels."""
     if ckpt.kind != "gguf" or ckpt.arch.tie_word_embeddings:
         return None
     by_name = {t.name: t for t in gguf_header(ckpt.path)[1]}

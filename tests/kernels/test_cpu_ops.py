@@ -104,8 +104,10 @@ def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     before = ops.kernel_isa()[0]
     try:
         ops.set_kernel_isa("avx2")
+        assert ops.paged_attention_path() == "avx2"
         avx2 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
         ops.set_kernel_isa("avx512vnni")
+        assert ops.paged_attention_path() == "avx512"  # a build for this CPU has both paths
         avx512 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
     finally:
         ops.set_kernel_isa(before)

@@ -236,6 +236,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def("paged_attention_path() -> str", &pagedllm_ops::paged_attention_path);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

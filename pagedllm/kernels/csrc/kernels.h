@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace pagedllm_ops {  // cpu_ops.cpp
@@ -17,6 +18,7 @@ void write_kv_(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, c
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, double scale);
+std::string paged_attention_path();  // "avx512", "avx2" or "scalar": which path the op runs now
 }  // namespace pagedllm_ops
 
 namespace pagedllm_ggml {

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace pagedllm_ops {
@@ -163,6 +164,26 @@ void attend_group_avx512(const float* q, const float* kc, const float* vc, RowOf
 }
 #endif
 
+// The AVX-512 path (in a build for an AVX-512 CPU) runs when the matmuls' kernel variant is an
+// AVX-512 one: PAGEDLLM_KERNEL_ISA=avx2 (or set_kernel_isa) runs the AVX2 path, which is how the
+// tests compare the two on an AVX-512 machine.
+bool attention_avx512() {
+#ifdef __AVX512F__
+  return std::strncmp(pagedllm_ggml::x8::active_isa().name, "avx512", 6) == 0;
+#else
+  return false;
+#endif
+}
+
+std::string paged_attention_path() {
+  if (attention_avx512()) return "avx512";
+#ifdef PAGEDLLM_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 // One sequence and one K/V head: the `group` query heads at q (each d values) over the len
 // cached rows (row p at kc/vc + row_offset(p)); out gets group * d values.
 template <class RowOffset>
@@ -224,10 +245,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const float* vc = kc + nblocks * bs * hk * d;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // The AVX-512 path (in a build for an AVX-512 CPU) runs when the matmuls' kernel variant is an
-  // AVX-512 one: PAGEDLLM_KERNEL_ISA=avx2 (or set_kernel_isa) runs the AVX2 path, which is how
-  // the tests compare the two on an AVX-512 machine.
-  const bool avx512 = std::strncmp(pagedllm_ggml::x8::active_isa().name, "avx512", 6) == 0;
+  const bool avx512 = attention_avx512();
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;

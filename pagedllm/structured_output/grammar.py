@@ -11,10 +11,12 @@ over Qwen2's 152k-token vocabulary takes ~0.1 ms per request and step here.
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import llguidance
@@ -111,6 +113,20 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         raise ValueError(f"{params.label} is not a valid {kind}: {err}") from None
 
 
+def tokenizer_json(tokenizer: Any) -> str:
+    """The tokenizer as tokenizers' JSON, without padding or truncation: what llguidance
+    builds its vocabulary view from (llguidance.hf does the same, but imports transformers).
+    Read from the file it was loaded from when it has one: serializing a 152k vocabulary
+    takes 0.5 s, reading it 0.07 s."""
+    source = getattr(tokenizer, "tokenizer_file", None)
+    if source is not None:
+        return Path(source).read_text(encoding="utf-8")
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
 class GrammarCompiler:
     """Compiles constraints against one tokenizer; a bounded LRU cache keyed by the spec."""
 
@@ -121,17 +137,22 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the server compiles on its handlers' threads
 
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        # built on first use (~1 s for a 152k vocabulary), not at start-up
-        if self._ll_tokenizer is None:
-            from llguidance.hf import from_tokenizer
+    @property
+    def warm(self) -> bool:
+        """Whether the vocabulary view is built."""
+        return self._ll_tokenizer is not None
 
-            self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size)
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        # built on first use (~0.8 s for a 152k vocabulary), not at start-up
+        if self._ll_tokenizer is None:
+            self._ll_tokenizer = llguidance.LLTokenizer(
+                tokenizer_json(self._hf_tokenizer), n_vocab=self._vocab_size,
+                eos_token=self._hf_tokenizer.eos_token_id)
         return self._ll_tokenizer
 
     def warm_up(self) -> None:
         """Build the grammar engine's vocabulary view now (a server does, on a side thread, so
-        that its first constrained request does not wait ~1 s for it)."""
+        that its first constrained request does not wait ~0.8 s for it)."""
         with self._lock:
             self._tokenizer()
 

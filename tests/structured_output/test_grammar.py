@@ -112,3 +112,57 @@ def test_bitmask_bits_and_apply():
     apply_bitmask_(logits, bitmask)
     assert torch.isinf(logits[0]).sum() == 69 and logits[0, 37] == before[0, 37]
     assert torch.equal(logits[1], before[1])
+
+
+_PROBES = ["Hello, world!", "  two  spaces\tand\ttabs\n", "\u00e9\u4e2d\U0001f600 {\"a\": [1, 2]}",
+           "<|im_end|> not special here", "x" * 50]
+
+
+def test_the_vocabulary_view_is_the_one_llguidance_hf_builds(tokenizer, tmp_path):
+    """pagedllm builds llguidance's tokenizer from the tokenizer's JSON (its file when it has
+    one), not through llguidance.hf, which imports transformers: the same view either way."""
+    from llguidance.hf import from_tokenizer
+
+    from pagedllm.structured_output.grammar import tokenizer_json
+
+    reference = from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    ours = GrammarCompiler(tokenizer, len(tokenizer))._tokenizer()
+    saved = tmp_path / "tokenizer.json"
+    saved.write_text(tokenizer_json(tokenizer), encoding="utf-8")
+    tokenizer_with_file = type("WithFile", (), {"tokenizer_file": str(saved),
+                                                "eos_token_id": tokenizer.eos_token_id})()
+    from_file = GrammarCompiler(tokenizer_with_file, len(tokenizer))._tokenizer()
+    for view in (ours, from_file):
+        assert (view.vocab_size, view.eos_token) == (reference.vocab_size, reference.eos_token)
+        for text in _PROBES:
+            assert view.tokenize_str(text) == reference.tokenize_str(text)
+        assert all(view.decode_bytes([i]) == reference.decode_bytes([i])
+                   for i in range(0, len(tokenizer), 97))
+
+
+def test_the_warm_up_waits_for_an_idle_engine(smollm_gguf):
+    """The server's grammar warm-up holds the GIL for up to a second, so it runs only after the
+    engine has been idle for the delay, never while a request is in flight."""
+    import time
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(str(smollm_gguf), max_model_len=256))
+    async_llm = AsyncLLM(engine)
+    try:
+        grammars = engine.input_processor.grammars
+        engine.add_request("busy", "Count to a hundred:", SamplingParams(max_tokens=64,
+                                                                          ignore_eos=True))
+        async_llm.warm_up_grammars(delay=0.2)
+        time.sleep(2.0)  # well past the delay and a warm-up's own time
+        assert not grammars.warm  # a request is in flight (the engine thread is not stepping)
+        engine.abort_request(["busy"])
+        deadline = time.monotonic() + 10
+        while not grammars.warm and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert grammars.warm
+    finally:
+        async_llm.shutdown()

@@ -91,16 +91,21 @@ def gguf_quant_plan(path: str | Path, kernel_types: frozenset) -> dict[str, GGML
 def _read_bytes(fh: BinaryIO, offset: int, nbytes: int) -> np.ndarray:
     """nbytes at offset as a fresh uint8 array (plain reads: no mmap pages stay resident)."""
     buf = np.empty(nbytes, dtype=np.uint8)
-    view = memoryview(buf)
+    _read_into(fh, offset, buf)
+    return buf
+
+
+def _read_into(fh: BinaryIO, offset: int, buf: np.ndarray) -> None:
+    """Fill the contiguous uint8 array buf with the bytes at offset."""
+    view = memoryview(buf).cast("B")
     fh.seek(offset)
     got = 0
-    while got < nbytes:
+    while got < len(view):
         n = fh.readinto(view[got:])
         if not n:
             raise ModelFileError(f"{fh.name}: the file ends inside a tensor at byte {offset + got} "
                                  "(it changed after its header was checked?)")
         got += n
-    return buf
 
 
 def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
@@ -118,6 +123,9 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
     rows, cols = (1, info.shape[0]) if len(info.shape) == 1 else info.shape
     row_bytes = info.nbytes // rows
     if dest.dtype == torch.uint8:
+        if head_dim is None:  # blocks as they are: read straight into dest, no staging copy
+            _read_into(fh, info.offset, dest.view(-1).numpy())
+            return
         cols = row_bytes
     step = max(1, CHUNK_ELEMENTS // cols)
     if head_dim is not None:

@@ -18,7 +18,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; load it on first use so light imports stay light
+    # LLM pulls in torch; load it on first use so light imports stay light
     if name == "LLM":
         from pagedllm.llm import LLM
 

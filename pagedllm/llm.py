@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.loader.hf_tokenizer import to_transformers
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -33,10 +34,15 @@ class LLM:
                                       trust_remote_code=trust_remote_code, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
+        self._transformers_tokenizer: Any = None
 
-    def get_tokenizer(self):
-        """The tokenizer the engine uses (a transformers tokenizer)."""
-        return self.llm_engine.tokenizer
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer as transformers' PreTrainedTokenizerFast, as vLLM gives it:
+        built on the first call (importing transformers, ~1 s), then kept. The engine itself
+        runs on pagedllm's FastTokenizer (llm_engine.tokenizer), which behaves the same."""
+        if self._transformers_tokenizer is None:
+            self._transformers_tokenizer = to_transformers(self.llm_engine.tokenizer)
+        return self._transformers_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """Sampling defaults from the model's generation_config.json, else vLLM's defaults."""

@@ -46,6 +46,7 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.loader.hf_tokenizer import to_transformers
     from pagedllm.loader.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -58,7 +59,7 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     model.save_pretrained(str(out), max_shard_size=max_shard_size)  # also writes generation_config.json
     # transformers' own GGUF tokenizer conversion does not always carry the chat template and
     # bos/eos over; load_tokenizer sets them from the GGUF metadata
-    load_tokenizer(gguf_path).save_pretrained(str(out))
+    to_transformers(load_tokenizer(gguf_path)).save_pretrained(str(out))
     del model
     gc.collect()
 

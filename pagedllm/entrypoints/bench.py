@@ -128,7 +128,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)
     params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
-    prompts = _token_prompts(llm.get_tokenizer(), args.num_iters_warmup + args.num_iters,
+    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_iters_warmup + args.num_iters,
                              args.input_len)
     times = [_timed_request(llm.llm_engine, f"latency-{i}", prompt, params)
              for i, prompt in enumerate(prompts)][args.num_iters_warmup:]
@@ -147,7 +147,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs, quantization=args.quantization)
-    prompts = _token_prompts(llm.get_tokenizer(), args.num_prompts, args.input_len)
+    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len)
     params = _params(args)
     if params.structured_outputs is not None:
         # once per engine, untimed: the grammar engine's view of the vocabulary (~1 s for 152k

@@ -18,7 +18,7 @@ DEFAULT_TEXT = Path(__file__).parent / "data" / "gpl-3.0-excerpt.txt"
 def perplexity(llm, text: Optional[str] = None, max_tokens: Optional[int] = None) -> float:
     """exp(mean negative log-likelihood) of the text's tokens after the first, in one prompt."""
     text = DEFAULT_TEXT.read_text() if text is None else text
-    ids = llm.get_tokenizer().encode(text)
+    ids = llm.llm_engine.tokenizer.encode(text)  # not get_tokenizer(): no transformers import
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < 2:

@@ -5,7 +5,8 @@ built here directly into a `tokenizers.Tokenizer`, with the pre-tokenizer llama.
 `tokenizer.ggml.pre` written the way the model's own tokenizer.json writes it: ~1 s for Qwen2's
 152k tokens. Anything else (SentencePiece, an unknown pre-tokenizer, an odd vocabulary) goes to
 transformers' GGUF loader, with an INFO line saying why; it is exact but walks every metadata
-string through numpy (~10 s for a 152k vocabulary).
+string through numpy (~10 s for a 152k vocabulary). transformers is imported only when a
+tokenizer is built (the cache of gguf_tokenizer_cache keeps what is built here).
 """
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 logger = logging.getLogger("pagedllm")
 
@@ -133,6 +136,8 @@ def _special_tokens(vocab: GGUFVocab) -> dict[str, Optional[str]]:
 
 def build_tokenizer(vocab: GGUFVocab) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer for a GGUF vocabulary; NotBuildable if not exact."""
+    from transformers import PreTrainedTokenizerFast
+
     pre = _check_vocab(vocab)
     backend = _backend(vocab, pre)
     add_bos = pre.add_bos if vocab.add_bos is None else vocab.add_bos
@@ -158,6 +163,8 @@ def _match_metadata(tok: PreTrainedTokenizerBase, vocab: GGUFVocab) -> None:
 def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
                            trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """transformers' own GGUF tokenizer, with the file's template and special tokens."""
+    from transformers import AutoTokenizer
+
     # a folder holding only the GGUF, so tokenizer files beside it cannot leak in
     with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp:
         (Path(tmp) / path.name).symlink_to(path.resolve())

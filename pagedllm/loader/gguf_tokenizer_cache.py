@@ -12,18 +12,18 @@ file is never read whole to be recognised.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-import transformers
-from transformers import PreTrainedTokenizerBase
-
+from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
+from pagedllm.loader.hf_tokenizer import wrap_transformers
 from pagedllm.loader.tokenizer_files import load_tokenizer_files, save_tokenizer_files
 from pagedllm.paths import cache_dir
 
@@ -43,11 +43,13 @@ def cache_folder(gguf_path: str | Path) -> Path:
     path = Path(gguf_path).resolve()
     st = path.stat()
     # transformers' version: its GGUF converter makes the tokenizers this module does not
-    identity = f"{st.st_size}\0{st.st_mtime_ns}\0{BUILD_VERSION}\0{transformers.__version__}"
+    # (read from the package metadata: importing transformers takes ~1 s)
+    version = importlib.metadata.version("transformers")
+    identity = f"{st.st_size}\0{st.st_mtime_ns}\0{BUILD_VERSION}\0{version}"
     return cache_dir() / "tokenizers" / f"{_digest(str(path))}-{_digest(identity)}"
 
 
-def _load_cached(folder: Path) -> Optional[PreTrainedTokenizerBase]:
+def _load_cached(folder: Path) -> Optional[FastTokenizer]:
     """The tokenizer kept in folder; None if there is none or it cannot be read (then dropped)."""
     if not (folder / SOURCE_MARKER).is_file():
         return None
@@ -59,7 +61,7 @@ def _load_cached(folder: Path) -> Optional[PreTrainedTokenizerBase]:
         return None
 
 
-def _store(tok: PreTrainedTokenizerBase, gguf_path: Path, folder: Path) -> None:
+def _store(tok: Any, gguf_path: Path, folder: Path) -> None:
     """Write tok's files into folder atomically, then drop older folders of the same path."""
     scratch = cache_dir() / "tmp"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -86,9 +88,10 @@ def _store(tok: PreTrainedTokenizerBase, gguf_path: Path, folder: Path) -> None:
 
 
 def cached_gguf_tokenizer(gguf_path: str | Path, *, trust_remote_code: bool = False
-                          ) -> PreTrainedTokenizerBase:
-    """The tokenizer of a GGUF file: from the cache when this file's is kept there, else
-    built from its metadata (gguf_tokenizer) and kept for the next start."""
+                          ) -> FastTokenizer:
+    """The tokenizer of a GGUF file: from the cache when this file's is kept there (without
+    importing transformers), else built from its metadata (gguf_tokenizer, with transformers)
+    and kept for the next start."""
     path = Path(gguf_path).resolve()
     folder = cache_folder(path)
     cached = _load_cached(folder)
@@ -100,4 +103,6 @@ def cached_gguf_tokenizer(gguf_path: str | Path, *, trust_remote_code: bool = Fa
     except (OSError, RuntimeError) as exc:  # a read-only cache, or files that do not reload
         logger.warning("could not keep the tokenizer of %s in %s (%s); it will be built "
                        "again on the next start", path, folder, exc)
-    return tok
+    # the kept files, read as every later start reads them; the built one if they are not kept
+    kept = _load_cached(folder)
+    return kept if kept is not None else wrap_transformers(tok)

@@ -225,24 +225,27 @@ def test_resolve_checkpoint_and_tokenizer(smollm_gguf):
     reader = gguf.GGUFReader(str(smollm_gguf))
     assert tok.chat_template == reader.fields["tokenizer.chat_template"].contents()
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
-    assert tok("Hello world").input_ids == load_tokenizer(model_dir)("Hello world").input_ids
+    assert tok.encode("Hello world") == load_tokenizer(model_dir).encode("Hello world")
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_exported_tokenizer_loads_fast_as_autotokenizer_does(name):
     """The model store's exported tokenizer, built straight from tokenizer.json, agrees with
-    AutoTokenizer on ids, special tokens and the chat template."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    AutoTokenizer on ids, special tokens and the chat template (on composed text: AutoTokenizer's
+    Qwen2Tokenizer adds an NFC normalizer the export does not have)."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.loader.fast_tokenizer import FastTokenizer
 
     model_dir = ensure_model(name)
     fast, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    assert type(fast) is PreTrainedTokenizerFast  # the direct path, not AutoTokenizer's class
+    assert type(fast) is FastTokenizer  # the direct path, without transformers
     text = "def f():\n    print('héllo  wörld')\t<|im_start|>user 12345 <|endoftext|> 😀"
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
-    assert fast.encode(text) == auto.encode(text) and fast(text).input_ids == auto(text).input_ids
+    assert fast.encode(text) == auto.encode(text)
     assert fast.decode(fast.encode(text)) == auto.decode(auto.encode(text))
-    assert (fast.apply_chat_template(messages, add_generation_prompt=True)
-            == auto.apply_chat_template(messages, add_generation_prompt=True))
+    assert (fast.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+            == auto.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
     assert fast.chat_template == auto.chat_template
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
                  "model_max_length"):

@@ -8,7 +8,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from pagedllm.structured_output.bitmask import allocate_bitmask, apply_bitmask_, bitmask_to_bool
-from pagedllm.structured_output.grammar import GrammarCompiler
+from pagedllm.structured_output.ll_vocab import BackendGrammarCompiler
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def tokenizer(smollm_gguf):
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
+    return BackendGrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -86,7 +86,7 @@ class AsyncLLM:
         self._thread.start()
 
     def warm_up_grammars(self, delay: float = WARM_UP_DELAY_S) -> None:
-        """Build the grammar engine's view of the vocabulary (~0.8 s for Qwen2's, holding the
+        """Build the grammar engine's view of the vocabulary (~1.3 s for Qwen2's, holding the
         GIL) on a side thread once the engine has been idle for `delay` seconds, so that
         neither start-up nor a request in flight waits for it; a constrained request that
         comes first builds it itself."""

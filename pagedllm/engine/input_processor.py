@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional, Union
 from pagedllm.core.request import Request
 from pagedllm.engine.chat_messages import render_chat
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
-from pagedllm.structured_output.ll_vocab import BackendGrammarCompiler
+from pagedllm.structured_output.grammar import GrammarCompiler
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -33,7 +33,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
-        self.grammars = BackendGrammarCompiler(tokenizer, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                 max_tokens_must_fit: bool = False) -> ProcessedPrompt:

@@ -8,7 +8,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from pagedllm.structured_output.bitmask import allocate_bitmask, apply_bitmask_, bitmask_to_bool
-from pagedllm.structured_output.ll_vocab import BackendGrammarCompiler
+from pagedllm.structured_output.grammar import GrammarCompiler
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def tokenizer(smollm_gguf):
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    return BackendGrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
+    return GrammarCompiler(tokenizer, len(tokenizer), cache_size=3)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -118,26 +118,20 @@ _PROBES = ["Hello, world!", "  two  spaces\tand\ttabs\n", "\u00e9\u4e2d\U0001f60
            "<|im_end|> not special here", "x" * 50]
 
 
-def test_the_vocabulary_view_is_the_one_llguidance_hf_builds(tokenizer, tmp_path):
-    """pagedllm builds llguidance's tokenizer from the tokenizer's JSON (its file when it has
-    one), not through llguidance.hf, which imports transformers: the same view either way."""
+def test_the_vocabulary_view_is_the_one_llguidance_hf_builds(tokenizer):
+    """pagedllm builds llguidance's tokenizer from the Rust backend's JSON, not through
+    llguidance.hf, which takes only a transformers tokenizer: the same view either way."""
     from llguidance.hf import from_tokenizer
 
-    from pagedllm.structured_output.grammar import tokenizer_json
+    from pagedllm.loader.hf_tokenizer import to_transformers
 
-    reference = from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    reference = from_tokenizer(to_transformers(tokenizer), n_vocab=len(tokenizer))
     ours = GrammarCompiler(tokenizer, len(tokenizer))._tokenizer()
-    saved = tmp_path / "tokenizer.json"
-    saved.write_text(tokenizer_json(tokenizer), encoding="utf-8")
-    tokenizer_with_file = type("WithFile", (), {"tokenizer_file": str(saved),
-                                                "eos_token_id": tokenizer.eos_token_id})()
-    from_file = GrammarCompiler(tokenizer_with_file, len(tokenizer))._tokenizer()
-    for view in (ours, from_file):
-        assert (view.vocab_size, view.eos_token) == (reference.vocab_size, reference.eos_token)
-        for text in _PROBES:
-            assert view.tokenize_str(text) == reference.tokenize_str(text)
-        assert all(view.decode_bytes([i]) == reference.decode_bytes([i])
-                   for i in range(0, len(tokenizer), 97))
+    assert (ours.vocab_size, ours.eos_token) == (reference.vocab_size, reference.eos_token)
+    for text in _PROBES:
+        assert ours.tokenize_str(text) == reference.tokenize_str(text)
+    assert all(ours.decode_bytes([i]) == reference.decode_bytes([i])
+               for i in range(0, len(tokenizer), 97))
 
 
 def test_the_warm_up_waits_for_an_idle_engine(smollm_gguf):

@@ -10,7 +10,7 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def _required(fields: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -82,6 +82,7 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     names = {t.name for t in tensors}
     eps_key, theta_key = f"{p}.attention.layer_norm_rms_epsilon", f"{p}.rope.freq_base"
     bos = fields.get("tokenizer.ggml.bos_token_id")
+    window = fields.get(f"{p}.attention.sliding_window")  # 0: none (how llama.cpp writes it)
     return make_arch(
         source,
         architecture=GGUF_ARCHITECTURES[p],
@@ -101,4 +102,7 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         bos_token_id=None if bos is None else token_id(bos, "tokenizer.ggml.bos_token_id", source),
         eos_token_ids=_eos_ids(fields, source),
         torch_dtype=None,  # quantized: no single checkpoint dtype
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=(None if window in (None, 0) else
+                        dimension(window, f"{p}.attention.sliding_window", source)),
     )

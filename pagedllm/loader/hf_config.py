@@ -13,10 +13,12 @@ HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                                "qwen3": "qwen3"}
 
 
 def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
@@ -59,6 +61,15 @@ def _rope(cfg: Mapping[str, Any], source: str | Path) -> tuple[float, Optional[d
         elif scaling.get("factor") is not None:
             positive_float(scaling["factor"], "rope_scaling.factor", source)
     return positive_float(10000.0 if theta is None else theta, "rope_theta", source), scaling
+
+
+def _sliding_window(cfg: Mapping[str, Any], arch: str, source: str | Path) -> Optional[int]:
+    """The attention window, or None for full attention. Qwen2/Qwen3 configs carry a
+    sliding_window that applies only with use_sliding_window; null or 0 means none."""
+    value = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    return None if value in (None, 0) else dimension(value, "sliding_window", source)
 
 
 def _eos_ids(value: Any, source: str | Path) -> tuple[int, ...]:
@@ -105,4 +116,6 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         bos_token_id=None if bos is None else token_id(bos, "bos_token_id", source),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
         torch_dtype=torch_dtype,
+        qk_norm=arch == "qwen3",
+        sliding_window=_sliding_window(cfg, arch, source),
     )

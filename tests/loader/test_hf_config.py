@@ -1,0 +1,35 @@
+"""config.json of each supported family -> ModelArchConfig; the rest refused by name."""
+import pytest
+
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.hf_config import arch_from_hf_config
+
+BASE = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+
+
+def test_qwen3_has_q_k_norms_its_own_head_dim_and_no_biases():
+    arch = arch_from_hf_config(BASE | {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert (arch.architecture, arch.qk_norm, arch.attention_bias, arch.head_dim) == (
+        "qwen3", True, False, 32)
+    assert arch_from_hf_config(BASE | {"model_type": "qwen3"}).architecture == "qwen3"
+
+
+def test_sliding_window_is_read_where_it_applies():
+    mistral = BASE | {"architectures": ["MistralForCausalLM"]}
+    assert arch_from_hf_config(mistral | {"sliding_window": 2048}).sliding_window == 2048
+    assert arch_from_hf_config(mistral | {"sliding_window": None}).sliding_window is None
+    # Qwen2/Qwen3 configs name a window that is off unless use_sliding_window
+    qwen = BASE | {"architectures": ["Qwen3ForCausalLM"], "sliding_window": 1024}
+    assert arch_from_hf_config(qwen).sliding_window is None
+    on = arch_from_hf_config(qwen | {"use_sliding_window": True})
+    assert (on.sliding_window, on.max_model_len_supported) == (1024, 1024)
+    with pytest.raises(ModelFileError, match="sliding_window must be >= 1"):
+        arch_from_hf_config(mistral | {"sliding_window": -4})
+
+
+def test_an_unsupported_family_is_refused_with_the_supported_list():
+    with pytest.raises(ModelFileError) as err:
+        arch_from_hf_config(BASE | {"architectures": ["Gemma2ForCausalLM"]})
+    assert "Gemma2ForCausalLM" in str(err.value)
+    assert "Qwen3ForCausalLM" in str(err.value) and "LlamaForCausalLM" in str(err.value)

@@ -10,7 +10,8 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                      "qwen3": "qwen3"}
 
 
 def _required(fields: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -79,6 +80,11 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
 
     hidden, heads = dim("embedding_length"), dim("attention.head_count")
     embed = _embedding(tensors, hidden, f"{p}.embedding_length", source)
+    head_dim = dim("attention.key_length", hidden // heads)
+    if dim("rope.dimension_count", head_dim) != head_dim:
+        raise ModelFileError(f"{p}.rope.dimension_count={dim('rope.dimension_count')} is not "
+                             f"supported: RoPE over only part of each head (head_dim {head_dim}) "
+                             f"is not implemented (in {source})")
     names = {t.name for t in tensors}
     eps_key, theta_key = f"{p}.attention.layer_norm_rms_epsilon", f"{p}.rope.freq_base"
     bos = fields.get("tokenizer.ggml.bos_token_id")
@@ -92,7 +98,7 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         num_hidden_layers=dim("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=dim("attention.head_count_kv", heads),
-        head_dim=dim("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=positive_float(_required(fields, eps_key, source), eps_key, source),
         rope_theta=positive_float(fields.get(theta_key, 10000.0), theta_key, source),
         max_position_embeddings=dim("context_length"),

@@ -12,13 +12,14 @@ from pagedllm.loader.errors import ModelFileError
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                                "qwen3": "qwen3"}
+_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
+                                "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
@@ -44,23 +45,46 @@ def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
     return cfg[key]
 
 
-def _rope(cfg: Mapping[str, Any], source: str | Path) -> tuple[float, Optional[dict[str, Any]]]:
+def _check_full_rotary(cfg: Mapping[str, Any], params: dict[str, Any], source: str | Path) -> None:
+    """Refuse RoPE over only part of each head (partial_rotary_factor < 1, e.g. Phi-4-mini's)."""
+    factor = params.pop("partial_rotary_factor", None)
+    factor = cfg.get("partial_rotary_factor", factor)
+    if factor is not None and factor != 1:
+        raise ModelFileError(f"partial_rotary_factor={factor!r} is not supported: RoPE over only "
+                             f"part of each head is not implemented (in {source})")
+
+
+def _rope(cfg: Mapping[str, Any], arch: str,
+          source: str | Path) -> tuple[float, Optional[dict[str, Any]]]:
     """(rope_theta, rope_scaling) from either the legacy keys or transformers 5 `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
     nested_theta = params.pop("rope_theta", None)
     theta = cfg.get("rope_theta", nested_theta)
+    _check_full_rotary(cfg, params, source)
     scaling = cfg.get("rope_scaling") or params or None
     if scaling is not None:
         if not isinstance(scaling, Mapping):
             raise ModelFileError(f"rope_scaling must be an object, got {scaling!r} in {source}")
         scaling = dict(scaling)
+        scaling.pop("partial_rotary_factor", None)  # checked above
         if "rope_type" not in scaling and "type" in scaling:
             scaling["rope_type"] = scaling["type"]  # legacy spelling
+        if arch == "phi3":
+            _phi3_longrope(cfg, scaling)
         if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type", "type"}:
             scaling = None  # transformers 5 writes {"rope_type": "default"} for plain RoPE
         elif scaling.get("factor") is not None:
             positive_float(scaling["factor"], "rope_scaling.factor", source)
     return positive_float(10000.0 if theta is None else theta, "rope_theta", source), scaling
+
+
+def _phi3_longrope(cfg: Mapping[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3's spellings of LongRoPE, as transformers reads them: types "su" and "yarn" are
+    LongRoPE, and a top-level original_max_position_embeddings wins."""
+    if scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope" and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
 
 
 def _sliding_window(cfg: Mapping[str, Any], arch: str, source: str | Path) -> Optional[int]:
@@ -90,7 +114,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         return dimension(_required(cfg, key, source), key, source)
 
     hidden, heads = dim("hidden_size"), dim("num_attention_heads")
-    rope_theta, rope_scaling = _rope(cfg, source)
+    rope_theta, rope_scaling = _rope(cfg, arch, source)
     bos = cfg.get("bos_token_id")
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):

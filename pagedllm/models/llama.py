@@ -1,9 +1,11 @@
-"""One decoder for the Llama family, Qwen2 and Qwen3: RMSNorm, RoPE, grouped-query attention,
-SwiGLU.
+"""One decoder for the Llama family, Qwen2, Qwen3 and Phi-3: RMSNorm, RoPE, grouped-query
+attention, SwiGLU.
 
 Qwen2 is Llama with biases on the q/k/v projections (config.attention_bias) and, for the small
 models, embeddings tied to the output head (config.tie_word_embeddings). Qwen3 drops the biases
-and normalises each head of q and k before RoPE (config.qk_norm). Parameter names follow
+and normalises each head of q and k before RoPE (config.qk_norm). Phi-3 stores q/k/v and
+gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py)
+and its long-context models use LongRoPE (layers/rotary.py). Parameter names follow
 Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
 separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
 swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
@@ -157,3 +159,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): the Llama decoder with per-head q/k RMSNorm (set by the config)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: the Llama decoder; its fused qkv_proj / gate_up_proj load into the same shards."""

@@ -30,8 +30,9 @@ def _float32(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 # Registry keys whose decoder layer the C++ stack reproduces op for op: Llama (and Mistral),
-# Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms).
-STACK_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (Llama's layer once its fused tensors
+# are split; LongRoPE is in the rope tables).
+STACK_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
 
 
 def _layer_args(layer: nn.Module) -> Optional[tuple]:

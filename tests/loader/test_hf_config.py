@@ -15,6 +15,29 @@ def test_qwen3_has_q_k_norms_its_own_head_dim_and_no_biases():
     assert arch_from_hf_config(BASE | {"model_type": "qwen3"}).architecture == "qwen3"
 
 
+def test_phi3_longrope_in_its_legacy_and_current_spellings():
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    legacy = arch_from_hf_config(BASE | {
+        "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1024,
+        "sliding_window": 2047, "rope_scaling": {"type": "su", **factors}})
+    assert legacy.architecture == "phi3" and legacy.sliding_window == 2047
+    assert legacy.rope_scaling["rope_type"] == "longrope"
+    assert legacy.rope_scaling["original_max_position_embeddings"] == 1024
+    current = arch_from_hf_config(BASE | {"model_type": "phi3", "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "original_max_position_embeddings": 1024, **factors}})
+    assert current.rope_scaling == {"rope_type": "longrope",
+                                    "original_max_position_embeddings": 1024, **factors}
+    plain = arch_from_hf_config(BASE | {"model_type": "phi3", "rope_scaling": None})
+    assert plain.rope_scaling is None
+
+
+def test_partial_rotary_is_refused_by_name():
+    with pytest.raises(ModelFileError, match="partial_rotary_factor=0.75 is not supported"):
+        arch_from_hf_config(BASE | {"architectures": ["Phi3ForCausalLM"], "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}})
+
+
 def test_sliding_window_is_read_where_it_applies():
     mistral = BASE | {"architectures": ["MistralForCausalLM"]}
     assert arch_from_hf_config(mistral | {"sliding_window": 2048}).sliding_window == 2048

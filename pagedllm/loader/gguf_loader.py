@@ -53,8 +53,6 @@ _LAYER_NAMES: dict[str, str] = {
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
-# Precomputed Llama-3 rope frequencies: derived data, not a parameter (transformers skips it too).
-_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 
 
 @dataclass(frozen=True)
@@ -198,8 +196,8 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
     for info in header.tensors:
         name = hf_name(info.name, header.arch.architecture)
         if name is None:
-            if info.name in _IGNORED_TENSORS or info.name in ROPE_FACTOR_TENSORS:
-                continue  # the rope factors were read into the architecture's rope_scaling
+            if info.name in ROPE_FACTOR_TENSORS:  # read into the architecture's rope_scaling
+                continue
             raise ValueError(f"unexpected GGUF tensor {info.name!r} (no HF parameter for it)")
         if (parts := split_fused(name, params)) is not None:
             plan.extend(_row_slice(info, part, params[part.name]) for part in parts)

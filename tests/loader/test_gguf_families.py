@@ -23,7 +23,8 @@ def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], hidden: int = 
     writer.add_layer_norm_rms_eps(1e-5)
     for key, value in fields.items():
         key = f"{arch}.{key.replace('__', '.')}"
-        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
+        add = {float: writer.add_float32, str: writer.add_string}.get(type(value), writer.add_uint32)
+        add(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((4, hidden), dtype=np.float32))
     for name, value in tensors.items():
         qtype = gguf.GGMLQuantizationType.Q8_0 if value.dtype == np.uint8 else None
@@ -94,3 +95,14 @@ def test_a_fused_block_tensor_plans_every_shard_in_its_format(tmp_path):
     plan = gguf_quant_plan(path, frozenset({gguf.GGMLQuantizationType.Q8_0}))
     assert plan == {f"model.layers.0.self_attn.{s}": gguf.GGMLQuantizationType.Q8_0
                     for s in ("q_proj", "k_proj", "v_proj")}
+
+
+def test_llama3_rope_freqs_become_frequency_divisors(tmp_path):
+    path = _write(tmp_path / "l.gguf", "llama", {"rope_freqs.weight": np.array([1.0, 8.0], np.float32)})
+    assert arch_from_gguf(path).rope_scaling == {"rope_type": "frequency_divisors",
+                                                 "divisors": [1.0, 8.0]}
+    both = _write(tmp_path / "both.gguf", "llama", {"rope_freqs.weight": np.ones(2, np.float32)},
+                  rope__scaling__type="linear", rope__scaling__factor=2.0)
+    with pytest.raises(ModelFileError, match="both llama.rope.scaling.\\* metadata and the tensor "
+                       "rope_freqs.weight"):
+        arch_from_gguf(both)

@@ -42,6 +42,8 @@ def test_sliding_window_is_read_where_it_applies():
     mistral = BASE | {"architectures": ["MistralForCausalLM"]}
     assert arch_from_hf_config(mistral | {"sliding_window": 2048}).sliding_window == 2048
     assert arch_from_hf_config(mistral | {"sliding_window": None}).sliding_window is None
+    wide = arch_from_hf_config(mistral | {"sliding_window": 8192})  # beyond the 4096 positions
+    assert wide.max_model_len_supported == 4096
     # Qwen2/Qwen3 configs name a window that is off unless use_sliding_window
     qwen = BASE | {"architectures": ["Qwen3ForCausalLM"], "sliding_window": 1024}
     assert arch_from_hf_config(qwen).sliding_window is None

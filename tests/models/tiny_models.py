@@ -27,8 +27,9 @@ VOCAB = 320
 NUM_TOKENS = 32
 EOS = "<|endoftext|>"
 F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
-# Q8_0 blocks run with 8-bit activations (as ggml's): logits within this share of the largest.
-Q8_0_LOGIT_TOL = 0.05
+# Q8_0 blocks run with 8-bit activations (as ggml's): logits within this share of the largest
+# (measured: 3% with two layers, 5.4% with three; a wrong weight or rotation is off by ~100%).
+Q8_0_LOGIT_TOL = 0.1
 # Engine options that split every prompt into chunks and let later prompts hit the prefix cache.
 CHUNKED = dict(max_num_batched_tokens=16, block_size=16, enable_prefix_caching=True)
 
@@ -263,7 +264,7 @@ def check_q8_0(llm: LLM, ckpts: TinyCheckpoints) -> None:
     engine's continuation: after a near-tie the two may part, and both be right)."""
     ref = hf_reference(ckpts.q8_0_model, ckpts.prompts)
     tol = Q8_0_LOGIT_TOL * max(r.abs().max().item() for r in ref.logits)
-    assert max_logit_error(llm, ref) <= tol
+    assert max_logit_error(llm, ref) <= tol, (max_logit_error(llm, ref), tol)
     tokens = greedy_tokens(llm, ckpts.prompts)
     assert near_argmax_gap(ckpts.q8_0_model, ckpts.prompts, tokens) <= tol
 

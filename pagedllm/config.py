@@ -42,6 +42,8 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     # tokens a query may attend back over (itself included), or None: full attention
     sliding_window: Optional[int] = None
+    # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
+    rotary_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -58,10 +60,19 @@ class ModelArchConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings turn pairs of values), "
                              f"got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+                0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
+                             f"got {self.rotary_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def rope_dim(self) -> int:
+        """The values of each head that RoPE turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def max_model_len_supported(self) -> int:

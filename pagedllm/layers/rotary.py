@@ -86,7 +86,7 @@ def _longrope_inv_freq(base: float, dim: int, s: dict[str, Any], max_pos: int,
     factors = torch.tensor(s[key], dtype=torch.float32)
     if factors.shape != (dim // 2,):
         raise ValueError(f"rope_scaling.{key} has {factors.numel()} values, want {dim // 2} "
-                         f"(one per rotated pair of head_dim {dim})")
+                         f"(one per rotated pair of the {dim} rotated values of a head)")
     factor = s.get("factor") or max_pos / old_len
     attn_factor = s.get("attention_factor")
     if attn_factor is None:
@@ -118,22 +118,24 @@ def rope_inv_freq(base: float, dim: int, scaling: Optional[dict[str, Any]], max_
 
 
 class RotaryEmbedding(CustomOp):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position; they turn the first rotary_dim
+    values of each head (all of them but for partial-rotary models such as Phi-4-mini)."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float,
+    def __init__(self, rotary_dim: int, max_positions: int, base: float,
                  scaling: Optional[dict[str, Any]] = None, model_max_positions: int = 0) -> None:
         super().__init__()
-        self._args = (head_dim, max_positions, base, scaling, model_max_positions or max_positions)
+        self.rotary_dim = rotary_dim
+        self._args = (rotary_dim, max_positions, base, scaling, model_max_positions or max_positions)
         self.reset_tables(None)
 
     def reset_tables(self, device: Optional[torch.device]) -> None:
         """(Re)compute the float32 cos/sin tables on device (None: the CPU), e.g. after building
         on the meta device."""
-        head_dim, max_positions, base, scaling, model_max = self._args
+        rotary_dim, max_positions, base, scaling, model_max = self._args
         # computed on the CPU even inside a meta-device context: meta arithmetic goes through
         # Python decompositions that import torch._dynamo (seconds of start-up)
         with torch.device("cpu"):
-            inv_freq, attn_scale = rope_inv_freq(base, head_dim, scaling, model_max, max_positions)
+            inv_freq, attn_scale = rope_inv_freq(base, rotary_dim, scaling, model_max, max_positions)
             pos = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(pos, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -152,9 +154,14 @@ class RotaryEmbedding(CustomOp):
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq, D] and k [T, Hkv, D] at positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, R]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.rotary_dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        r = self.rotary_dim  # the rest of each head passes through
+        q_rot, k_rot = q[..., :r], k[..., :r]
+        return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
+                torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., r:]), dim=-1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,7 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     hidden, heads = dim("embedding_length"), dim("attention.head_count")
     embed = _embedding(tensors, hidden, f"{p}.embedding_length", source)
     head_dim = dim("attention.key_length", hidden // heads)
-    if dim("rope.dimension_count", head_dim) != head_dim:
-        raise ModelFileError(f"{p}.rope.dimension_count={dim('rope.dimension_count')} is not "
-                             f"supported: RoPE over only part of each head (head_dim {head_dim}) "
-                             f"is not implemented (in {source})")
+    rotary_dim = dim("rope.dimension_count", head_dim)
     names = {t.name for t in tensors}
     eps_key, theta_key = f"{p}.attention.layer_norm_rms_epsilon", f"{p}.rope.freq_base"
     bos = fields.get("tokenizer.ggml.bos_token_id")
@@ -111,4 +108,5 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         qk_norm="blk.0.attn_q_norm.weight" in names,
         sliding_window=(None if window in (None, 0) else
                         dimension(window, f"{p}.attention.sliding_window", source)),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
     )

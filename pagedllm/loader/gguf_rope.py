@@ -22,7 +22,7 @@ ROPE_FACTOR_TENSORS = frozenset({LONG, SHORT, FREQS})
 
 
 def _factor_list(values: list[float], name: str, rotary_dim: int, source: str | Path) -> list[float]:
-    """One factor per rotated pair of a head, each a finite number > 0."""
+    """One factor per rotated pair of values of a head, each a finite number > 0."""
     if len(values) != rotary_dim // 2:
         raise ModelFileError(f"tensor {name!r} has {len(values)} values, want one per rotated "
                              f"pair ({rotary_dim // 2}) in {source}")
@@ -38,7 +38,7 @@ def with_rope_factors(arch: ModelArchConfig, fields: Mapping[str, Any],
                              f"{' and '.join(sorted(factors))}: which RoPE scaling runs is "
                              f"ambiguous ({source})")
     if set(factors) == {FREQS}:
-        divisors = _factor_list(factors[FREQS], FREQS, arch.head_dim, source)
+        divisors = _factor_list(factors[FREQS], FREQS, arch.rope_dim, source)
         return dataclasses.replace(arch, rope_scaling={"rope_type": "frequency_divisors",
                                                        "divisors": divisors})
     if set(factors) != {LONG, SHORT}:
@@ -50,8 +50,8 @@ def with_rope_factors(arch: ModelArchConfig, fields: Mapping[str, Any],
         raise ModelFileError(f"GGUF has LongRoPE factors but no {key!r} in {source}")
     scaling: dict[str, Any] = {
         "rope_type": "longrope",
-        "long_factor": _factor_list(factors[LONG], LONG, arch.head_dim, source),
-        "short_factor": _factor_list(factors[SHORT], SHORT, arch.head_dim, source),
+        "long_factor": _factor_list(factors[LONG], LONG, arch.rope_dim, source),
+        "short_factor": _factor_list(factors[SHORT], SHORT, arch.rope_dim, source),
         "original_max_position_embeddings": dimension(fields[key], key, source),
     }
     key = f"{p}.rope.scaling.attn_factor"

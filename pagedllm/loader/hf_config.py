@@ -45,13 +45,18 @@ def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
     return cfg[key]
 
 
-def _check_full_rotary(cfg: Mapping[str, Any], params: dict[str, Any], source: str | Path) -> None:
-    """Refuse RoPE over only part of each head (partial_rotary_factor < 1, e.g. Phi-4-mini's)."""
-    factor = params.pop("partial_rotary_factor", None)
+def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, source: str | Path) -> Optional[int]:
+    """The values of each head RoPE turns when partial_rotary_factor (top level, or in
+    rope_parameters as transformers 5 writes it) is below 1, as int(head_dim * factor) the way
+    transformers computes it; None for the whole head."""
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
     factor = cfg.get("partial_rotary_factor", factor)
-    if factor is not None and factor != 1:
-        raise ModelFileError(f"partial_rotary_factor={factor!r} is not supported: RoPE over only "
-                             f"part of each head is not implemented (in {source})")
+    if factor is None or factor == 1:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+        raise ModelFileError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r} "
+                             f"in {source}")
+    return int(head_dim * factor)
 
 
 def _rope(cfg: Mapping[str, Any], arch: str,
@@ -59,14 +64,14 @@ def _rope(cfg: Mapping[str, Any], arch: str,
     """(rope_theta, rope_scaling) from either the legacy keys or transformers 5 `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
     nested_theta = params.pop("rope_theta", None)
+    params.pop("partial_rotary_factor", None)  # _rotary_dim
     theta = cfg.get("rope_theta", nested_theta)
-    _check_full_rotary(cfg, params, source)
     scaling = cfg.get("rope_scaling") or params or None
     if scaling is not None:
         if not isinstance(scaling, Mapping):
             raise ModelFileError(f"rope_scaling must be an object, got {scaling!r} in {source}")
         scaling = dict(scaling)
-        scaling.pop("partial_rotary_factor", None)  # checked above
+        scaling.pop("partial_rotary_factor", None)  # _rotary_dim
         if "rope_type" not in scaling and "type" in scaling:
             scaling["rope_type"] = scaling["type"]  # legacy spelling
         if arch == "phi3":
@@ -114,6 +119,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         return dimension(_required(cfg, key, source), key, source)
 
     hidden, heads = dim("hidden_size"), dim("num_attention_heads")
+    head_dim = dim("head_dim", hidden // heads)
     rope_theta, rope_scaling = _rope(cfg, arch, source)
     bos = cfg.get("bos_token_id")
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
@@ -129,7 +135,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         num_hidden_layers=dim("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=dim("num_key_value_heads", heads),
-        head_dim=dim("head_dim", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope_theta=rope_theta,
         max_position_embeddings=dim("max_position_embeddings"),
@@ -142,4 +148,5 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         torch_dtype=torch_dtype,
         qk_norm=arch == "qwen3",
         sliding_window=_sliding_window(cfg, arch, source),
+        rotary_dim=_rotary_dim(cfg, head_dim, source),
     )

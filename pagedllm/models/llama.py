@@ -4,8 +4,9 @@ attention, SwiGLU.
 Qwen2 is Llama with biases on the q/k/v projections (config.attention_bias) and, for the small
 models, embeddings tied to the output head (config.tie_word_embeddings). Qwen3 drops the biases
 and normalises each head of q and k before RoPE (config.qk_norm). Phi-3 stores q/k/v and
-gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py)
-and its long-context models use LongRoPE (layers/rotary.py). Parameter names follow
+gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py),
+its long-context models use LongRoPE, and Phi-4-mini turns only 3/4 of each head (config.
+rotary_dim; layers/rotary.py). Parameter names follow
 Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
 separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
 swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
@@ -109,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+        self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
         self.model = DecoderModel(cfg, self.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -19,6 +19,8 @@ MIN_MODEL_LEN = 2048  # a default max_model_len is shrunk to fit, but not below 
 FAMILY_SIZES = {
     "qwen2": [("Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen2.5-1.5B-Instruct", 1.54e9),
               ("Qwen2.5-3B-Instruct", 3.09e9), ("Qwen2.5-7B-Instruct", 7.62e9)],
+    "qwen3": [("Qwen3-0.6B", 0.75e9), ("Qwen3-1.7B", 2.03e9), ("Qwen3-4B", 4.02e9),
+              ("Qwen3-8B", 8.19e9)],
     "llama": [("SmolLM2-135M-Instruct", 0.135e9), ("SmolLM2-360M-Instruct", 0.36e9),
               ("Llama-3.2-1B-Instruct", 1.24e9), ("SmolLM2-1.7B-Instruct", 1.71e9),
               ("Llama-3.2-3B-Instruct", 3.21e9), ("Llama-3.1-8B-Instruct", 8.03e9)],

@@ -53,7 +53,7 @@ def test_phi3_reads_its_factor_tensors_and_window(tmp_path):
     assert arch_from_gguf(none).sliding_window is None
 
 
-def test_half_a_longrope_or_a_partial_rotary_is_refused(tmp_path):
+def test_half_a_longrope_or_an_odd_rotary_dim_is_refused(tmp_path):
     one = _write(tmp_path / "one.gguf", "phi3", {"rope_factors_long.weight": np.ones(2, np.float32)},
                  rope__scaling__original_context_length=16)
     with pytest.raises(ModelFileError, match="without rope_factors_short.weight"):
@@ -63,9 +63,18 @@ def test_half_a_longrope_or_a_partial_rotary_is_refused(tmp_path):
                    rope__scaling__original_context_length=16)
     with pytest.raises(ModelFileError, match="has 3 values, want one per rotated pair \\(2\\)"):
         arch_from_gguf(short)
-    partial = _write(tmp_path / "partial.gguf", "phi3", {}, rope__dimension_count=2)
-    with pytest.raises(ModelFileError, match="phi3.rope.dimension_count=2 is not supported"):
-        arch_from_gguf(partial)
+    odd = _write(tmp_path / "odd.gguf", "phi3", {}, rope__dimension_count=3)
+    with pytest.raises(ModelFileError, match="rotary_dim must be even and in 2..head_dim \\(4\\), got 3"):
+        arch_from_gguf(odd)
+
+
+def test_a_partial_rotary_gguf_sizes_its_factors_by_the_rotated_values(tmp_path):
+    path = _write(tmp_path / "p.gguf", "phi3", {"rope_factors_long.weight": np.ones(1, np.float32),
+                                                "rope_factors_short.weight": np.ones(1, np.float32)},
+                  rope__dimension_count=2, rope__scaling__original_context_length=16)
+    arch = arch_from_gguf(path)
+    assert (arch.head_dim, arch.rotary_dim) == (4, 2)
+    assert arch.rope_scaling["long_factor"] == [1.0]
 
 
 def test_fused_phi3_tensors_split_by_rows_into_the_shards(tmp_path):

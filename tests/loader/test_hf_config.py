@@ -32,10 +32,17 @@ def test_phi3_longrope_in_its_legacy_and_current_spellings():
     assert plain.rope_scaling is None
 
 
-def test_partial_rotary_is_refused_by_name():
-    with pytest.raises(ModelFileError, match="partial_rotary_factor=0.75 is not supported"):
-        arch_from_hf_config(BASE | {"architectures": ["Phi3ForCausalLM"], "rope_parameters": {
-            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}})
+def test_partial_rotary_turns_part_of_each_head():
+    phi4_mini = BASE | {"architectures": ["Phi3ForCausalLM"], "head_dim": 128, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
+    arch = arch_from_hf_config(phi4_mini)
+    assert (arch.rotary_dim, arch.rope_dim, arch.rope_scaling) == (96, 96, None)
+    assert arch_from_hf_config(phi4_mini | {"partial_rotary_factor": 1.0}).rotary_dim is None
+    with pytest.raises(ModelFileError, match=r"partial_rotary_factor must be a number in \(0, 1\]"):
+        arch_from_hf_config(phi4_mini | {"partial_rotary_factor": 1.5})
+    with pytest.raises(ModelFileError, match="rotary_dim must be even"):
+        arch_from_hf_config(phi4_mini | {"head_dim": 16, "partial_rotary_factor": 0.2})  # 3 values
+
 
 
 def test_sliding_window_is_read_where_it_applies():

@@ -2,7 +2,8 @@
 (distinct short and long factor sets, original context 64 of 256 positions, so an attention
 factor of 1.15) and a sliding window (200) below its positions, through the HF directory and
 GGUFs (float32 and Q8_0, the factors as llama.cpp's rope_factors_* tensors), batched, with
-chunked prefill and the prefix cache on.
+chunked prefill and the prefix cache on; and a tiny Phi-4-mini (the same class with RoPE over
+3/4 of each head).
 
 LongRoPE's factor set is chosen once, by max_model_len against the original context, so each
 engine is compared on prompts that transformers runs with the same set: longer than the
@@ -105,3 +106,45 @@ def test_q8_0_gguf_runs_its_blocks_through_the_captured_decode(phi3):
     assert runner.decode_path.startswith("the C++ decode stack (phi3 layers"), runner.decode_path
     check_q8_0(llm, phi3)
     check_captured_equals_loop(llm, phi3.prompts)
+
+
+@pytest.fixture(scope="module")
+def phi4_mini(tmp_path_factory):
+    """A tiny Phi-4-mini: the Phi-3 decoder with RoPE over 3/4 of each head (24 of 32), LongRoPE
+    factors for those 12 pairs, tied embeddings and no window."""
+    gen = torch.Generator().manual_seed(4)
+    short = (1 + 0.5 * torch.rand(12, generator=gen)).tolist()
+    long = (1 + 3 * torch.rand(12, generator=gen)).tolist()
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                     max_position_embeddings=POSITIONS, original_max_position_embeddings=ORIGINAL,
+                     tie_word_embeddings=True, pad_token_id=None, bos_token_id=None,
+                     eos_token_id=VOCAB - 1,
+                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.75,
+                                      "short_factor": short, "long_factor": long})
+    model = Phi3ForCausalLM(cfg).eval()
+    random_init(model, seed=5, scale=0.2)
+
+    def fields(writer):
+        base_fields(writer, cfg)
+        writer.add_rope_dimension_count(24)
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
+        writer.add_sliding_window(0)  # how llama.cpp writes Phi-4's "no window"
+
+    factors = {"rope_factors_long.weight": np.array(long, dtype=np.float32),
+               "rope_factors_short.weight": np.array(short, dtype=np.float32)}
+    return save_checkpoints(model, tmp_path_factory.mktemp("phi4_mini"), "phi3", fields,
+                            prompts(LONG_PROMPTS, seed=6, shared=40), extra=factors)
+
+
+def test_partial_rotary_phi4_mini_through_every_loader(phi4_mini):
+    ref = hf_reference(phi4_mini.model, phi4_mini.prompts)
+    for model, kwargs in ((phi4_mini.hf_dir, {}), (phi4_mini.f32_gguf, {"tokenizer": str(phi4_mini.hf_dir)})):
+        llm = LLM(model=str(model), dtype="float32", **kwargs, **CHUNKED)
+        assert llm.llm_engine.config.arch.rotary_dim == 24
+        check_float32(llm, ref)
+    llm = LLM(model=str(phi4_mini.q8_0_gguf), tokenizer=str(phi4_mini.hf_dir), **CHUNKED)
+    assert model_runner(llm).captured_decode is not None
+    check_q8_0(llm, phi4_mini)
+    check_captured_equals_loop(llm, phi4_mini.prompts)

@@ -40,9 +40,10 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(hq_ > 0 && hk_ > 0 && hq_ % hk_ == 0, "num_heads (", hq_, ") must be a positive multiple of ",
                 "num_kv_heads (", hk_, ")");
     TORCH_CHECK(d_ > 0 && d_ % 2 == 0, "head_dim must be positive and even, got ", d_);
-    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == d_ && sin_.sizes() == cos_.sizes(),
-                "cos and sin must be [positions, head_dim] tables of the same shape, got cos ", cos_.sizes(),
-                " and sin ", sin_.sizes());
+    TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && cos_.size(1) % 2 == 0 && cos_.size(1) > 0 &&
+                    cos_.size(1) <= d_,
+                "cos and sin must be [positions, rotary_dim] tables of the same shape, rotary_dim even and at "
+                "most head_dim, got cos ", cos_.sizes(), " and sin ", sin_.sizes());
   }
 
   // weights: q, k, v, o, gate, up, down (x8 matrices) with their ggml types; qkv_bias: [] or 3;

@@ -125,7 +125,8 @@ class RotaryEmbedding(CustomOp):
                  scaling: Optional[dict[str, Any]] = None, model_max_positions: int = 0) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
-        self._args = (rotary_dim, max_positions, base, scaling, model_max_positions or max_positions)
+        model_max = model_max_positions or max_positions
+        self._args = (rotary_dim, max_positions, base, scaling, model_max)
         self.reset_tables(None)
 
     def reset_tables(self, device: Optional[torch.device]) -> None:
@@ -135,7 +136,8 @@ class RotaryEmbedding(CustomOp):
         # computed on the CPU even inside a meta-device context: meta arithmetic goes through
         # Python decompositions that import torch._dynamo (seconds of start-up)
         with torch.device("cpu"):
-            inv_freq, attn_scale = rope_inv_freq(base, rotary_dim, scaling, model_max, max_positions)
+            inv_freq, attn_scale = rope_inv_freq(base, rotary_dim, scaling, model_max,
+                                                 max_positions)
             pos = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(pos, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]

@@ -21,7 +21,8 @@ FREQS = "rope_freqs.weight"
 ROPE_FACTOR_TENSORS = frozenset({LONG, SHORT, FREQS})
 
 
-def _factor_list(values: list[float], name: str, rotary_dim: int, source: str | Path) -> list[float]:
+def _factor_list(values: list[float], name: str, rotary_dim: int,
+                 source: str | Path) -> list[float]:
     """One factor per rotated pair of values of a head, each a finite number > 0."""
     if len(values) != rotary_dim // 2:
         raise ModelFileError(f"tensor {name!r} has {len(values)} values, want one per rotated "

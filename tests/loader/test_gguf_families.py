@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_loader import arch_from_gguf, gguf_quant_plan, hf_name, load_gguf_weights
+from pagedllm.loader.gguf_rope import LONG, SHORT
 
 
 def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], hidden: int = 8,
@@ -23,8 +24,8 @@ def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], hidden: int = 
     writer.add_layer_norm_rms_eps(1e-5)
     for key, value in fields.items():
         key = f"{arch}.{key.replace('__', '.')}"
-        add = {float: writer.add_float32, str: writer.add_string}.get(type(value), writer.add_uint32)
-        add(key, value)
+        adders = {float: writer.add_float32, str: writer.add_string}
+        adders.get(type(value), writer.add_uint32)(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((4, hidden), dtype=np.float32))
     for name, value in tensors.items():
         qtype = gguf.GGMLQuantizationType.Q8_0 if value.dtype == np.uint8 else None
@@ -43,7 +44,8 @@ def test_phi3_reads_its_factor_tensors_and_window(tmp_path):
                   rope__scaling__original_context_length=16, rope__scaling__attn_factor=1.2,
                   attention__sliding_window=32, rope__dimension_count=4)
     arch = arch_from_gguf(path)
-    assert (arch.architecture, arch.sliding_window, arch.max_model_len_supported) == ("phi3", 32, 32)
+    assert (arch.architecture, arch.sliding_window) == ("phi3", 32)
+    assert arch.max_model_len_supported == 32
     assert arch.rope_scaling == {"rope_type": "longrope", "long_factor": [2.0, 3.0],
                                  "short_factor": [1.0, 1.5],
                                  "original_max_position_embeddings": 16,
@@ -54,23 +56,23 @@ def test_phi3_reads_its_factor_tensors_and_window(tmp_path):
 
 
 def test_half_a_longrope_or_an_odd_rotary_dim_is_refused(tmp_path):
-    one = _write(tmp_path / "one.gguf", "phi3", {"rope_factors_long.weight": np.ones(2, np.float32)},
+    one = _write(tmp_path / "one.gguf", "phi3", {LONG: np.ones(2, np.float32)},
                  rope__scaling__original_context_length=16)
     with pytest.raises(ModelFileError, match="without rope_factors_short.weight"):
         arch_from_gguf(one)
-    short = _write(tmp_path / "short.gguf", "phi3", {"rope_factors_long.weight": np.ones(3, np.float32),
-                                                     "rope_factors_short.weight": np.ones(3, np.float32)},
+    three = np.ones(3, np.float32)
+    short = _write(tmp_path / "short.gguf", "phi3", {LONG: three, SHORT: three},
                    rope__scaling__original_context_length=16)
     with pytest.raises(ModelFileError, match="has 3 values, want one per rotated pair \\(2\\)"):
         arch_from_gguf(short)
     odd = _write(tmp_path / "odd.gguf", "phi3", {}, rope__dimension_count=3)
-    with pytest.raises(ModelFileError, match="rotary_dim must be even and in 2..head_dim \\(4\\), got 3"):
+    with pytest.raises(ModelFileError, match=r"rotary_dim must be even .*\(4\), got 3"):
         arch_from_gguf(odd)
 
 
 def test_a_partial_rotary_gguf_sizes_its_factors_by_the_rotated_values(tmp_path):
-    path = _write(tmp_path / "p.gguf", "phi3", {"rope_factors_long.weight": np.ones(1, np.float32),
-                                                "rope_factors_short.weight": np.ones(1, np.float32)},
+    one = np.ones(1, np.float32)
+    path = _write(tmp_path / "p.gguf", "phi3", {LONG: one, SHORT: one},
                   rope__dimension_count=2, rope__scaling__original_context_length=16)
     arch = arch_from_gguf(path)
     assert (arch.head_dim, arch.rotary_dim) == (4, 2)
@@ -107,7 +109,8 @@ def test_a_fused_block_tensor_plans_every_shard_in_its_format(tmp_path):
 
 
 def test_llama3_rope_freqs_become_frequency_divisors(tmp_path):
-    path = _write(tmp_path / "l.gguf", "llama", {"rope_freqs.weight": np.array([1.0, 8.0], np.float32)})
+    divisors = np.array([1.0, 8.0], np.float32)
+    path = _write(tmp_path / "l.gguf", "llama", {"rope_freqs.weight": divisors})
     assert arch_from_gguf(path).rope_scaling == {"rope_type": "frequency_divisors",
                                                  "divisors": [1.0, 8.0]}
     both = _write(tmp_path / "both.gguf", "llama", {"rope_freqs.weight": np.ones(2, np.float32)},

@@ -71,7 +71,8 @@ def test_hf_directory_with_long_factors_and_the_window_cap(phi3, long_reference,
     assert llm.llm_engine.config.scheduler.max_model_len == WINDOW
     assert (f"max_model_len capped at {WINDOW}, the model's sliding_window, instead of its "
             f"max_position_embeddings {POSITIONS}") in caplog.text
-    assert f"LongRoPE long factors (max_model_len {WINDOW} > original context {ORIGINAL})" in caplog.text
+    assert (f"LongRoPE long factors (max_model_len {WINDOW} > original context {ORIGINAL})"
+            in caplog.text)
     # the fused tensors were split into the shards of the merged layers
     attn = model_runner(llm).model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, MergedLinear) and attn.qkv_proj.output_sizes == (64, 32, 32)
@@ -140,7 +141,8 @@ def phi4_mini(tmp_path_factory):
 
 def test_partial_rotary_phi4_mini_through_every_loader(phi4_mini):
     ref = hf_reference(phi4_mini.model, phi4_mini.prompts)
-    for model, kwargs in ((phi4_mini.hf_dir, {}), (phi4_mini.f32_gguf, {"tokenizer": str(phi4_mini.hf_dir)})):
+    tokenizer = {"tokenizer": str(phi4_mini.hf_dir)}
+    for model, kwargs in ((phi4_mini.hf_dir, {}), (phi4_mini.f32_gguf, tokenizer)):
         llm = LLM(model=str(model), dtype="float32", **kwargs, **CHUNKED)
         assert llm.llm_engine.config.arch.rotary_dim == 24
         check_float32(llm, ref)

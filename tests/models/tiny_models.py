@@ -112,28 +112,24 @@ def gguf_tensors(model: torch.nn.Module, arch: gguf.MODEL_ARCH,
 
 
 def write_gguf(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
-               tensors: Mapping[str, np.ndarray], qtype: GGMLQuantizationType,
-               exact: bool = True) -> dict[str, np.ndarray]:
-    """A GGUF of the tensors, its 2-D matrices in qtype blocks (1-D ones stay float32), with
-    metadata written by fields(writer); exact: the Q8_0 blocks must decode to the very values
-    given (they came from q8_0_round_trip). Returns each tensor as the file holds it."""
+               tensors: Mapping[str, np.ndarray], qtype: GGMLQuantizationType) -> None:
+    """A GGUF of the tensors, its 2-D matrices in qtype blocks (F32 or Q8_0; 1-D ones stay
+    float32), with metadata written by fields(writer). Q8_0 matrices must come from
+    q8_0_round_trip, so that the file holds exactly the reference's values (checked)."""
     writer = gguf.GGUFWriter(str(path), arch)
     fields(writer)
-    held = {}
     for name, arr in tensors.items():
         if arr.ndim == 2 and qtype != F32:
             blocks = gguf.quants.quantize(arr, qtype)
+            held = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
+            assert np.array_equal(held, arr), name
             writer.add_tensor(name, blocks, raw_dtype=qtype)
-            held[name] = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
-            assert np.array_equal(held[name], arr) or qtype != Q8_0 or not exact, name
         else:
             writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-            held[name] = arr
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return held
 
 
 def base_fields(writer: gguf.GGUFWriter, cfg) -> None:
@@ -211,7 +207,8 @@ def near_argmax_gap(model: torch.nn.Module, token_prompts: list[list[int]],
 
 def max_logit_error(llm: LLM, ref: Reference) -> float:
     """Largest |engine - transformers| over the last-position logits of every prompt."""
-    return max((last_logits(llm, p) - r).abs().max().item() for p, r in zip(ref.prompts, ref.logits))
+    return max((last_logits(llm, p) - r).abs().max().item()
+               for p, r in zip(ref.prompts, ref.logits))
 
 
 def prefix_hits(llm: LLM) -> int:
@@ -264,7 +261,8 @@ def check_q8_0(llm: LLM, ckpts: TinyCheckpoints) -> None:
     engine's continuation: after a near-tie the two may part, and both be right)."""
     ref = hf_reference(ckpts.q8_0_model, ckpts.prompts)
     tol = Q8_0_LOGIT_TOL * max(r.abs().max().item() for r in ref.logits)
-    assert max_logit_error(llm, ref) <= tol, (max_logit_error(llm, ref), tol)
+    error = max_logit_error(llm, ref)
+    assert error <= tol, (error, tol)
     tokens = greedy_tokens(llm, ckpts.prompts)
     assert near_argmax_gap(ckpts.q8_0_model, ckpts.prompts, tokens) <= tol
 

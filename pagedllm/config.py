@@ -22,7 +22,7 @@ def check_quantization(value: Optional[str]) -> Optional[str]:
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
 
-    architecture: str  # registry key: "llama" or "qwen2"
+    architecture: str  # registry key: "llama", "qwen2", "qwen3" or "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,6 +39,11 @@ class ModelArchConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: Optional[str] = None  # checkpoint dtype name, e.g. "bfloat16"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # tokens a query may attend back over (itself included), or None: full attention
+    sliding_window: Optional[int] = None
+    # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
+    rotary_dim: Optional[int] = None
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -50,21 +55,43 @@ class ModelArchConfig:
         for name in ("rms_norm_eps", "rope_theta"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (rotary embeddings turn pairs of values), "
                              f"got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+                0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
+                             f"got {self.rotary_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
+    @property
+    def rope_dim(self) -> int:
+        """The values of each head that RoPE turns."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def max_model_len_supported(self) -> int:
+        """The longest sequence the engine runs: max_position_embeddings, or a smaller sliding
+        window. Within the window every token sees its whole context, so full attention is
+        exact there; sliding-window attention itself is not implemented."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
     def num_params(self) -> int:
-        """Parameters of a Llama/Qwen2 decoder from its shapes."""
+        """Parameters of the decoder from its shapes."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + head + self.num_hidden_layers * per_layer + h
 

@@ -31,7 +31,8 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
         self.config = dataclasses.replace(config, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self.engine_core = EngineCore(self.config)
-        logger.info("kernels: %s", _kernels_summary(self.config))
+        logger.info("kernels: %s; decode steps: %s", _kernels_summary(self.config),
+                    self.engine_core.executor.decode_path())
         cache = self.config.cache
         self.input_processor = InputProcessor(tokenizer, self.config.scheduler.max_model_len,
                                               config.arch.vocab_size, frozenset(self.eos_token_ids),

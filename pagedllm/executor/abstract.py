@@ -37,5 +37,9 @@ class Executor(ABC):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""
 
+    @abstractmethod
+    def decode_path(self) -> str:
+        """What runs decode-only steps on the workers, and why (one line for the log)."""
+
     def shutdown(self) -> None:
         """Stop the workers (nothing to do in-process)."""

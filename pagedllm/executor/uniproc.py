@@ -27,6 +27,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 
+    def decode_path(self) -> str:
+        return self.worker.model_runner.decode_path
+
     @property
     def model_runner(self):
         """The worker's model runner (in-process only: for tests and benchmarks)."""

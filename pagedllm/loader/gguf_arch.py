@@ -10,7 +10,8 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                      "qwen3": "qwen3"}
 
 
 def _required(fields: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -79,9 +80,12 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
 
     hidden, heads = dim("embedding_length"), dim("attention.head_count")
     embed = _embedding(tensors, hidden, f"{p}.embedding_length", source)
+    head_dim = dim("attention.key_length", hidden // heads)
+    rotary_dim = dim("rope.dimension_count", head_dim)
     names = {t.name for t in tensors}
     eps_key, theta_key = f"{p}.attention.layer_norm_rms_epsilon", f"{p}.rope.freq_base"
     bos = fields.get("tokenizer.ggml.bos_token_id")
+    window = fields.get(f"{p}.attention.sliding_window")  # 0: none (how llama.cpp writes it)
     return make_arch(
         source,
         architecture=GGUF_ARCHITECTURES[p],
@@ -91,7 +95,7 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         num_hidden_layers=dim("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=dim("attention.head_count_kv", heads),
-        head_dim=dim("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=positive_float(_required(fields, eps_key, source), eps_key, source),
         rope_theta=positive_float(fields.get(theta_key, 10000.0), theta_key, source),
         max_position_embeddings=dim("context_length"),
@@ -101,4 +105,8 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         bos_token_id=None if bos is None else token_id(bos, "tokenizer.ggml.bos_token_id", source),
         eos_token_ids=_eos_ids(fields, source),
         torch_dtype=None,  # quantized: no single checkpoint dtype
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=(None if window in (None, 0) else
+                        dimension(window, f"{p}.attention.sliding_window", source)),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
     )

@@ -5,6 +5,7 @@ gguf_arch.py; this module plans and copies the tensor payloads.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator, Mapping, Optional
@@ -17,7 +18,9 @@ from gguf.quants import dequantize
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_arch import arch_from_header
+from pagedllm.loader.fused import RowSlice, shard_modules, split_fused
 from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
 
 # Dequantize at most this many float32 elements at a time (32 MiB).
@@ -36,14 +39,20 @@ _LAYER_NAMES: dict[str, str] = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # fused (Phi-3): split by loader/fused.py
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Precomputed Llama-3 rope frequencies: derived data, not a parameter (transformers skips it too).
-_IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
+# Per architecture (registry key), layer tensors whose HF name differs: llama.cpp's Phi-3 holds
+# gate and up fused in ffn_up.
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
 
 
 @dataclass(frozen=True)
@@ -54,20 +63,30 @@ class _GGUFHeader:
     tensors: tuple[GGUFTensorInfo, ...]
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
-    """HF parameter name for a GGUF tensor name, or None if it has no counterpart."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> Optional[str]:
+    """HF parameter name for a GGUF tensor name of a model of `architecture` (registry key), or
+    None if it has no counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    local = _ARCH_LAYER_NAMES.get(architecture, {}).get(parts[2]) or _LAYER_NAMES.get(parts[2])
+    return None if local is None else f"model.layers.{parts[1]}.{local}"
 
 
 def _read_header(path: str | Path) -> _GGUFHeader:
-    """Parse metadata and tensor table, without touching tensor payloads."""
+    """Parse metadata and tensor table; of the payloads, only the rope factor tensors (a few
+    floats) are read, into the architecture."""
     fields, tensors = gguf_header(path)
-    return _GGUFHeader(arch=arch_from_header(fields, tensors, path), tensors=tensors)
+    arch = arch_from_header(fields, tensors, path)
+    wanted = [info for info in tensors if info.name in ROPE_FACTOR_TENSORS]
+    if wanted:
+        with open(path, "rb", buffering=0) as fh:
+            factors = {info.name: dequantize(_read_bytes(fh, info.offset, info.nbytes),
+                                             info.qtype).reshape(-1).tolist() for info in wanted}
+        arch = with_rope_factors(arch, fields, factors, path)
+    return _GGUFHeader(arch=arch, tensors=tensors)
 
 
 def arch_from_gguf(path: str | Path) -> ModelArchConfig:
@@ -80,9 +99,11 @@ def gguf_quant_plan(path: str | Path, kernel_types: frozenset) -> dict[str, GGML
     header = _read_header(path)
     plan: dict[str, GGMLQuantizationType] = {}
     for info in header.tensors:
-        name = hf_name(info.name)
+        name = hf_name(info.name, header.arch.architecture)
         if name and name.endswith(".weight") and len(info.shape) == 2 and info.qtype in kernel_types:
-            plan[name.removesuffix(".weight")] = info.qtype
+            module = name.removesuffix(".weight")
+            for shard in shard_modules(module) or (module,):  # a fused tensor: each of its shards
+                plan[shard] = info.qtype
     if header.arch.tie_word_embeddings and "model.embed_tokens" in plan:
         plan["lm_head"] = plan["model.embed_tokens"]  # the head shares the embedding's blocks
     return plan
@@ -153,16 +174,34 @@ def _check_shape(name: str, dest: torch.Tensor, info: GGUFTensorInfo) -> None:
                          f"{info.name!r} has shape {info.shape}")
 
 
+def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
+               ) -> tuple[GGUFTensorInfo, str]:
+    """The rows of a fused GGUF tensor that one shard loads, as a tensor of its own (rows are
+    whole blocks, so a row range is valid in any block format)."""
+    if info.shape[0] != part.total:
+        raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape} but its shards "
+                         f"({part.name!r} among them) have {part.total} rows in all")
+    row_bytes = info.nbytes // info.shape[0]
+    piece = dataclasses.replace(info, shape=(part.rows, *info.shape[1:]),
+                                offset=info.offset + part.start * row_bytes,
+                                nbytes=part.rows * row_bytes)
+    _check_shape(part.name, dest, piece)
+    return piece, part.name
+
+
 def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple[GGUFTensorInfo, str]]:
     """(source tensor, destination name) pairs covering every param exactly once."""
     plan: list[tuple[GGUFTensorInfo, str]] = []
     embed: Optional[GGUFTensorInfo] = None
     for info in header.tensors:
-        name = hf_name(info.name)
+        name = hf_name(info.name, header.arch.architecture)
         if name is None:
-            if info.name in _IGNORED_TENSORS:
+            if info.name in ROPE_FACTOR_TENSORS:  # read into the architecture's rope_scaling
                 continue
             raise ValueError(f"unexpected GGUF tensor {info.name!r} (no HF parameter for it)")
+        if (parts := split_fused(name, params)) is not None:
+            plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
+            continue
         if name not in params:
             raise ValueError(f"unexpected GGUF tensor {info.name!r}: the model has no {name!r}")
         _check_shape(name, params[name], info)
@@ -201,7 +240,7 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32
     header = _read_header(path)
     with open(path, "rb", buffering=0) as fh:
         for info in header.tensors:
-            name = hf_name(info.name)
+            name = hf_name(info.name, header.arch.architecture)
             if name is None:
                 continue
             tensor = torch.empty(info.shape, dtype=dtype)

@@ -12,11 +12,14 @@ from pagedllm.loader.errors import ModelFileError
 HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
+                                "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
@@ -42,23 +45,60 @@ def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
     return cfg[key]
 
 
-def _rope(cfg: Mapping[str, Any], source: str | Path) -> tuple[float, Optional[dict[str, Any]]]:
+def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, source: str | Path) -> Optional[int]:
+    """The values of each head RoPE turns when partial_rotary_factor (top level, or in
+    rope_parameters as transformers 5 writes it) is below 1, as int(head_dim * factor) the way
+    transformers computes it; None for the whole head."""
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    factor = cfg.get("partial_rotary_factor", factor)
+    if factor is None or factor == 1:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < 1:
+        raise ModelFileError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r} "
+                             f"in {source}")
+    return int(head_dim * factor)
+
+
+def _rope(cfg: Mapping[str, Any], arch: str,
+          source: str | Path) -> tuple[float, Optional[dict[str, Any]]]:
     """(rope_theta, rope_scaling) from either the legacy keys or transformers 5 `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
     nested_theta = params.pop("rope_theta", None)
+    params.pop("partial_rotary_factor", None)  # _rotary_dim
     theta = cfg.get("rope_theta", nested_theta)
     scaling = cfg.get("rope_scaling") or params or None
     if scaling is not None:
         if not isinstance(scaling, Mapping):
             raise ModelFileError(f"rope_scaling must be an object, got {scaling!r} in {source}")
         scaling = dict(scaling)
+        scaling.pop("partial_rotary_factor", None)  # _rotary_dim
         if "rope_type" not in scaling and "type" in scaling:
             scaling["rope_type"] = scaling["type"]  # legacy spelling
+        if arch == "phi3":
+            _phi3_longrope(cfg, scaling)
         if scaling.get("rope_type", "default") == "default" and set(scaling) <= {"rope_type", "type"}:
             scaling = None  # transformers 5 writes {"rope_type": "default"} for plain RoPE
         elif scaling.get("factor") is not None:
             positive_float(scaling["factor"], "rope_scaling.factor", source)
     return positive_float(10000.0 if theta is None else theta, "rope_theta", source), scaling
+
+
+def _phi3_longrope(cfg: Mapping[str, Any], scaling: dict[str, Any]) -> None:
+    """Phi-3's spellings of LongRoPE, as transformers reads them: types "su" and "yarn" are
+    LongRoPE, and a top-level original_max_position_embeddings wins."""
+    if scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling.get("rope_type") == "longrope" and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+
+
+def _sliding_window(cfg: Mapping[str, Any], arch: str, source: str | Path) -> Optional[int]:
+    """The attention window, or None for full attention. Qwen2/Qwen3 configs carry a
+    sliding_window that applies only with use_sliding_window; null or 0 means none."""
+    value = cfg.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    return None if value in (None, 0) else dimension(value, "sliding_window", source)
 
 
 def _eos_ids(value: Any, source: str | Path) -> tuple[int, ...]:
@@ -79,7 +119,8 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         return dimension(_required(cfg, key, source), key, source)
 
     hidden, heads = dim("hidden_size"), dim("num_attention_heads")
-    rope_theta, rope_scaling = _rope(cfg, source)
+    head_dim = dim("head_dim", hidden // heads)
+    rope_theta, rope_scaling = _rope(cfg, arch, source)
     bos = cfg.get("bos_token_id")
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):
@@ -94,7 +135,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         num_hidden_layers=dim("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=dim("num_key_value_heads", heads),
-        head_dim=dim("head_dim", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope_theta=rope_theta,
         max_position_embeddings=dim("max_position_embeddings"),
@@ -105,4 +146,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         bos_token_id=None if bos is None else token_id(bos, "bos_token_id", source),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
         torch_dtype=torch_dtype,
+        qk_norm=arch == "qwen3",
+        sliding_window=_sliding_window(cfg, arch, source),
+        rotary_dim=_rotary_dim(cfg, head_dim, source),
     )

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.loader.errors import ModelFileError, read_json_object
+from pagedllm.loader.fused import RowSlice, split_fused
 from pagedllm.loader.progress import load_progress
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -58,14 +59,22 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     return sources
 
 
-def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Destination name -> checkpoint name, or ValueError naming missing/unexpected tensors."""
+# destination name -> (checkpoint name, the destination's rows in it when it is fused, else None)
+Plan = dict[str, tuple[str, Optional[RowSlice]]]
+
+
+def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor]) -> Plan:
+    """Where each destination comes from, or ValueError naming missing/unexpected tensors."""
     skipped = {n for n in sources if n.endswith("rotary_emb.inv_freq")}
     if _LM_HEAD not in params:
         skipped.add(_LM_HEAD)  # tied model: lm_head shares embed_tokens
-    plan = {name: name for name in params if name in sources}
+    plan: Plan = {name: (name, None) for name in params if name in sources}
+    for src in sources:
+        for part in split_fused(src, params) or ():
+            plan[part.name] = (src, part)
+            skipped.add(src)
     if _LM_HEAD in params and _LM_HEAD not in sources and _EMBED in sources:
-        plan[_LM_HEAD] = _EMBED  # tied checkpoint loaded into a model with its own lm_head
+        plan[_LM_HEAD] = (_EMBED, None)  # tied checkpoint loaded into a model with its own lm_head
     missing = sorted(set(params) - set(plan))
     unexpected = sorted(set(sources) - set(params) - skipped)
     if missing or unexpected:
@@ -74,19 +83,25 @@ def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor]) -> di
     return plan
 
 
-def _copy(f, src: str, dst: str, dest: torch.Tensor) -> None:
-    """Copy one tensor from an open file into dest in row slices, casting to dest's dtype."""
+def _copy(f, src: str, dst: str, dest: torch.Tensor, part: Optional[RowSlice]) -> None:
+    """Copy one tensor (or, for a fused one, the part's rows) from an open file into dest in
+    row slices, casting to dest's dtype."""
     sl = f.get_slice(src)
     shape = tuple(sl.get_shape())
-    if shape != tuple(dest.shape):
+    if part is not None and shape != (part.total, *dest.shape[1:]):
+        raise ValueError(f"checkpoint tensor {src!r} has shape {shape} but its shards "
+                         f"({dst!r} among them) take {(part.total, *dest.shape[1:])}")
+    if part is None and shape != tuple(dest.shape):
         raise ValueError(f"{dst!r} has shape {tuple(dest.shape)} but checkpoint tensor {src!r} "
                          f"has shape {shape}")
-    if len(shape) < 2 or dest.numel() <= CHUNK_ELEMENTS:
+    if part is None and (len(shape) < 2 or dest.numel() <= CHUNK_ELEMENTS):
         dest.copy_(sl[:])
         return
-    step = max(1, CHUNK_ELEMENTS // (dest.numel() // shape[0]))
-    for r0 in range(0, shape[0], step):
-        dest[r0:r0 + step].copy_(sl[r0:r0 + step])
+    start, rows = (0, shape[0]) if part is None else (part.start, part.rows)
+    step = max(1, CHUNK_ELEMENTS // max(1, dest.numel() // rows))
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        dest[r0:r0 + n].copy_(sl[start + r0:start + r0 + n])
 
 
 def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.Tensor]) -> None:
@@ -94,9 +109,9 @@ def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.T
     sources = _tensor_files(Path(model_dir))
     plan = _plan(sources, params)
     with torch.no_grad():
-        ordered = sorted(plan.items(), key=lambda item: str(sources[item[1]]))
-        for dst, src in load_progress(ordered, model_dir):
+        ordered = sorted(plan.items(), key=lambda item: str(sources[item[1][0]]))
+        for dst, (src, part) in load_progress(ordered, model_dir):
             # One open per tensor: closing unmaps the file, so touched pages of
             # already-copied tensors stop counting towards resident memory.
             with _open(sources[src]) as f:
-                _copy(f, src, dst, params[dst])
+                _copy(f, src, dst, params[dst], part)

@@ -1,7 +1,12 @@
-"""One decoder for the Llama family and Qwen2: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""One decoder for the Llama family, Qwen2, Qwen3 and Phi-3: RMSNorm, RoPE, grouped-query
+attention, SwiGLU.
 
 Qwen2 is Llama with biases on the q/k/v projections (config.attention_bias) and, for the small
-models, embeddings tied to the output head (config.tie_word_embeddings). Parameter names follow
+models, embeddings tied to the output head (config.tie_word_embeddings). Qwen3 drops the biases
+and normalises each head of q and k before RoPE (config.qk_norm). Phi-3 stores q/k/v and
+gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py),
+its long-context models use LongRoPE, and Phi-4-mini turns only 3/4 of each head (config.
+rotary_dim; layers/rotary.py). Parameter names follow
 Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
 separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
 swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
@@ -32,6 +37,9 @@ class SelfAttention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, (q, kv, kv), ("q_proj", "k_proj", "v_proj"),
                                      bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        # Qwen3: RMSNorm over head_dim, one weight shared by every head of q (of k)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = [rope]  # shared with every layer; a list keeps it out of this module's children
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
@@ -41,6 +49,9 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # a merged projection's outputs are strided views; the norm reads whole rows
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q, k = self.rope[0](positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(t, -1))  # [T, H]
 
@@ -99,7 +110,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+        self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
         self.model = DecoderModel(cfg, self.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -145,3 +156,11 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: the Llama decoder with q/k/v biases (set by the config)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): the Llama decoder with per-head q/k RMSNorm (set by the config)."""
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3: the Llama decoder; its fused qkv_proj / gate_up_proj load into the same shards."""

@@ -8,11 +8,14 @@ from typing import Optional
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
-from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+                                   Qwen3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 

@@ -6,10 +6,13 @@ costs about a third of the layer's matmuls. The stack runs the same kernels in t
 without it, so its numbers equal the layer loop's (tested). It replaces the model's layer loop
 for steps in which every request adds one token; it is the slot where CUDA-graph replay will sit
 on a GPU. Steps with a prompt chunk run the model's loop.
+
+Whether a model takes it is decided once, at load (decide()), with the reason the kernels log
+line gives; the step itself checks nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -26,8 +29,15 @@ def _float32(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
 
 
+# Registry keys whose decoder layer the C++ stack reproduces op for op: Llama (and Mistral),
+# Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (Llama's layer once its fused tensors
+# are split; LongRoPE is in the rope tables).
+STACK_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
+
+
 def _layer_args(layer: nn.Module) -> Optional[tuple]:
-    """DecodeStack.add_layer() arguments for a Llama/Qwen2 decoder layer, or None."""
+    """DecodeStack.add_layer() arguments for a decoder layer whose weights are all x8 blocks
+    and whose norms and biases are float32, or None."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
     if not _packed(qkv, attn.o_proj, gate_up, mlp.down_proj):
@@ -35,12 +45,36 @@ def _layer_args(layer: nn.Module) -> Optional[tuple]:
     if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or gate_up.bias is not None:
         return None
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if not _float32(qkv.bias, *norms):
+    qk_norms = [] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+    if not _float32(qkv.bias, *norms, *qk_norms):
         return None
     biases = [] if qkv.bias is None else list(qkv.bias.split(qkv.output_sizes))
     weights = [*qkv.weights, attn.o_proj.weight, *gate_up.weights, mlp.down_proj.weight]
     qtypes = [*qkv.qtypes, attn.o_proj.qtype, *gate_up.qtypes, mlp.down_proj.qtype]
-    return weights, [int(t) for t in qtypes], biases, *norms
+    return weights, [int(t) for t in qtypes], biases, qk_norms, *norms
+
+
+class DecodeChoice(NamedTuple):
+    """What runs decode-only steps: the captured stack, or None for the model's layer loop,
+    and why (for the kernels log line)."""
+
+    captured: Optional["CapturedDecode"]
+    why: str
+
+
+def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
+    """The captured step where the model can take it, else the layer loop, with the reason."""
+    arch = model.config.architecture
+    if arch not in STACK_ARCHITECTURES:
+        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack does not run "
+                                  f"{arch} layers)")
+    if not kernels_ready:
+        return DecodeChoice(None, "the model's layer loop (no compiled CPU kernels)")
+    captured = CapturedDecode.capture(model, kernels_ready)
+    if captured is None:
+        return DecodeChoice(None, "the model's layer loop (the C++ decode stack takes only x8 "
+                                  "block matrices with float32 norms on the CPU)")
+    return DecodeChoice(captured, f"the C++ decode stack ({arch} layers, one call a step)")
 
 
 class CapturedDecode:
@@ -51,9 +85,10 @@ class CapturedDecode:
 
     @classmethod
     def capture(cls, model: nn.Module, kernels_ready: bool) -> Optional["CapturedDecode"]:
-        """The captured step of a Llama-family model whose layers can all take it, else None."""
+        """The captured step of a model whose layers can all take it, else None."""
         layers = getattr(getattr(model, "model", None), "layers", None)
-        if not kernels_ready or not layers or not _float32(model.rope.cos):
+        if (not kernels_ready or not layers or not _float32(model.rope.cos)
+                or model.config.architecture not in STACK_ARCHITECTURES):
             return None
         args = [_layer_args(layer) for layer in layers]
         if any(a is None for a in args):

@@ -19,6 +19,8 @@ MIN_MODEL_LEN = 2048  # a default max_model_len is shrunk to fit, but not below 
 FAMILY_SIZES = {
     "qwen2": [("Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen2.5-1.5B-Instruct", 1.54e9),
               ("Qwen2.5-3B-Instruct", 3.09e9), ("Qwen2.5-7B-Instruct", 7.62e9)],
+    "qwen3": [("Qwen3-0.6B", 0.75e9), ("Qwen3-1.7B", 2.03e9), ("Qwen3-4B", 4.02e9),
+              ("Qwen3-8B", 8.19e9)],
     "llama": [("SmolLM2-135M-Instruct", 0.135e9), ("SmolLM2-360M-Instruct", 0.36e9),
               ("Llama-3.2-1B-Instruct", 1.24e9), ("SmolLM2-1.7B-Instruct", 1.71e9),
               ("Llama-3.2-3B-Instruct", 3.21e9), ("Llama-3.1-8B-Instruct", 8.03e9)],
@@ -42,8 +44,9 @@ class ModelFootprint:
 
     @property
     def max_len_supported(self) -> int:
-        """Positions the model was trained for."""
-        return self.arch.max_position_embeddings
+        """Positions the model was trained for, or its smaller sliding window (sliding-window
+        attention is not implemented: within the window full attention is exact)."""
+        return self.arch.max_model_len_supported
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
-                         f"({fp.max_len_supported} positions)")
+                         f"({fp.max_len_supported} positions{_window_note(fp.arch)})")
     block_bytes = fp.kv_bytes_per_token * block_size
     budget = int(mem.available_bytes * MEMORY_UTILIZATION)
     base_act = activation_bytes(fp, max_num_batched_tokens, max_num_seqs, 0)
@@ -132,6 +135,14 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       fp.weight_bytes, kv_bytes,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
                       overhead_bytes, mem)
+
+
+def _window_note(arch: ModelArchConfig) -> str:
+    """Why a sliding window limits max_model_len, or "" when it does not."""
+    if arch.max_model_len_supported >= arch.max_position_embeddings:
+        return ""
+    return (f": its sliding_window {arch.sliding_window} is below max_position_embeddings "
+            f"{arch.max_position_embeddings}, and pagedllm has no sliding-window attention yet")
 
 
 def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,

@@ -17,6 +17,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import pack_x8
 from pagedllm.layers.quantization import QuantPlan, quantize_float_model
+from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
@@ -54,9 +55,13 @@ def load_model(config: EngineConfig) -> nn.Module:
         quantize_float_model(model, quant)
     if quant != "none" or plan:
         pack_x8(model)  # the eight-row layout of the CPU kernels
-    kept = (f", token embedding kept in {plan['model.embed_tokens'].name} blocks"
-            if quant == "none" and plan else "")
+    details = (f", token embedding kept in {plan['model.embed_tokens'].name} blocks"
+               if quant == "none" and plan else "")
+    arch = config.arch
+    rope = rope_summary(arch.rope_scaling, arch.max_position_embeddings,
+                        config.scheduler.max_model_len)
+    details += f", {rope}" if rope else ""
     logger.info("loaded %s (%s, %s, quantization %s%s) in %.1f s", ckpt.path,
-                config.arch.architecture, str(config.dtype).removeprefix("torch."), quant, kept,
+                arch.architecture, str(config.dtype).removeprefix("torch."), quant, details,
                 time.monotonic() - started)
     return model

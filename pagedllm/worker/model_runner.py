@@ -20,7 +20,7 @@ from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.structured_output.bitmask import allocate_bitmask
-from pagedllm.worker.captured_decode import CapturedDecode
+from pagedllm.worker.captured_decode import CapturedDecode, decide
 from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
                                          build_step_inputs)
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
@@ -42,6 +42,7 @@ class ModelRunner:
         self.model: Optional[nn.Module] = None
         self.kv_cache: Optional[torch.Tensor] = None
         self.captured_decode: Optional[CapturedDecode] = None
+        self.decode_path = "not loaded"  # what runs decode-only steps, and why (one line)
         self.attn_builder = attn_backend_for(self.platform, config.dtype).builder_cls(self.block_size)
         self.sampler = Sampler(cpu_ops=self.platform.op_impl(torch.float32) == "cpu")
         sched = config.scheduler
@@ -53,7 +54,7 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
         self.model = load_model(self.config)
-        self.captured_decode = CapturedDecode.capture(self.model, self.platform.kernels_ready)
+        self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block over all layers."""

@@ -49,6 +49,26 @@ def test_rope_matches_rotate_half():
         torch.ops.pagedllm.rope_(q, k, torch.tensor([0, 1, 2, 50]), cos, sin)
 
 
+def test_rope_turns_only_the_first_rotary_dim_values_of_each_head():
+    t, hq, hk, d, r = 3, 4, 2, 32, 24  # Phi-4-mini turns 96 of 128
+    q, k = torch.randn(t, hq, d), torch.randn(t, hk, d)
+    angles = torch.rand(20, r // 2) * 10
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    pos = torch.tensor([0, 3, 19])
+
+    def rotate(x):
+        x1, x2 = x[..., :r].chunk(2, dim=-1)
+        turned = x[..., :r] * cos[pos][:, None] + torch.cat((-x2, x1), -1) * sin[pos][:, None]
+        return torch.cat((turned, x[..., r:]), -1)
+
+    want_q, want_k = rotate(q), rotate(k)
+    torch.ops.pagedllm.rope_(q, k, pos, cos, sin)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    with pytest.raises(RuntimeError, match="rotary_dim even and at most head_dim"):
+        torch.ops.pagedllm.rope_(q, k, pos, torch.randn(20, 34), torch.randn(20, 34))
+
+
 @pytest.mark.parametrize("d", [16, 64, 128])  # 64 and 128 take a SIMD path, 16 the plain one
 def test_paged_decode_attention_reads_blocks_in_place(d):
     hq, hk, bs = 8, 2, 4
@@ -199,3 +219,16 @@ def test_decode_stack_refuses_impossible_head_counts():
         torch.classes.pagedllm.DecodeStack(4, 2, 15, 1e-6, 0.25, torch.randn(8, 15), torch.randn(8, 15))
     with pytest.raises(RuntimeError, match="same shape"):
         torch.classes.pagedllm.DecodeStack(4, 2, 16, 1e-6, 0.25, cos, torch.randn(8, 8))
+
+
+def test_partial_rotary_embedding_gives_the_same_numbers_in_cpp_and_pytorch():
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(24, 64, 10000.0)  # 24 of each head's 32 values
+    q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+    pos = torch.tensor([0, 1, 17, 40, 63])
+    want_q, want_k = rope.forward_native(pos, q, k)
+    got_q, got_k = rope.forward_cpu(pos, q.clone(), k.clone())
+    torch.testing.assert_close(got_q, want_q)
+    torch.testing.assert_close(got_k, want_k)
+    assert torch.equal(got_q[..., 24:], q[..., 24:])

@@ -41,3 +41,21 @@ def test_rotation_is_rotate_half_layout_and_keeps_norms():
 def test_unknown_scaling_type_is_a_clear_error():
     with pytest.raises(ValueError, match="rope_scaling type 'ntk-magic' is not supported"):
         rope_inv_freq(10000.0, 64, {"rope_type": "ntk-magic", "factor": 2.0}, 4096)
+
+
+@pytest.mark.parametrize("context_len", [4096, 131072], ids=["short", "long"])
+def test_longrope_matches_transformers_on_each_side_of_the_original_context(context_len):
+    from transformers import Phi3Config
+
+    head_dim, gen = 32, torch.Generator().manual_seed(0)
+    scaling = {"rope_type": "longrope", "rope_theta": 10000.0,
+               "short_factor": (1 + torch.rand(16, generator=gen)).tolist(),
+               "long_factor": (1 + 8 * torch.rand(16, generator=gen)).tolist()}
+    cfg = Phi3Config(hidden_size=head_dim * 4, num_attention_heads=4, pad_token_id=None,
+                     max_position_embeddings=131072, original_max_position_embeddings=4096,
+                     rope_parameters=dict(scaling))
+    ref_freq, ref_scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=context_len)
+    ours = dict(scaling, original_max_position_embeddings=4096)
+    freq, scale = rope_inv_freq(10000.0, head_dim, ours, 131072, context_len)
+    torch.testing.assert_close(freq, ref_freq.float(), rtol=0, atol=0)
+    assert scale == pytest.approx(ref_scale) and scale > 1

@@ -86,6 +86,23 @@ def test_big_tensor_copied_in_chunks(tmp_path, monkeypatch):
     assert torch.equal(dest["model.embed_tokens.weight"], embed)
 
 
+def test_fused_tensors_split_into_the_shards_in_chunks(tmp_path, monkeypatch):
+    import pagedllm.loader.safetensors_loader as loader
+
+    monkeypatch.setattr(loader, "CHUNK_ELEMENTS", 40)  # 5 rows of 8 per slice
+    qkv = torch.randn(24, 8)  # Phi-3's fused q (12 rows), k (6), v (6)
+    src = _write_tiny(tmp_path, {"model.layers.0.self_attn.qkv_proj.weight": qkv})
+    merged = torch.empty(24, 8)  # a MergedLinear's weight and its shards' row views
+    params = {f"model.layers.0.self_attn.{n}.weight": merged[a:b]
+              for n, a, b in (("q_proj", 0, 12), ("k_proj", 12, 18), ("v_proj", 18, 24))}
+    load_safetensors_weights(src, params)
+    assert torch.equal(merged, qkv)
+    params["model.layers.0.self_attn.v_proj.weight"] = torch.empty(7, 8)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.qkv_proj\.weight' has "
+                       r"shape \(24, 8\) but its shards .* take \(25, 8\)"):
+        load_safetensors_weights(src, params)
+
+
 def test_missing_unexpected_and_misshaped_are_named(tmp_path):
     src = _write_tiny(tmp_path, {"model.embed_tokens.weight": torch.zeros(32, 8),
                                  "model.extra.weight": torch.zeros(2)})

@@ -4,18 +4,21 @@ import json
 import pytest
 
 from pagedllm import LLM
-from pagedllm.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+                                   Qwen3ForCausalLM)
 from pagedllm.models.registry import model_class, supported_architectures
 
 
 def test_known_architectures():
     assert model_class("llama") is LlamaForCausalLM
     assert model_class("qwen2") is Qwen2ForCausalLM
-    assert supported_architectures() == ["llama", "qwen2"]
+    assert model_class("qwen3") is Qwen3ForCausalLM
+    assert model_class("phi3") is Phi3ForCausalLM
+    assert supported_architectures() == ["llama", "phi3", "qwen2", "qwen3"]
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, qwen2"):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, phi3, qwen2, qwen3"):
         model_class("gpt2")
 
 

@@ -1,4 +1,5 @@
 """Memory planning from metadata: what fits, what is chosen, and the advice when nothing fits."""
+import dataclasses
 import json
 import math
 import time
@@ -81,3 +82,17 @@ def test_llm_refuses_qwen7b_fast_before_loading(monkeypatch):
     with pytest.raises(InsufficientMemoryError, match="does not fit in memory"):
         LLM(model=str(QWEN7B), device="cpu")
     assert time.monotonic() - started < 2.0
+
+
+def test_a_sliding_window_below_the_positions_caps_max_model_len():
+    fp = qwen7b_footprint()
+    windowed = dataclasses.replace(fp, arch=dataclasses.replace(fp.arch, sliding_window=4096))
+    big = MemoryInfo(64 * GiB, 60 * GiB, "test")
+    plan = plan_memory(windowed, big, block_size=16, max_model_len=None, max_num_seqs=8,
+                       max_num_batched_tokens=2048)
+    assert plan.max_model_len == 4096
+    with pytest.raises(ValueError, match="max_model_len=8192 is larger than the model supports "
+                       r"\(4096 positions: its sliding_window 4096 is below "
+                       "max_position_embeddings 32768, and pagedllm has no sliding-window"):
+        plan_memory(windowed, big, block_size=16, max_model_len=8192, max_num_seqs=8,
+                    max_num_batched_tokens=2048)

@@ -2,7 +2,8 @@
 // (and their per-op dispatch cost, which dominates at one token per step).
 //   rms_norm(x, w, eps)                   y = x * rsqrt(mean(x^2) + eps) * w
 //   add_rms_norm_(x, residual, w, eps)    residual += x; x = rms_norm(residual)   (in place)
-//   rope_(q, k, positions, cos, sin)      rotate-half RoPE on q [T, Hq, D], k [T, Hk, D] in place
+//   rope_(q, k, positions, cos, sin)      rotate-half RoPE on q [T, Hq, D], k [T, Hk, D] in place,
+//                                         over the first R values of each head (tables [P, R])
 //   paged_decode_attention(...)           registered here, written in paged_attention.cpp
 //   silu_mul(gate, up)                    silu(gate) * up
 //   argmax_rows(x)                        torch.argmax(x, dim=-1) for [N, V] (greedy sampling)
@@ -80,8 +81,9 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
   });
 }
 
-void rope_heads(float* x, int64_t heads, int64_t d, const float* c, const float* s) {
-  const int64_t half = d / 2;
+// rotates the first `rot` values of each head of d (rot == d but for partial-rotary models)
+void rope_heads(float* x, int64_t heads, int64_t d, int64_t rot, const float* c, const float* s) {
+  const int64_t half = rot / 2;
   for (int64_t hd = 0; hd < heads; ++hd) {
     float* v = x + hd * d;
     for (int64_t i = 0; i < half; ++i) {
@@ -107,9 +109,11 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   TORCH_CHECK(d % 2 == 0, "head_dim must be even (rotate-half RoPE), got ", d);
   TORCH_CHECK(positions.numel() == t, "positions must hold one position per token: ", t, " tokens, ",
               positions.numel(), " positions");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(),
-              "cos and sin must be [positions, head_dim] tables of the same shape, got cos ", cos.sizes(),
-              " and sin ", sin.sizes(), " for head_dim ", d);
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0 && cos.size(1) > 0 &&
+                  cos.size(1) <= d,
+              "cos and sin must be [positions, rotary_dim] tables of the same shape, rotary_dim even and "
+              "at most head_dim, got cos ", cos.sizes(), " and sin ", sin.sizes(), " for head_dim ", d);
+  const int64_t rot = cos.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos.size(0);
   for (int64_t i = 0; i < t; ++i)
@@ -118,8 +122,8 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      rope_heads(qp + r * hq * d, hq, d, cp + pos[r] * d, sp + pos[r] * d);
-      rope_heads(kp + r * hk * d, hk, d, cp + pos[r] * d, sp + pos[r] * d);
+      rope_heads(qp + r * hq * d, hq, d, rot, cp + pos[r] * rot, sp + pos[r] * rot);
+      rope_heads(kp + r * hk * d, hk, d, rot, cp + pos[r] * rot, sp + pos[r] * rot);
     }
   });
 }

@@ -1,11 +1,12 @@
-// A decode step through every decoder layer of a Llama/Qwen2 model in one call, for steps where
-// each sequence adds one token and every weight is an x8 block matrix on the CPU.
+// A decode step through every decoder layer of a Llama/Qwen2/Qwen3 model in one call, for steps
+// where each sequence adds one token and every weight is an x8 block matrix on the CPU.
 //
 // It runs the very ops the Python layers run (the same kernels, in the same order, so the
 // numbers are identical); what it removes is the Python between them: at one token a step, the
 // ~25 dispatched ops and module calls of a layer cost ~0.35 ms, a third of the layer.
 //
-//   x, residual -> add_rms_norm_ -> q, k, v (+ bias) -> rope_ -> K/V into the cache ->
+//   x, residual -> add_rms_norm_ -> q, k, v (+ bias) (-> per-head q/k rms_norm, Qwen3) -> rope_ ->
+//   K/V into the cache ->
 //   paged_decode_attention -> o_proj -> add_rms_norm_ -> gate, up -> silu(gate) * up -> down
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -26,6 +27,7 @@ struct LayerWeights {
   at::Tensor o, down;
   int64_t o_type, down_type;
   std::vector<at::Tensor> qkv_bias;  // empty, or q, k, v biases
+  std::vector<at::Tensor> qk_norm;   // empty, or the q and k head norms [head_dim] (Qwen3)
   at::Tensor norm1, norm2;
 };
 
@@ -38,20 +40,28 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(hq_ > 0 && hk_ > 0 && hq_ % hk_ == 0, "num_heads (", hq_, ") must be a positive multiple of ",
                 "num_kv_heads (", hk_, ")");
     TORCH_CHECK(d_ > 0 && d_ % 2 == 0, "head_dim must be positive and even, got ", d_);
-    TORCH_CHECK(cos_.dim() == 2 && cos_.size(1) == d_ && sin_.sizes() == cos_.sizes(),
-                "cos and sin must be [positions, head_dim] tables of the same shape, got cos ", cos_.sizes(),
-                " and sin ", sin_.sizes());
+    TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && cos_.size(1) % 2 == 0 && cos_.size(1) > 0 &&
+                    cos_.size(1) <= d_,
+                "cos and sin must be [positions, rotary_dim] tables of the same shape, rotary_dim even and at "
+                "most head_dim, got cos ", cos_.sizes(), " and sin ", sin_.sizes());
   }
 
-  // weights: q, k, v, o, gate, up, down (x8 matrices) with their ggml types; qkv_bias: [] or 3.
+  // weights: q, k, v, o, gate, up, down (x8 matrices) with their ggml types; qkv_bias: [] or 3;
+  // qk_norm: [] or the q and k head-norm weights, each [head_dim].
   void add_layer(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<at::Tensor> qkv_bias,
-                 at::Tensor norm1, at::Tensor norm2) {
+                 std::vector<at::Tensor> qk_norm, at::Tensor norm1, at::Tensor norm2) {
     TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7, "a layer has 7 weights: q k v o gate up down");
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == 3, "qkv_bias: none or q, k, v");
+    TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "qk_norm: none or q, k");
+    for (const at::Tensor& w : qk_norm) {
+      pagedllm_ops::check_f32(w, "qk_norm");
+      TORCH_CHECK(w.dim() == 1 && w.numel() == d_, "qk_norm weights must be [head_dim] = [", d_, "], got ",
+                  w.sizes());
+    }
     layers_.push_back({{weights[0], weights[1], weights[2]}, {weights[4], weights[5]},
                        {qtypes[0], qtypes[1], qtypes[2]}, {qtypes[4], qtypes[5]},
                        weights[3], weights[6], qtypes[3], qtypes[6], std::move(qkv_bias),
-                       std::move(norm1), std::move(norm2)});
+                       std::move(qk_norm), std::move(norm1), std::move(norm2)});
   }
 
   // x, residual [T, H] float32 (x is overwritten); kv_caches [L, 2, NB, BS, Hk, D]. Returns the
@@ -76,6 +86,10 @@ class DecodeStack : public torch::CustomClassHolder {
       std::vector<at::Tensor> qkv = pagedllm_ggml::linear_x8(x, w.qkv, w.qkv_types, hidden);
       for (size_t i = 0; i < w.qkv_bias.size(); ++i) add_rows_(qkv[i], w.qkv_bias[i]);
       at::Tensor q = qkv[0].view({t, hq_, d_}), k = qkv[1].view({t, hk_, d_}), v = qkv[2].view({t, hk_, d_});
+      if (!w.qk_norm.empty()) {
+        q = pagedllm_ops::rms_norm(q, w.qk_norm[0], eps_);
+        k = pagedllm_ops::rms_norm(k, w.qk_norm[1], eps_);
+      }
       pagedllm_ops::rope_(q, k, positions, cos_, sin_);
       const at::Tensor kv = kv_caches[static_cast<int64_t>(l)];  // [2, NB, BS, Hk, D]
       pagedllm_ops::write_kv_(kv, k, v, slot_mapping);

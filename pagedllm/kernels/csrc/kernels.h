@@ -10,6 +10,7 @@
 namespace pagedllm_ops {  // cpu_ops.cpp
 // t must be a contiguous float32 CPU tensor (the error names it)
 void check_f32(const at::Tensor& t, const char* name);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);

@@ -1,0 +1,57 @@
+"""Fused checkpoint tensors (Phi-3's qkv_proj and gate_up_proj) split by rows into the shards
+the model's merged layers load (q_proj, k_proj, v_proj; gate_proj, up_proj).
+
+A fused matrix is its shards stacked by rows, and a GGML block never crosses a row, so a row
+range of the fused tensor is exactly one shard, in float or in blocks:
+
+    qkv_proj.weight  [q rows | k rows | v rows] x in_features
+    -> q_proj.weight rows [0, q), k_proj.weight rows [q, q + k), v_proj.weight rows [q + k, ...)
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional
+
+import torch
+
+# fused module name -> its shards' module names, in row order
+FUSED_SHARDS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class RowSlice(NamedTuple):
+    """One shard's rows in a fused tensor of `total` rows."""
+
+    name: str  # the destination parameter, e.g. "model.layers.0.self_attn.k_proj.weight"
+    start: int
+    rows: int
+    total: int
+
+
+def shard_modules(module: str) -> Optional[tuple[str, ...]]:
+    """The shard module names of a fused module name ("...self_attn.qkv_proj" ->
+    "...self_attn.q_proj", ...), or None when it is not a fused module."""
+    parent, _, last = module.rpartition(".")
+    if last not in FUSED_SHARDS:
+        return None
+    return tuple(f"{parent}.{s}" if parent else s for s in FUSED_SHARDS[last])
+
+
+def split_fused(name: str, params: Mapping[str, torch.Tensor]) -> Optional[list[RowSlice]]:
+    """Where the rows of checkpoint tensor `name` go when the model holds its shards instead
+    (each shard as many rows as its destination), or None when the model loads it whole or it
+    is not a fused tensor."""
+    module, _, kind = name.rpartition(".")  # "...qkv_proj", "weight"
+    shards = shard_modules(module)
+    if name in params or shards is None:
+        return None
+    dests = [f"{s}.{kind}" for s in shards]
+    if not all(d in params for d in dests):
+        return None
+    total = sum(params[d].shape[0] for d in dests)
+    slices, start = [], 0
+    for d in dests:
+        slices.append(RowSlice(d, start, params[d].shape[0], total))
+        start += params[d].shape[0]
+    return slices

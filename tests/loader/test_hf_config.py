@@ -1,0 +1,67 @@
+"""config.json of each supported family -> ModelArchConfig; the rest refused by name."""
+import pytest
+
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.hf_config import arch_from_hf_config
+
+BASE = {"vocab_size": 32, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}
+
+
+def test_qwen3_has_q_k_norms_its_own_head_dim_and_no_biases():
+    arch = arch_from_hf_config(BASE | {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert (arch.architecture, arch.qk_norm, arch.attention_bias, arch.head_dim) == (
+        "qwen3", True, False, 32)
+    assert arch_from_hf_config(BASE | {"model_type": "qwen3"}).architecture == "qwen3"
+
+
+def test_phi3_longrope_in_its_legacy_and_current_spellings():
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    legacy = arch_from_hf_config(BASE | {
+        "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1024,
+        "sliding_window": 2047, "rope_scaling": {"type": "su", **factors}})
+    assert legacy.architecture == "phi3" and legacy.sliding_window == 2047
+    assert legacy.rope_scaling["rope_type"] == "longrope"
+    assert legacy.rope_scaling["original_max_position_embeddings"] == 1024
+    current = arch_from_hf_config(BASE | {"model_type": "phi3", "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "original_max_position_embeddings": 1024, **factors}})
+    assert current.rope_scaling == {"rope_type": "longrope",
+                                    "original_max_position_embeddings": 1024, **factors}
+    plain = arch_from_hf_config(BASE | {"model_type": "phi3", "rope_scaling": None})
+    assert plain.rope_scaling is None
+
+
+def test_partial_rotary_turns_part_of_each_head():
+    phi4_mini = BASE | {"architectures": ["Phi3ForCausalLM"], "head_dim": 128, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
+    arch = arch_from_hf_config(phi4_mini)
+    assert (arch.rotary_dim, arch.rope_dim, arch.rope_scaling) == (96, 96, None)
+    assert arch_from_hf_config(phi4_mini | {"partial_rotary_factor": 1.0}).rotary_dim is None
+    with pytest.raises(ModelFileError, match=r"partial_rotary_factor must be a number in \(0, 1\]"):
+        arch_from_hf_config(phi4_mini | {"partial_rotary_factor": 1.5})
+    with pytest.raises(ModelFileError, match="rotary_dim must be even"):
+        arch_from_hf_config(phi4_mini | {"head_dim": 16, "partial_rotary_factor": 0.2})  # 3 values
+
+
+
+def test_sliding_window_is_read_where_it_applies():
+    mistral = BASE | {"architectures": ["MistralForCausalLM"]}
+    assert arch_from_hf_config(mistral | {"sliding_window": 2048}).sliding_window == 2048
+    assert arch_from_hf_config(mistral | {"sliding_window": None}).sliding_window is None
+    wide = arch_from_hf_config(mistral | {"sliding_window": 8192})  # beyond the 4096 positions
+    assert wide.max_model_len_supported == 4096
+    # Qwen2/Qwen3 configs name a window that is off unless use_sliding_window
+    qwen = BASE | {"architectures": ["Qwen3ForCausalLM"], "sliding_window": 1024}
+    assert arch_from_hf_config(qwen).sliding_window is None
+    on = arch_from_hf_config(qwen | {"use_sliding_window": True})
+    assert (on.sliding_window, on.max_model_len_supported) == (1024, 1024)
+    with pytest.raises(ModelFileError, match="sliding_window must be >= 1"):
+        arch_from_hf_config(mistral | {"sliding_window": -4})
+
+
+def test_an_unsupported_family_is_refused_with_the_supported_list():
+    with pytest.raises(ModelFileError) as err:
+        arch_from_hf_config(BASE | {"architectures": ["Gemma2ForCausalLM"]})
+    assert "Gemma2ForCausalLM" in str(err.value)
+    assert "Qwen3ForCausalLM" in str(err.value) and "LlamaForCausalLM" in str(err.value)

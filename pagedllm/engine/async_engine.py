@@ -85,19 +85,20 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
-    def warm_up_grammars(self, delay: float = WARM_UP_DELAY_S) -> None:
+    def warm_up_grammars(self, delay: float = WARM_UP_DELAY_S,
+                         busy: Callable[[], bool] = lambda: False) -> None:
         """Build the grammar engine's view of the vocabulary (~1.3 s for Qwen2's, holding the
-        GIL) on a side thread once the engine has been idle for `delay` seconds, so that
-        neither start-up nor a request in flight waits for it; a constrained request that
-        comes first builds it itself."""
-        threading.Thread(target=self._warm_up_when_idle, args=(delay,),
+        GIL) on a side thread once the engine has been idle, and `busy()` (e.g. the server's
+        tokenizing) false, for `delay` seconds: neither start-up nor a request in flight waits
+        for it. A constrained request that comes first builds it itself."""
+        threading.Thread(target=self._warm_up_when_idle, args=(delay, busy),
                          name="pagedllm-grammar-warm-up", daemon=True).start()
 
-    def _warm_up_when_idle(self, delay: float) -> None:
+    def _warm_up_when_idle(self, delay: float, busy: Callable[[], bool]) -> None:
         grammars = self.engine.input_processor.grammars
         idle_since = time.monotonic()
         while not self._stop and not grammars.warm:
-            if self._pending or self.engine.has_unfinished_requests():
+            if self._pending or self.engine.has_unfinished_requests() or busy():
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since >= delay:
                 grammars.warm_up()

@@ -254,7 +254,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     server = _Server(uvicorn.Config(app, log_level=args.uvicorn_log_level,
                                     timeout_graceful_shutdown=5, **uvicorn_options(limits)),
                      banner(name, args.host, args.port, api_key), stats,
-                     on_started=ctx.engine.warm_up_grammars)
+                     on_started=functools.partial(ctx.engine.warm_up_grammars,
+                                                  busy=ctx.tokens.busy))
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)

@@ -150,10 +150,15 @@ def test_the_warm_up_waits_for_an_idle_engine(smollm_gguf):
         grammars = engine.input_processor.grammars
         engine.add_request("busy", "Count to a hundred:", SamplingParams(max_tokens=64,
                                                                           ignore_eos=True))
-        async_llm.warm_up_grammars(delay=0.2)
+        tokenizing = [False]
+        async_llm.warm_up_grammars(delay=0.2, busy=lambda: tokenizing[0])
         time.sleep(2.0)  # well past the delay and a warm-up's own time
         assert not grammars.warm  # a request is in flight (the engine thread is not stepping)
+        tokenizing[0] = True
         engine.abort_request(["busy"])
+        time.sleep(1.5)
+        assert not grammars.warm  # the server is tokenizing a prompt
+        tokenizing[0] = False
         deadline = time.monotonic() + 10
         while not grammars.warm and time.monotonic() < deadline:
             time.sleep(0.05)

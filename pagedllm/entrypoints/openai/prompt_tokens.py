@@ -118,10 +118,19 @@ class PromptTokens:
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
         self.bound = char_bound(tokenizer)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenize")
+        self._in_flight = 0  # calls submitted and not yet returned (read from other threads)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._in_flight += 1  # on the event loop only: no lock needed
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._in_flight -= 1
+
+    def busy(self) -> bool:
+        """Whether a prompt is being tokenized or rendered (idle-time work waits for it)."""
+        return self._in_flight > 0
 
     def check_text(self, text: str, field: str) -> None:
         """ValueError naming field for a text too long to fit max_model_len whatever its tokens

@@ -291,3 +291,21 @@ def test_metadata_flags():
     assert math.isclose(meta.repetition_penalties[1].item(), 1.2, rel_tol=1e-6)
     assert meta_for([SamplingParams(temperature=0.0)]).all_greedy
     assert meta_for([SamplingParams()]).no_penalties
+
+
+def test_inverse_cdf_draws_never_pick_zero_probability_ids():
+    """random_sample inverts each row's CDF: ids of probability 0 (masked, or after the last
+    id with mass) are never drawn, and a seeded row repeats its draw whatever its neighbours."""
+    from pagedllm.sample.ops import random_sample
+
+    torch.manual_seed(6)
+    probs = torch.zeros(4096, 1000)
+    probs[:, [3, 500, 501]] = torch.tensor([0.2, 0.5, 0.3])  # the last 498 ids have no mass
+    drawn = random_sample(probs, {}, [])
+    assert set(drawn.tolist()) <= {3, 500, 501}
+    freq = torch.bincount(drawn, minlength=1000)[[3, 500, 501]].float() / 4096
+    assert torch.allclose(freq, torch.tensor([0.2, 0.5, 0.3]), atol=0.03)
+    gens = {1: torch.Generator().manual_seed(7)}
+    first = random_sample(probs[:3], gens, [1])[1]
+    gens = {1: torch.Generator().manual_seed(7)}
+    assert random_sample(probs[:3].flip(0), gens, [1])[1] == first

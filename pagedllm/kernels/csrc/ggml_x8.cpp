@@ -190,8 +190,15 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
         const int64_t n = w.size(0) * kRows;
         const uint8_t* rec = w.data_ptr<uint8_t>() + task.group * w.size(1);
         float* op = outs[task.w].data_ptr<float>() + task.group * kRows;
+        const int64_t c0 = ch * kChunk, c1 = std::min(m, (ch + 1) * kChunk);
+        // the next group of the same weight, in this thread's range: both in one pass
+        if (kn.fns.many && kn.fns.many2 && ti + 1 < t1 && tasks[ti + 1].w == task.w) {
+          kn.fns.many2(rec, rec + w.size(1), kn.nrec, xb, c0, c1, op, n);
+          ++ti;
+          continue;
+        }
         if (kn.fns.many) {
-          kn.fns.many(rec, kn.nrec, xb, ch * kChunk, std::min(m, (ch + 1) * kChunk), op, n);
+          kn.fns.many(rec, kn.nrec, xb, c0, c1, op, n);
           continue;
         }
         if (ch > 0) continue;  // the gemv took every row in the first pass

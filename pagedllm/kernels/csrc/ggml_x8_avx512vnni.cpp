@@ -14,6 +14,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 #endif
 #define PAGEDLLM_X8_DPBUSD(acc, u8, i8) _mm256_dpbusd_epi32(acc, u8, i8)
+#define PAGEDLLM_X8_ZMM 1  // and zmm kernels that take two weight groups at once
 
 namespace pagedllm_ggml::x8::isa_avx512vnni {
 #include "ggml_x8_kernels.inc"

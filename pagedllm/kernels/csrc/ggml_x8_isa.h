@@ -39,9 +39,14 @@ using GemvFn = void (*)(const uint8_t* w, int64_t nrec, const XRows& x, float* o
 using GemmFn = void (*)(const uint8_t* w, int64_t nrec, const XBlocks& x, int64_t c0, int64_t c1, float* out,
                         int64_t ldo);
 
+// the gemm of two weight groups at once (records at w0 and w1; out: their 16 columns)
+using GemmPairFn = void (*)(const uint8_t* w0, const uint8_t* w1, int64_t nrec, const XBlocks& x, int64_t c0,
+                            int64_t c1, float* out, int64_t ldo);
+
 struct TypeKernels {  // one ggml type's kernels in one variant; null where it has none
   GemmFn many;        // kGemmRows x rows and more
   GemvFn c4, c2, c1;  // 4, 2 and 1 x rows
+  GemmPairFn many2;   // many for two adjacent groups at once (AVX-512 variants)
 };
 
 // Each variant's translation unit defines its namespace's kernels_for (null kernels for a type

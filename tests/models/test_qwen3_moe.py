@@ -13,8 +13,11 @@ from pagedllm import LLM
 from pagedllm.layers.ggml_linear import GGMLMergedLinear
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, hf_reference,
-                         prompts, random_init, save_checkpoints, save_hf_dir)
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_loader import arch_from_gguf
+from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_float32, check_q8_0,
+                         gguf_tensors, hf_reference, prompts, random_init, save_checkpoints,
+                         save_hf_dir, write_gguf)
 
 
 def config(**overrides) -> Qwen3MoeConfig:
@@ -100,3 +103,17 @@ def test_dense_layers_from_decoder_sparse_step(tmp_path):
     layers = model_runner(llm).model.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [False, True]
     check_float32(llm, hf_reference(model, prompts((7, 30, 45), seed=3)))
+
+
+def test_a_gguf_with_sigmoid_routing_is_refused_by_its_key(qwen3_moe, tmp_path):
+    cfg = qwen3_moe.model.config
+
+    def fields(writer: gguf.GGUFWriter) -> None:
+        moe_fields(writer, cfg)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+    path = tmp_path / "sigmoid.gguf"
+    write_gguf(path, "qwen3moe", fields, gguf_tensors(qwen3_moe.model, gguf.MODEL_ARCH.QWEN3MOE),
+               F32)
+    with pytest.raises(ModelFileError, match="qwen3moe.expert_gating_func=2 is not supported"):
+        arch_from_gguf(path)

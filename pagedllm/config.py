@@ -19,10 +19,44 @@ def check_quantization(value: Optional[str]) -> Optional[str]:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of a sparse decoder (Qwen2-MoE, Qwen3-MoE): a softmax router picks
+    num_experts_per_tok of num_experts SwiGLU experts for each token."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each routed expert's SwiGLU width
+    norm_topk_prob: bool  # the chosen experts' probabilities rescaled to sum to 1
+    # Qwen2-MoE: one SwiGLU expert every token runs, scaled by sigmoid(its own gate); None: none
+    shared_expert_intermediate_size: Optional[int] = None
+    # layers holding a plain SwiGLU MLP of the model's intermediate_size instead of experts
+    # (mlp_only_layers, decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                             f"num_experts ({self.num_experts})")
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 1 or None, got {shared}")
+
+    def expert_params(self, hidden_size: int) -> int:
+        """Parameters of one sparse layer's feed-forward block: router, experts, shared expert."""
+        per_expert = 3 * hidden_size * self.moe_intermediate_size
+        shared = self.shared_expert_intermediate_size
+        shared_params = 0 if shared is None else 3 * hidden_size * shared + hidden_size
+        return self.num_experts * (hidden_size + per_expert) + shared_params
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
 
-    architecture: str  # registry key: "llama", "qwen2", "qwen3" or "phi3"
+    architecture: str  # registry key: "llama", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +78,7 @@ class ModelArchConfig:
     sliding_window: Optional[int] = None
     # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
     rotary_dim: Optional[int] = None
+    moe: Optional[MoEConfig] = None  # routed experts (Qwen2-MoE, Qwen3-MoE); None: dense
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -68,6 +103,14 @@ class ModelArchConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.moe is not None and not all(0 <= i < self.num_hidden_layers
+                                            for i in self.moe.dense_layers):
+            raise ValueError(f"moe.dense_layers {list(self.moe.dense_layers)} must be layer "
+                             f"indices below num_hidden_layers ({self.num_hidden_layers})")
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether layer `index` routes its tokens to experts (else it has a plain MLP)."""
+        return self.moe is not None and index not in self.moe.dense_layers
 
     @property
     def rope_dim(self) -> int:
@@ -87,13 +130,15 @@ class ModelArchConfig:
         """Parameters of the decoder from its shapes."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        per_layer = h * q + 2 * h * kv + q * h + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        ffn = sum(self.moe.expert_params(h) if self.is_sparse_layer(n) else 3 * h * i
+                  for n in range(self.num_hidden_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + head + self.num_hidden_layers * per_layer + h
+        return v * h + head + self.num_hidden_layers * per_layer + ffn + h
 
 
 @dataclass(frozen=True)

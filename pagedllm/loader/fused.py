@@ -1,11 +1,15 @@
 """Fused checkpoint tensors (Phi-3's qkv_proj and gate_up_proj) split by rows into the shards
-the model's merged layers load (q_proj, k_proj, v_proj; gate_proj, up_proj).
+the model's merged layers load (q_proj, k_proj, v_proj; gate_proj, up_proj), and stacked expert
+tensors (llama.cpp's ffn_gate_exps [experts, rows, cols]) split into one matrix per expert.
 
 A fused matrix is its shards stacked by rows, and a GGML block never crosses a row, so a row
 range of the fused tensor is exactly one shard, in float or in blocks:
 
     qkv_proj.weight  [q rows | k rows | v rows] x in_features
     -> q_proj.weight rows [0, q), k_proj.weight rows [q, q + k), v_proj.weight rows [q + k, ...)
+
+A stacked expert tensor read as [experts * rows, cols] is the same: expert e is rows
+[e * rows, (e + 1) * rows), loaded as mlp.experts.e.gate_proj.weight.
 """
 from __future__ import annotations
 
@@ -38,6 +42,40 @@ def shard_modules(module: str) -> Optional[tuple[str, ...]]:
     return tuple(f"{parent}.{s}" if parent else s for s in FUSED_SHARDS[last])
 
 
+def stacked_modules(module: str, count: int) -> Optional[tuple[str, ...]]:
+    """The per-expert module names of a stacked expert module name ("...mlp.experts.gate_proj"
+    -> "...mlp.experts.0.gate_proj", ...), or None when it is not a stacked expert module."""
+    parent, _, last = module.rpartition(".")
+    if parent.rpartition(".")[2] != "experts":
+        return None
+    return tuple(f"{parent}.{e}.{last}" for e in range(count))
+
+
+def _row_slices(dests: list[str], params: Mapping[str, torch.Tensor]) -> list[RowSlice]:
+    """Consecutive row ranges, one per destination, each as many rows as it has."""
+    total = sum(params[d].shape[0] for d in dests)
+    slices, start = [], 0
+    for d in dests:
+        slices.append(RowSlice(d, start, params[d].shape[0], total))
+        start += params[d].shape[0]
+    return slices
+
+
+def split_stacked(name: str, params: Mapping[str, torch.Tensor]) -> Optional[list[RowSlice]]:
+    """Where the rows of a stacked expert tensor (`...mlp.experts.gate_proj.weight`, all
+    experts' matrices one after another) go: to experts 0, 1, ... of the model, or None when
+    it is not one."""
+    module, _, kind = name.rpartition(".")
+    experts = stacked_modules(module, 0)
+    if name in params or experts is None:
+        return None
+    parent, _, proj = module.rpartition(".")
+    dests: list[str] = []
+    while f"{parent}.{len(dests)}.{proj}.{kind}" in params:
+        dests.append(f"{parent}.{len(dests)}.{proj}.{kind}")
+    return _row_slices(dests, params) if dests else None
+
+
 def split_fused(name: str, params: Mapping[str, torch.Tensor]) -> Optional[list[RowSlice]]:
     """Where the rows of checkpoint tensor `name` go when the model holds its shards instead
     (each shard as many rows as its destination), or None when the model loads it whole or it
@@ -49,9 +87,4 @@ def split_fused(name: str, params: Mapping[str, torch.Tensor]) -> Optional[list[
     dests = [f"{s}.{kind}" for s in shards]
     if not all(d in params for d in dests):
         return None
-    total = sum(params[d].shape[0] for d in dests)
-    slices, start = [], 0
-    for d in dests:
-        slices.append(RowSlice(d, start, params[d].shape[0], total))
-        start += params[d].shape[0]
-    return slices
+    return _row_slices(dests, params)

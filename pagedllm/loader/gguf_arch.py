@@ -4,14 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from pagedllm.config import ModelArchConfig
+from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
-                                      "qwen3": "qwen3"}
+                                      "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
+                                      "qwen3moe": "qwen3_moe"}
+# llama.cpp's expert weights: Qwen3-MoE rescales the chosen experts' probabilities (norm_w),
+# Qwen2-MoE does not, unless <arch>.expert_weights_norm says otherwise
+_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
+_SOFTMAX_GATING = 1  # <arch>.expert_gating_func: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 
 
 def _required(fields: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -64,6 +69,47 @@ def _embedding(tensors: tuple[GGUFTensorInfo, ...], hidden: int, key: str,
     return embed
 
 
+def _moe(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, ...], p: str,
+         num_layers: int, source: str | Path) -> Optional[MoEConfig]:
+    """The routed experts of a qwen2moe / qwen3moe GGUF (None for a dense one): sparse layers
+    are those with a router (blk.N.ffn_gate_inp), expert sizes from the metadata or, where an
+    older converter left them out, the stacked tensors [experts, rows, cols] themselves."""
+    if p not in _NORM_TOPK_PROB:
+        return None
+    by_name = {t.name: t for t in tensors}
+    sparse = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in by_name]
+    if not sparse:
+        raise ModelFileError(f"general.architecture={p!r} but no layer has an expert router "
+                             f"(blk.N.ffn_gate_inp.weight) in {source}")
+    stacked = by_name.get(f"blk.{sparse[0]}.ffn_gate_exps.weight")
+    if stacked is None or len(stacked.shape) != 3:
+        raise ModelFileError(f"GGUF tensor 'blk.{sparse[0]}.ffn_gate_exps.weight' must be "
+                             f"[experts, rows, cols], got "
+                             f"{None if stacked is None else stacked.shape} in {source}")
+    shexp = by_name.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight")
+    gating = fields.get(f"{p}.expert_gating_func")
+    if gating not in (None, _SOFTMAX_GATING):
+        raise ModelFileError(f"{p}.expert_gating_func={gating!r} is not supported (only softmax "
+                             f"routing, {_SOFTMAX_GATING}) in {source}")
+
+    def dim(key: str, default: Optional[int]) -> Optional[int]:
+        value = fields.get(f"{p}.{key}", default)
+        return None if value is None else dimension(value, f"{p}.{key}", source)
+
+    try:
+        return MoEConfig(
+            num_experts=dim("expert_count", stacked.shape[0]),
+            num_experts_per_tok=dimension(_required(fields, f"{p}.expert_used_count", source),
+                                          f"{p}.expert_used_count", source),
+            moe_intermediate_size=dim("expert_feed_forward_length", stacked.shape[1]),
+            norm_topk_prob=bool(fields.get(f"{p}.expert_weights_norm", _NORM_TOPK_PROB[p])),
+            shared_expert_intermediate_size=(None if shexp is None else dim(
+                "expert_shared_feed_forward_length", shexp.shape[0])),
+            dense_layers=tuple(i for i in range(num_layers) if i not in sparse))
+    except ValueError as err:
+        raise ModelFileError(f"{err} in {source}") from None
+
+
 def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, ...],
                      source: str | Path) -> ModelArchConfig:
     """ModelArchConfig from the `<arch>.*` keys and the tensor table of the GGUF at source."""
@@ -86,12 +132,15 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     eps_key, theta_key = f"{p}.attention.layer_norm_rms_epsilon", f"{p}.rope.freq_base"
     bos = fields.get("tokenizer.ggml.bos_token_id")
     window = fields.get(f"{p}.attention.sliding_window")  # 0: none (how llama.cpp writes it)
+    moe = _moe(fields, tensors, p, dim("block_count"), source)
     return make_arch(
         source,
         architecture=GGUF_ARCHITECTURES[p],
         vocab_size=embed.shape[0],
         hidden_size=hidden,
-        intermediate_size=dim("feed_forward_length"),
+        # a MoE GGUF's feed_forward_length sizes its dense layers (if any)
+        intermediate_size=dim("feed_forward_length",
+                              moe.moe_intermediate_size if moe is not None else None),
         num_hidden_layers=dim("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=dim("attention.head_count_kv", heads),
@@ -109,4 +158,5 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         sliding_window=(None if window in (None, 0) else
                         dimension(window, f"{p}.attention.sliding_window", source)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        moe=moe,
     )

@@ -18,7 +18,8 @@ from gguf.quants import dequantize
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_arch import arch_from_header
-from pagedllm.loader.fused import RowSlice, shard_modules, split_fused
+from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
+                                   stacked_modules)
 from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
@@ -47,6 +48,16 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # Qwen MoE: the router, the experts stacked [experts, rows, cols] (split per expert by
+    # loader/fused.py), and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # Per architecture (registry key), layer tensors whose HF name differs: llama.cpp's Phi-3 holds
 # gate and up fused in ffn_up.
@@ -95,14 +106,19 @@ def arch_from_gguf(path: str | Path) -> ModelArchConfig:
 
 
 def gguf_quant_plan(path: str | Path, kernel_types: frozenset) -> dict[str, GGMLQuantizationType]:
-    """Module name -> block format, for each 2-D weight whose GGUF type is in kernel_types."""
+    """Module name -> block format, for each matrix (2-D, or 3-D stacked experts: each expert's
+    matrix) whose GGUF type is in kernel_types."""
     header = _read_header(path)
     plan: dict[str, GGMLQuantizationType] = {}
     for info in header.tensors:
         name = hf_name(info.name, header.arch.architecture)
-        if name and name.endswith(".weight") and len(info.shape) == 2 and info.qtype in kernel_types:
+        matrix = len(info.shape) in (2, 3) and info.qtype in kernel_types
+        if name and name.endswith(".weight") and matrix:
             module = name.removesuffix(".weight")
-            for shard in shard_modules(module) or (module,):  # a fused tensor: each of its shards
+            # a fused tensor: each of its shards; a stacked one: each expert
+            split = (stacked_modules(module, info.shape[0]) if len(info.shape) == 3
+                     else shard_modules(module))
+            for shard in split or (module,):
                 plan[shard] = info.qtype
     if header.arch.tie_word_embeddings and "model.embed_tokens" in plan:
         plan["lm_head"] = plan["model.embed_tokens"]  # the head shares the embedding's blocks
@@ -165,19 +181,31 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
 
 def _check_shape(name: str, dest: torch.Tensor, info: GGUFTensorInfo) -> None:
     """ValueError naming both tensors unless dest has the GGUF tensor's (torch-order) shape
-    (for a uint8 block-format destination: [rows, bytes per row])."""
+    (for a uint8 block-format destination: [rows, bytes per row]; a 1-D tensor fills a
+    one-row matrix, as llama.cpp reads Qwen2-MoE's shared-expert gate either way)."""
     want = info.shape
-    if dest.dtype == torch.uint8 and len(info.shape) == 2:
-        want = (info.shape[0], info.nbytes // info.shape[0])
+    if len(want) == 1 and dest.dim() == 2 and dest.shape[0] == 1:
+        want = (1, *want)
+    if dest.dtype == torch.uint8 and len(want) == 2:
+        want = (want[0], info.nbytes // want[0])
     if tuple(dest.shape) != want:
         raise ValueError(f"{name!r} has shape {tuple(dest.shape)} but GGUF tensor "
                          f"{info.name!r} has shape {info.shape}")
 
 
+def _as_matrix(info: GGUFTensorInfo) -> GGUFTensorInfo:
+    """A stacked [experts, rows, cols] tensor as the matrix [experts * rows, cols] it is in the
+    file; a matrix as it is."""
+    if len(info.shape) != 3:
+        return info
+    return dataclasses.replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
+
+
 def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
                ) -> tuple[GGUFTensorInfo, str]:
-    """The rows of a fused GGUF tensor that one shard loads, as a tensor of its own (rows are
-    whole blocks, so a row range is valid in any block format)."""
+    """The rows of a fused or stacked GGUF tensor that one shard (expert) loads, as a tensor
+    of its own (rows are whole blocks, so a row range is valid in any block format)."""
+    info = _as_matrix(info)
     if info.shape[0] != part.total:
         raise ValueError(f"GGUF tensor {info.name!r} has shape {info.shape} but its shards "
                          f"({part.name!r} among them) have {part.total} rows in all")
@@ -199,7 +227,7 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
             if info.name in ROPE_FACTOR_TENSORS:  # read into the architecture's rope_scaling
                 continue
             raise ValueError(f"unexpected GGUF tensor {info.name!r} (no HF parameter for it)")
-        if (parts := split_fused(name, params)) is not None:
+        if (parts := split_fused(name, params) or split_stacked(name, params)) is not None:
             plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
             continue
         if name not in params:

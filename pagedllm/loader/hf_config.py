@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from pagedllm.config import ModelArchConfig
+from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 
@@ -14,12 +14,16 @@ HF_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
 _MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
-                                "qwen2": "qwen2", "qwen3": "qwen3"}
+                                "qwen2": "qwen2", "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
+                                "qwen3_moe": "qwen3_moe"}
+_QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
@@ -96,9 +100,50 @@ def _sliding_window(cfg: Mapping[str, Any], arch: str, source: str | Path) -> Op
     """The attention window, or None for full attention. Qwen2/Qwen3 configs carry a
     sliding_window that applies only with use_sliding_window; null or 0 means none."""
     value = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
         return None
     return None if value in (None, 0) else dimension(value, "sliding_window", source)
+
+
+def _attention_bias(cfg: Mapping[str, Any], arch: str) -> bool:
+    """Whether q/k/v have biases: always for Qwen2 (its config has no switch), Qwen2-MoE's
+    qkv_bias (True when absent or null, as transformers defaults it), else attention_bias."""
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":
+        return cfg.get("qkv_bias") is not False
+    return bool(cfg.get("attention_bias", False))
+
+
+def _moe(cfg: Mapping[str, Any], arch: str, num_layers: int,
+         source: str | Path) -> Optional[MoEConfig]:
+    """The routed experts of a Qwen MoE config (None for a dense family): a layer is sparse
+    unless it is in mlp_only_layers or (index + 1) is not a multiple of decoder_sparse_step,
+    as transformers decides."""
+    if arch not in ("qwen2_moe", "qwen3_moe"):
+        return None
+
+    def dim(key: str) -> int:
+        return dimension(_required(cfg, key, source), key, source)
+
+    step = dimension(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise ModelFileError(f"mlp_only_layers must be a list of layer indices, got {only!r} in "
+                             f"{source}")
+    only = {token_id(i, "mlp_only_layers", source) for i in only}
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    shared = dim("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
+    try:
+        return MoEConfig(
+            num_experts=dimension(experts, "num_experts", source),
+            num_experts_per_tok=dim("num_experts_per_tok"),
+            moe_intermediate_size=dim("moe_intermediate_size"),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=shared, dense_layers=dense)
+    except ValueError as err:
+        raise ModelFileError(f"{err} in {source}") from None
 
 
 def _eos_ids(value: Any, source: str | Path) -> tuple[int, ...]:
@@ -140,13 +185,13 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         rope_theta=rope_theta,
         max_position_embeddings=dim("max_position_embeddings"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; its config has no switch for them.
-        attention_bias=True if arch == "qwen2" else bool(cfg.get("attention_bias", False)),
+        attention_bias=_attention_bias(cfg, arch),
         rope_scaling=rope_scaling,
         bos_token_id=None if bos is None else token_id(bos, "bos_token_id", source),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
         torch_dtype=torch_dtype,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(cfg, arch, source),
         rotary_dim=_rotary_dim(cfg, head_dim, source),
+        moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
     )

@@ -51,10 +51,10 @@ def gguf_kept_embedding(ckpt: Checkpoint,
 
 def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int,
                       kept_names: Optional[frozenset] = None) -> int:
-    """Resident weight bytes of a GGUF whose 2-D tensors of kept_types (of those named in
-    kept_names, when given) stay in block format and whose other tensors are held at itemsize
-    bytes per value."""
+    """Resident weight bytes of a GGUF whose matrices of kept_types (2-D, or 3-D stacked
+    experts, which load as one block matrix per expert; of those named in kept_names, when
+    given) stay in block format and whose other tensors are held at itemsize bytes per value."""
     tensors = gguf_header(ckpt.path)[1]
-    return sum(t.nbytes if len(t.shape) == 2 and t.qtype in kept_types
+    return sum(t.nbytes if len(t.shape) in (2, 3) and t.qtype in kept_types
                and (kept_names is None or t.name in kept_names)
                else math.prod(t.shape) * itemsize for t in tensors)

@@ -1,12 +1,13 @@
-"""One decoder for the Llama family, Qwen2, Qwen3 and Phi-3: RMSNorm, RoPE, grouped-query
-attention, SwiGLU.
+"""One decoder for the Llama family, Qwen2, Qwen3, Phi-3 and the Qwen MoE models: RMSNorm,
+RoPE, grouped-query attention, SwiGLU (or routed SwiGLU experts).
 
 Qwen2 is Llama with biases on the q/k/v projections (config.attention_bias) and, for the small
 models, embeddings tied to the output head (config.tie_word_embeddings). Qwen3 drops the biases
 and normalises each head of q and k before RoPE (config.qk_norm). Phi-3 stores q/k/v and
 gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py),
 its long-context models use LongRoPE, and Phi-4-mini turns only 3/4 of each head (config.
-rotary_dim; layers/rotary.py). Parameter names follow
+rotary_dim; layers/rotary.py). Qwen2-MoE and Qwen3-MoE replace the MLP of their sparse layers
+by routed experts (config.moe; layers/moe.py). Parameter names follow
 Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
 separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
 swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
@@ -19,9 +20,10 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import MergedLinear
+from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -56,30 +58,23 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v).reshape(t, -1))  # [T, H]
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward."""
-
-    def __init__(self, cfg: ModelArchConfig) -> None:
-        super().__init__()
-        i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, (i, i), ("gate_proj", "up_proj"),
-                                         bias=False)
-        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(*self.gate_up_proj(x)))
+def feed_forward(cfg: ModelArchConfig, index: int) -> nn.Module:
+    """Layer `index`'s feed-forward block: routed experts on a sparse layer of a MoE model,
+    else the SwiGLU MLP."""
+    if cfg.is_sparse_layer(index):
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP (or MoE) block, each with a residual."""
 
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = feed_forward(cfg, index)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +95,8 @@ class DecoderModel(nn.Module):
         # meta device goes through a decomposition that imports torch._dynamo (~1.5 s)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -164,3 +160,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: the Llama decoder; its fused qkv_proj / gate_up_proj load into the same shards."""
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE: Qwen2's decoder whose sparse layers route to experts, plus a gated shared
+    expert (set by config.moe)."""
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE: Qwen3's decoder whose sparse layers route to experts (set by config.moe)."""

@@ -9,13 +9,15 @@ from typing import Optional
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                   Qwen3ForCausalLM)
+                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

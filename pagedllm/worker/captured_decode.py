@@ -65,6 +65,9 @@ class DecodeChoice(NamedTuple):
 def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
     """The captured step where the model can take it, else the layer loop, with the reason."""
     arch = model.config.architecture
+    if model.config.moe is not None:
+        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no routed "
+                                  f"experts: {arch} layers pick their experts per token)")
     if arch not in STACK_ARCHITECTURES:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack does not run "
                                   f"{arch} layers)")

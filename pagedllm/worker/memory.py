@@ -92,12 +92,26 @@ def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_se
                      kv_cache_bytes: int) -> int:
     """Peak workspace of one step: hidden activations, logits, one layer's gathered K/V."""
     a = fp.arch
-    width = 4 * a.hidden_size + 3 * a.intermediate_size + (
+    width = 4 * a.hidden_size + _ffn_width(a) + (
         a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
     hidden = max_num_batched_tokens * width * 4
     logits = max_num_seqs * a.vocab_size * 4 * 4  # logits, float32 copy, softmax, filtered
     gathered = kv_cache_bytes // max(1, a.num_hidden_layers)  # decode reads one layer's context
     return hidden + logits + gathered
+
+
+def _ffn_width(a: ModelArchConfig) -> int:
+    """Float32 values per token of the widest feed-forward step: SwiGLU's gate, up and product;
+    on a sparse layer, each of the k chosen experts' gathered input, gate/up, product and
+    output, the shared expert's SwiGLU and the router's logits."""
+    dense = 3 * a.intermediate_size
+    moe = a.moe
+    if moe is None:
+        return dense
+    shared = moe.shared_expert_intermediate_size or 0
+    sparse = (moe.num_experts_per_tok * (2 * a.hidden_size + 3 * moe.moe_intermediate_size)
+              + 3 * shared + moe.num_experts)
+    return max(sparse, dense if moe.dense_layers else 0)
 
 
 def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,

@@ -194,7 +194,7 @@ def _tiny_gguf(path: Path, arch: str, **metadata) -> Path:
 
 
 def test_unsupported_architecture(tmp_path):
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"):
         arch_from_gguf(_tiny_gguf(tmp_path / "tiny.gguf", "gpt2"))
 
 

@@ -65,3 +65,40 @@ def test_an_unsupported_family_is_refused_with_the_supported_list():
         arch_from_hf_config(BASE | {"architectures": ["Gemma2ForCausalLM"]})
     assert "Gemma2ForCausalLM" in str(err.value)
     assert "Qwen3ForCausalLM" in str(err.value) and "LlamaForCausalLM" in str(err.value)
+
+
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def test_qwen3_moe_sparse_layers_from_decoder_sparse_step_and_mlp_only_layers():
+    arch = arch_from_hf_config(BASE | MOE | {
+        "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 6, "norm_topk_prob": True,
+        "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert (arch.architecture, arch.qk_norm, arch.attention_bias) == ("qwen3_moe", True, False)
+    moe = arch.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 32)
+    assert moe.norm_topk_prob and moe.shared_expert_intermediate_size is None
+    # transformers: sparse when (i + 1) % step == 0 and i not in mlp_only_layers
+    assert moe.dense_layers == (0, 2, 3, 4)
+    assert [arch.is_sparse_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+
+
+def test_qwen2_moe_has_a_shared_expert_and_qkv_biases_by_default():
+    arch = arch_from_hf_config(BASE | MOE | {"model_type": "qwen2_moe",
+                                             "shared_expert_intermediate_size": 96})
+    assert (arch.architecture, arch.attention_bias, arch.qk_norm) == ("qwen2_moe", True, False)
+    assert arch.moe.shared_expert_intermediate_size == 96 and not arch.moe.norm_topk_prob
+    assert arch.moe.dense_layers == ()
+    assert not arch_from_hf_config(BASE | MOE | {"model_type": "qwen2_moe", "qkv_bias": False,
+                                                 "shared_expert_intermediate_size": 96}
+                                   ).attention_bias
+
+
+def test_moe_configs_that_cannot_route_are_refused_by_field():
+    qwen3_moe = BASE | MOE | {"architectures": ["Qwen3MoeForCausalLM"]}
+    with pytest.raises(ModelFileError, match="num_experts_per_tok \\(9\\) must be <= num_experts"):
+        arch_from_hf_config(qwen3_moe | {"num_experts_per_tok": 9})
+    with pytest.raises(ModelFileError, match="moe_intermediate_size"):
+        arch_from_hf_config({k: v for k, v in qwen3_moe.items() if k != "moe_intermediate_size"})
+    with pytest.raises(ModelFileError, match="shared_expert_intermediate_size"):
+        arch_from_hf_config(BASE | MOE | {"architectures": ["Qwen2MoeForCausalLM"]})

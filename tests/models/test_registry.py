@@ -5,7 +5,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                   Qwen3ForCausalLM)
+                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 from pagedllm.models.registry import model_class, supported_architectures
 
 
@@ -14,11 +14,15 @@ def test_known_architectures():
     assert model_class("qwen2") is Qwen2ForCausalLM
     assert model_class("qwen3") is Qwen3ForCausalLM
     assert model_class("phi3") is Phi3ForCausalLM
-    assert supported_architectures() == ["llama", "phi3", "qwen2", "qwen3"]
+    assert model_class("qwen2_moe") is Qwen2MoeForCausalLM
+    assert model_class("qwen3_moe") is Qwen3MoeForCausalLM
+    assert supported_architectures() == ["llama", "phi3", "qwen2", "qwen2_moe", "qwen3",
+                                         "qwen3_moe"]
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, phi3, qwen2, "
+                                         "qwen2_moe, qwen3, qwen3_moe"):
         model_class("gpt2")
 
 

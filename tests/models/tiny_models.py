@@ -30,6 +30,10 @@ F32, Q8_0 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 # Q8_0 blocks run with 8-bit activations (as ggml's): logits within this share of the largest
 # (measured: 3% with two layers, 5.4% with three; a wrong weight or rotation is off by ~100%).
 Q8_0_LOGIT_TOL = 0.1
+# MoE routers (HF name suffixes, GGUF name part) stay float32 in a Q8_0 file, as llama-quantize
+# leaves ffn_gate_inp: an 8-bit router would pick other experts at near-ties.
+FLOAT_ROUTERS_HF = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+FLOAT_ROUTERS_GGUF = ".ffn_gate_inp"
 # Engine options that split every prompt into chunks and let later prompts hit the prefix cache.
 CHUNKED = dict(max_num_batched_tokens=16, block_size=16, enable_prefix_caching=True)
 
@@ -78,8 +82,8 @@ def q8_0_round_trip(model: torch.nn.Module) -> torch.nn.Module:
     transformers can be the reference of a Q8_0 GGUF (writing them again in Q8_0 is exact)."""
     out = copy.deepcopy(model)
     with torch.no_grad():
-        for p in out.parameters():
-            if p.dim() == 2:
+        for name, p in out.named_parameters():
+            if p.dim() >= 2 and not name.endswith(FLOAT_ROUTERS_HF):  # matrices, stacked experts
                 blocks = gguf.quants.quantize(p.numpy(), Q8_0)
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, Q8_0).reshape(p.shape)))
     return out
@@ -98,12 +102,12 @@ def gguf_tensors(model: torch.nn.Module, arch: gguf.MODEL_ARCH,
     cfg = model.config
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     out = {}
-    for hf_name, t in model.state_dict().items():
+    for hf_name, arr in _unfused_experts(model.state_dict()):
         if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))  # "blk.0.attn_q.weight"
         assert name is not None, hf_name
-        arr = t.float().numpy()
+        name = name if name.endswith((".weight", ".bias")) else f"{name}.weight"  # stacked experts
         kind = name.split(".")[-2]
         if permute_heads and kind in ("attn_q", "attn_k"):
             arr = _permute_qk(arr, permute_heads[0] if kind == "attn_q" else permute_heads[1])
@@ -111,15 +115,32 @@ def gguf_tensors(model: torch.nn.Module, arch: gguf.MODEL_ARCH,
     return out
 
 
+def _unfused_experts(state: Mapping[str, torch.Tensor]) -> list[tuple[str, np.ndarray]]:
+    """(HF name, float32 array) of each tensor, transformers' fused experts.gate_up_proj
+    [E, 2I, H] split into the stacked gate_proj and up_proj [E, I, H] llama.cpp stores."""
+    out = []
+    for hf_name, t in state.items():
+        arr = t.float().numpy()
+        if hf_name.endswith("experts.gate_up_proj"):
+            base = hf_name.removesuffix("gate_up_proj")
+            gate, up = np.split(arr, 2, axis=1)
+            out += [(f"{base}gate_proj", np.ascontiguousarray(gate)),
+                    (f"{base}up_proj", np.ascontiguousarray(up))]
+        else:
+            out.append((hf_name, arr))
+    return out
+
+
 def write_gguf(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
                tensors: Mapping[str, np.ndarray], qtype: GGMLQuantizationType) -> None:
-    """A GGUF of the tensors, its 2-D matrices in qtype blocks (F32 or Q8_0; 1-D ones stay
-    float32), with metadata written by fields(writer). Q8_0 matrices must come from
-    q8_0_round_trip, so that the file holds exactly the reference's values (checked)."""
+    """A GGUF of the tensors, its matrices and stacked experts in qtype blocks (F32 or Q8_0; 1-D
+    tensors and MoE routers stay float32), with metadata written by fields(writer). Q8_0
+    matrices must come from q8_0_round_trip, so that the file holds exactly the reference's
+    values (checked)."""
     writer = gguf.GGUFWriter(str(path), arch)
     fields(writer)
     for name, arr in tensors.items():
-        if arr.ndim == 2 and qtype != F32:
+        if arr.ndim >= 2 and qtype != F32 and FLOAT_ROUTERS_GGUF not in name:
             blocks = gguf.quants.quantize(arr, qtype)
             held = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
             assert np.array_equal(held, arr), name
@@ -192,16 +213,47 @@ def greedy_tokens(llm: LLM, token_prompts: list[list[int]], num_tokens: int = NU
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+# A MoE router whose k-th and (k+1)-th expert probabilities are this close is at a near-tie:
+# the 8-bit activations of Q8_0 blocks may pick the other expert there (measured: a 0.0008
+# margin flipped, moving one greedy choice 0.8 below transformers' best), a discrete jump that
+# no logit tolerance describes.
+ROUTING_TIE_MARGIN = 0.01
+
+
+@torch.no_grad()
+def routing_ties(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """[S] bool: the positions of ids at which some MoE router of transformers' model is at a
+    near-tie for its last chosen expert (all False for a dense model)."""
+    ties = torch.zeros(len(ids), dtype=torch.bool)
+
+    def hook(module, args, out):
+        probs = torch.softmax(out[0].float(), dim=-1)  # router logits [S, E]
+        top = probs.topk(module.top_k + 1, dim=-1).values
+        ties.logical_or_(top[:, -2] - top[:, -1] < ROUTING_TIE_MARGIN)
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return ties
+
+
 @torch.no_grad()
 def near_argmax_gap(model: torch.nn.Module, token_prompts: list[list[int]],
                     tokens: list[list[int]]) -> float:
     """How far below transformers' best logit the engine's greedy choices fall, at worst, with
-    transformers reading the engine's own continuation (0: every choice was its argmax)."""
+    transformers reading the engine's own continuation (0: every choice was its argmax);
+    choices made where a MoE router is at a near-tie are left out."""
     gap = 0.0
     for p, t in zip(token_prompts, tokens):
         logits = model(torch.tensor([p + t])).logits[0, len(p) - 1:-1]  # [N, V]
         chosen = logits.gather(1, torch.tensor(t).unsqueeze(1)).squeeze(1)
-        gap = max(gap, (logits.max(dim=1).values - chosen).max().item())
+        gaps = (logits.max(dim=1).values - chosen).masked_fill(
+            routing_ties(model, p + t)[len(p) - 1:-1], 0.0)
+        gap = max(gap, gaps.max().item())
     return gap
 
 

@@ -1,0 +1,84 @@
+"""A sparse MoE feed-forward block (Qwen2-MoE, Qwen3-MoE): a softmax router picks top-k SwiGLU
+experts per token, and only those experts run, each on just the tokens routed to it.
+
+Each expert is an ordinary GatedMLP, so a GGUF's stacked expert tensors load one expert per
+module and keep their blocks like any other matrix (layers/quantization.py swaps them). A step
+groups its (token, choice) slots by expert:
+
+    experts [T, k] -> flat [T*k] -> stable sort -> slots of expert 0 | expert 1 | ... | E-1
+    expert e: x[tokens of its slots] [n_e, H] -> gate/up/down -> * routing weight -> index_add_
+
+so an expert no token chose is never read, and the work is T*k expert rows, not T*E.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.config import MoEConfig
+from pagedllm.layers.mlp import GatedMLP
+
+
+class Routing(NamedTuple):
+    """Each token's chosen experts and their weights."""
+
+    experts: torch.Tensor  # [T, k] int64 expert ids, best first
+    weights: torch.Tensor  # [T, k] float32
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """transformers' Qwen MoE routing: softmax over all experts in float32, then the top k of
+    those probabilities, rescaled to sum to 1 when norm_topk_prob."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, experts = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) a sigmoid-gated shared expert."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe.moe_intermediate_size)
+                                     for _ in range(moe.num_experts))
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = None if shared is None else GatedMLP(hidden_size, shared)
+        self.shared_expert_gate: Optional[nn.Linear] = (
+            None if shared is None else nn.Linear(hidden_size, 1, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        routing = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = self.routed(x, routing)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+            out = out + gate * self.shared_expert(x)
+        return out
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Sum over each token's chosen experts of weight * expert(x), running every chosen
+        expert once on the rows routed to it (in expert order, as transformers adds them)."""
+        flat = routing.experts.reshape(-1)  # [T*k] expert of each slot
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k  # [T*k] the token of each grouped slot
+        weights = routing.weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1]
+        rows = x[tokens]  # [T*k, H]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                part = slice(start, start + n)
+                y = expert(rows[part]) * weights[part]  # [n, H] float32
+                out.index_add_(0, tokens[part], y.to(out.dtype))
+            start += n
+        return out
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"

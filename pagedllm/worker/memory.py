@@ -174,7 +174,11 @@ def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act
     ]
     n = fp.num_params
     rest = one_seq + overhead + act
+    # bits per weight of whole files; Q3_K_S and Q2_K scaled from Q4_K_M by llama-quantize's own
+    # table (Llama-3-8B: 3.41, 2.96 and 4.58 GB): Qwen2-7B-Instruct Q2_K is ~3.0 GB
     for label, bits in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85),
+                        ("a 3-bit GGUF of the same model (Q3_K_S)", 3.6),
+                        ("a 2-bit GGUF of the same model (Q2_K)", 3.15),
                         ("an 8-bit quantization (int8 / Q8_0)", 8.5)):
         size = n * bits / 8
         verdict = "would fit here" if size + rest <= budget else "still too large here"

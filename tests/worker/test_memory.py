@@ -50,6 +50,17 @@ def test_qwen7b_on_a_3_5_gib_machine_gets_advice():
     assert "cgroup v1 limit 3.49 GiB, 3.10 GiB free" in msg
     assert "4-bit GGUF" in msg and "~4.30 GiB (still too large here)" in msg and "int8" in msg
     assert "smaller model of the same family: Qwen2.5-0.5B-Instruct" in msg
+    assert "(Q2_K): weights ~2.79 GiB (still too large here)" in msg
+
+
+def test_advice_names_the_low_bit_gguf_that_would_fit():
+    with pytest.raises(InsufficientMemoryError) as err:  # 4.5 GiB: Q2_K fits, Q3_K_S does not
+        plan_memory(qwen7b_footprint(), MemoryInfo(8 * GiB, int(4.5 * GiB), "test"), block_size=16,
+                    max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048)
+    msg = str(err.value)
+    assert "a 2-bit GGUF of the same model (Q2_K): weights ~2.79 GiB (would fit here)" in msg
+    assert "a 3-bit GGUF of the same model (Q3_K_S): weights ~3.19 GiB (still too large here)" in msg
+    assert "(Q4_K_M): weights ~4.30 GiB (still too large here)" in msg
 
 
 def test_a_fitting_model_gets_a_cache_and_the_full_length():

@@ -13,7 +13,7 @@ namespace pagedllm_ggml {
 
 enum GgmlType : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23, kBF16 = 30,
 };
 
 struct Format {
@@ -33,7 +33,10 @@ inline Format format_of(int64_t t) {
     case kQ8_0: return {32, 34};
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
+    case kQ2_K: return {256, 84};
+    case kQ3_K: return {256, 110};
     case kQ6_K: return {256, 210};
+    case kIQ4_XS: return {256, 136};
   }
   TORCH_CHECK(false, "ggml type ", t, " has no pagedllm kernel");
 }
@@ -76,6 +79,27 @@ inline GroupScale k_group(const uint8_t* p, int g) {
   scale_min_k4(g, p + 4, &sc, &m);
   return {half_at(p) * sc, half_at(p + 2) * m};
 }
+
+// Scale of 16-value group j (0..15) of a Q3_K block, minus 32 (-32..31), from the 12 packed bytes s:
+// the low four bits are nibble j / 8 of byte j % 8, the high two bits 2 * (j / 4) of byte 8 + j % 4.
+inline int q3k_scale(const uint8_t* s, int j) {
+  return (((s[j % 8] >> (4 * (j / 8))) & 0xF) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+// Scale of 32-value group g (0..7) of an IQ4_XS block at p, minus 32: four bits of scales_l
+// (byte 4 + g / 2) and two of scales_h (bits 2g of the u16 at byte 2).
+inline int iq4xs_scale(const uint8_t* p, int g) {
+  const int hi = ((p[2] | p[3] << 8) >> (2 * g)) & 3;
+  return (((p[4 + g / 2] >> (4 * (g % 2))) & 0xF) | (hi << 4)) - 32;
+}
+
+// The 16 values of IQ4_NL / IQ4_XS's non-linear 4-bit codebook (ggml's kvalues_iq4nl).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Rows of the low-bit types, in the order ggml's dequantize_row_* writes them (ggml_quants_low.cpp).
+void row_q2_k(const uint8_t* p, float* y, int64_t k);
+void row_q3_k(const uint8_t* p, float* y, int64_t k);
+void row_iq4_xs(const uint8_t* p, float* y, int64_t k);
 
 // One row of k values of ggml type qtype to float32, exactly as ggml dequantizes it
 // (ggml_quants.cpp).

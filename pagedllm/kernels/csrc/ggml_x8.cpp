@@ -23,6 +23,7 @@
 //   Q5_K  the same header, then per group: bits, nib         (1440 B, 8 x 176 + 32)
 //   Q6_K  d[8], sc[16][8] i8, per 32-block: nib (low 4 bits), hi: byte 32h + 4r + i bits
 //         2(c - 4h).. = high 2 bits of v[r][4c+i]           (1680 B = 8 x 210)
+//   Q2_K, Q3_K, IQ4_XS: ggml_x8_layout_low.h
 // A matrix of N rows (N a multiple of 8) is a uint8 tensor [N / 8, records * record bytes].
 // The kernels are in ggml_x8_kernels.inc, built once per instruction set (ggml_x8_isa.h).
 #include <ATen/ATen.h>
@@ -159,13 +160,14 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
   // at 512 rows of 4864 values this took ~10 % of a matmul on one thread
   const std::unique_ptr<int8_t[]> xq(new int8_t[gemv ? m * k : 0]), bq(new int8_t[gemm ? m * k : 0]);
   const std::unique_ptr<float[]> xd(new float[gemv ? 2 * m * nb : 0]), bd(new float[gemm ? 2 * m * nb : 0]);
-  const std::unique_ptr<int32_t[]> bh(new int32_t[gemm ? 2 * m * nb : 0]);
-  const XRows xr{xq.get(), xd.get(), xd.get() + m * nb, k, nb};
+  const std::unique_ptr<int32_t[]> bh(new int32_t[gemm ? 2 * m * nb : 0]), xh(new int32_t[gemv ? 2 * m * nb : 0]);
+  const XRows xr{xq.get(), xd.get(), xd.get() + m * nb, k, nb, xh.get()};
   const XBlocks xb{bq.get(), bd.get(), bd.get() + m * nb, bh.get(), m};
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, 65536 / k), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      if (gemv) quantize_x(xp + i * k, k, xq.get() + i * k, xd.get() + i * nb, xd.get() + m * nb + i * nb);
+      if (gemv)
+        quantize_x(xp + i * k, k, xq.get() + i * k, xd.get() + i * nb, xd.get() + m * nb + i * nb, xh.get() + 2 * i * nb);
       if (gemm) quantize_x(xp + i * k, k, bq.get() + 32 * i, bd.get() + i, bd.get() + m * nb + i, bh.get() + 2 * i, 32 * m, m);
     }
   });
@@ -205,7 +207,7 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
         for (int64_t i = 0; i < m;) {
           const int cols = m - i >= 4 ? 4 : (m - i >= 2 ? 2 : 1);
           const GemvFn fn = cols == 4 ? kn.fns.c4 : (cols == 2 ? kn.fns.c2 : kn.fns.c1);
-          fn(rec, kn.nrec, XRows{xr.q + i * k, xr.d + i * nb, xr.s + i * nb, k, nb}, op + i * n, n);
+          fn(rec, kn.nrec, XRows{xr.q + i * k, xr.d + i * nb, xr.s + i * nb, k, nb, xr.h + 2 * i * nb}, op + i * n, n);
           i += cols;
         }
       }

@@ -254,6 +254,14 @@ struct Q6K {
   }
 };
 
+}  // namespace x8
+}  // namespace pagedllm_ggml
+
+#include "ggml_x8_layout_low.h"  // Q2_K, Q3_K, IQ4_XS
+
+namespace pagedllm_ggml {
+namespace x8 {
+
 // --- formats --------------------------------------------------------------------------------
 using PackFn = void (*)(const uint8_t* const*, uint8_t*);
 using UnpackRecFn = void (*)(const uint8_t*, uint8_t* const*);
@@ -282,6 +290,9 @@ inline X8Format format_x8(int64_t t) {
     case kQ4_K: return x8_format<Q4K>(t);
     case kQ5_K: return x8_format<Q5K>(t);
     case kQ6_K: return x8_format<Q6K>(t);
+    case kQ2_K: return x8_format<Q2K>(t);
+    case kQ3_K: return x8_format<Q3K>(t);
+    case kIQ4_XS: return x8_format<IQ4XS>(t);
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");
 }

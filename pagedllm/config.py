@@ -53,6 +53,25 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaConfig:
+    """Where Gemma 2/3 depart from the Llama decoder: scaled embeddings, (1 + w) norms, four
+    norms a layer, GeGLU, sliding-window layers, and (Gemma 2) soft-capped logits."""
+
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    sliding_layers: tuple[int, ...]  # layers that attend over the last sliding_window tokens
+    attn_logit_softcapping: Optional[float] = None  # scores -> tanh(s / cap) * cap; None: off
+    final_logit_softcapping: Optional[float] = None
+    rope_local_base_freq: Optional[float] = None  # Gemma 3: the sliding layers' RoPE base
+
+    def __post_init__(self) -> None:
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
 
@@ -79,6 +98,7 @@ class ModelArchConfig:
     # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
     rotary_dim: Optional[int] = None
     moe: Optional[MoEConfig] = None  # routed experts (Qwen2-MoE, Qwen3-MoE); None: dense
+    gemma: Optional[GemmaConfig] = None  # Gemma 2/3's departures; None: another family
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -107,6 +127,19 @@ class ModelArchConfig:
                                             for i in self.moe.dense_layers):
             raise ValueError(f"moe.dense_layers {list(self.moe.dense_layers)} must be layer "
                              f"indices below num_hidden_layers ({self.num_hidden_layers})")
+        if self.gemma is not None and not all(0 <= i < self.num_hidden_layers
+                                              for i in self.gemma.sliding_layers):
+            raise ValueError(f"gemma.sliding_layers {list(self.gemma.sliding_layers)} must be "
+                             f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
+        if self.gemma is not None and self.gemma.sliding_layers and self.sliding_window is None:
+            raise ValueError("gemma.sliding_layers are set but sliding_window is None")
+
+    def layer_window(self, index: int) -> Optional[int]:
+        """The tokens layer `index` attends back over (itself included), or None: all of them.
+        Only Gemma runs a window; other families' sliding_window caps max_model_len instead."""
+        if self.gemma is None or index not in self.gemma.sliding_layers:
+            return None
+        return self.sliding_window
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether layer `index` routes its tokens to experts (else it has a plain MLP)."""
@@ -121,8 +154,8 @@ class ModelArchConfig:
     def max_model_len_supported(self) -> int:
         """The longest sequence the engine runs: max_position_embeddings, or a smaller sliding
         window. Within the window every token sees its whole context, so full attention is
-        exact there; sliding-window attention itself is not implemented."""
-        if self.sliding_window is None:
+        exact there; only Gemma's layers run a real sliding window (layers/attention.py)."""
+        if self.sliding_window is None or self.gemma is not None:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
@@ -135,6 +168,8 @@ class ModelArchConfig:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.gemma is not None:  # the post-attention and pre/post-feedforward norms
+            per_layer += 2 * h
         ffn = sum(self.moe.expert_params(h) if self.is_sparse_layer(n) else 3 * h * i
                   for n in range(self.num_hidden_layers))
         head = 0 if self.tie_word_embeddings else v * h

@@ -1,4 +1,4 @@
-"""SwiGLU gate: silu(gate) * up."""
+"""Gated activations: SwiGLU silu(gate) * up, GeGLU gelu_tanh(gate) * up."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +18,11 @@ class SiluAndMul(CustomOp):
         """One fused C++ pass over float32 rows; the captured decode step calls the same op, so
         both give the same numbers."""
         return torch.ops.pagedllm.silu_mul(gate.contiguous(), up.contiguous())
+
+
+class GeluTanhAndMul(CustomOp):
+    """gelu_tanh(gate) * up (Gemma's GeGLU, transformers' gelu_pytorch_tanh)."""
+
+    def forward_native(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, approximate="tanh") * up in PyTorch."""
+        return F.gelu(gate, approximate="tanh").mul_(up)

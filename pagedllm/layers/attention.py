@@ -15,12 +15,15 @@ class Attention(nn.Module):
     context; the cache is bound by the model runner (bind_kv_cache), the step's metadata comes
     from the forward context."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # Gemma: keys within the last sliding_window positions; scores -> tanh(s / cap) * cap
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.backend = current_build_context().attn_backend
-        self.impl = self.backend.impl_cls(scale)
+        self.impl = self.backend.impl_cls(scale, sliding_window, softcap)
         self.kv_cache: Optional[torch.Tensor] = None  # [2, NB, BS, Hkv, D] once bound
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -30,8 +33,10 @@ class Attention(nn.Module):
         return self.impl.forward(q, k, v, self.kv_cache, get_forward_metadata())
 
     def extra_repr(self) -> str:
+        extra = "" if self.sliding_window is None else f", window={self.sliding_window}"
+        extra += "" if self.softcap is None else f", softcap={self.softcap}"
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim},"
-                f" backend={self.backend.name}")
+                f" backend={self.backend.name}{extra}")
 
 
 def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor) -> int:

@@ -1,4 +1,5 @@
-"""RMSNorm as Llama and Qwen2 define it (normalise in float32, scale in the model dtype)."""
+"""RMSNorm as Llama and Qwen2 define it (normalise in float32, scale in the model dtype), and
+Gemma's (1 + w) variant."""
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -41,3 +42,26 @@ class RMSNorm(CustomOp):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(self.weight.dtype)
+
+
+class GemmaRMSNorm(CustomOp):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts (Llama casts first);
+    optionally adds a residual first, returning (norm(x + residual), x + residual) as RMSNorm
+    does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
+        """norm(x) [T, H] in the weight's dtype (and the summed residual when one is given)."""
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(self.weight.dtype)

@@ -7,10 +7,11 @@ from typing import Any, Mapping, Optional
 from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gemma_arch import gemma_from_gguf, gemma_window
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
                                       "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
                                       "qwen3moe": "qwen3_moe"}
 # llama.cpp's expert weights: Qwen3-MoE rescales the chosen experts' probabilities (norm_w),
@@ -133,6 +134,8 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     bos = fields.get("tokenizer.ggml.bos_token_id")
     window = fields.get(f"{p}.attention.sliding_window")  # 0: none (how llama.cpp writes it)
     moe = _moe(fields, tensors, p, dim("block_count"), source)
+    gemma = gemma_from_gguf(fields, p, dim("block_count"), hidden, heads, head_dim, source)
+    gemma_window(window, gemma, f"{p}.attention.sliding_window", source)
     return make_arch(
         source,
         architecture=GGUF_ARCHITECTURES[p],
@@ -159,4 +162,5 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
                         dimension(window, f"{p}.attention.sliding_window", source)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         moe=moe,
+        gemma=gemma,
     )

@@ -63,7 +63,13 @@ _LAYER_NAMES: dict[str, str] = {
 # gate and up fused in ffn_up.
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
 }
+# llama.cpp's converter stores Gemma's norm weights as 1 + w, the factor they scale by; the
+# model holds w, as transformers does
+_NORMS_PLUS_ONE = ("gemma2",)
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,7 @@ def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> N
     with open(path, "rb", buffering=0) as fh:
         for info, name in load_progress(plan, path):
             _copy_tensor(fh, info, params[name], _unpermute_head_dim(header, info))
+            _undo_norm_offset(header, name, params[name])
 
 
 def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32
@@ -273,7 +280,14 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32
                 continue
             tensor = torch.empty(info.shape, dtype=dtype)
             _copy_tensor(fh, info, tensor, _unpermute_head_dim(header, info))
+            _undo_norm_offset(header, name, tensor)
             yield name, tensor
+
+
+def _undo_norm_offset(header: _GGUFHeader, name: str, tensor: torch.Tensor) -> None:
+    """w from the 1 + w a Gemma GGUF stores for a norm weight (name: the HF name)."""
+    if header.arch.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+        tensor.sub_(1)
 
 
 def _unpermute_head_dim(header: _GGUFHeader, info: GGUFTensorInfo) -> Optional[int]:

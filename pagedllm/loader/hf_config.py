@@ -7,9 +7,11 @@ from typing import Any, Mapping, Optional
 from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gemma_arch import gemma_from_hf, gemma_window
 
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": "gemma2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Phi3ForCausalLM": "phi3",
@@ -20,7 +22,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "phi3": "phi3",
+_MODEL_TYPES: dict[str, str] = {"gemma2": "gemma2", "llama": "llama", "mistral": "llama", "phi3": "phi3",
                                 "qwen2": "qwen2", "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
                                 "qwen3_moe": "qwen3_moe"}
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
@@ -166,6 +168,8 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
     hidden, heads = dim("hidden_size"), dim("num_attention_heads")
     head_dim = dim("head_dim", hidden // heads)
     rope_theta, rope_scaling = _rope(cfg, arch, source)
+    gemma = gemma_from_hf(cfg, arch, dim("num_hidden_layers"), source)
+    gemma_window(cfg.get("sliding_window"), gemma, "sliding_window", source)
     bos = cfg.get("bos_token_id")
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):
@@ -194,4 +198,5 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         sliding_window=_sliding_window(cfg, arch, source),
         rotary_dim=_rotary_dim(cfg, head_dim, source),
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
+        gemma=gemma,
     )

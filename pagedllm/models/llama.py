@@ -16,6 +16,8 @@ the model runner.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -31,7 +33,11 @@ from pagedllm.layers.rotary import RotaryEmbedding
 class SelfAttention(nn.Module):
     """Grouped-query self-attention: merged q/k/v projection, RoPE, paged attention, o_proj."""
 
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, norm: type = RMSNorm,
+                 scale: Optional[float] = None, sliding_window: Optional[int] = None,
+                 softcap: Optional[float] = None) -> None:
+        """norm: the q/k norms' class; scale: head_dim ** -0.5 when None; sliding_window and
+        softcap as Attention takes them (Gemma)."""
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -40,10 +46,12 @@ class SelfAttention(nn.Module):
                                      bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         # Qwen3: RMSNorm over head_dim, one weight shared by every head of q (of k)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = [rope]  # shared with every layer; a list keeps it out of this module's children
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale,
+                              sliding_window, softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -103,12 +111,14 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache."""
 
+    decoder_cls: type = DecoderModel  # embeddings, layers and final norm (Gemma: its own)
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.rope = RotaryEmbedding(cfg.rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
-        self.model = DecoderModel(cfg, self.rope)
+        self.model = self.decoder_cls(cfg, self.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,12 @@ from typing import Optional
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
+from pagedllm.models.gemma import Gemma2ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "gemma2": Gemma2ForCausalLM,
     "llama": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,

@@ -68,6 +68,10 @@ def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
     if model.config.moe is not None:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no routed "
                                   f"experts: {arch} layers pick their experts per token)")
+    if model.config.gemma is not None:
+        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no sliding "
+                                  f"window, soft-capped attention or (1 + w) norms: {arch} "
+                                  f"layers attend through attention/masked.py in PyTorch)")
     if arch not in STACK_ARCHITECTURES:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack does not run "
                                   f"{arch} layers)")

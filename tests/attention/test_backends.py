@@ -116,3 +116,29 @@ def test_metadata_builders():
     assert ref.decode_mask.sum(-1).flatten().tolist() == ctx.tolist()
     assert not hasattr(cpu, "decode_mask") and cpu.decode is common.decode
     assert not ref.decode_only and not cpu.decode_only
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
+@pytest.mark.parametrize("window, cap", [(3, None), (None, 0.5), (3, 0.5), (5, 2.0)])
+def test_window_and_softcap_equal_dense_attention(backend, window, cap):
+    """Decode rows, a fresh prompt and a chunk over cached blocks, each query seeing keys at
+    p - window < k <= p, scores soft-capped, as computed from scratch (Gemma's layers)."""
+    reqs, owned, hist, _ = _layout(4)
+    cache, q, k, v, common = _inputs(reqs, owned, hist, torch.Generator().manual_seed(11))
+    meta = backend.builder_cls(BS).build(common)
+    out = backend.impl_cls(D ** -0.5, window, cap).forward(q, k, v, cache, meta)
+    row = 0
+    for (done, new), (kh, vh) in zip(reqs, hist):
+        qs = q[row:row + new].transpose(0, 1)  # [Hq, S, D]
+        keys = kh.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)  # [Hq, C, D]
+        vals = vh.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+        scores = qs @ keys.transpose(1, 2) * D ** -0.5  # [Hq, S, C]
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        q_pos, k_pos = done + torch.arange(new), torch.arange(done + new)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        want = F.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ vals
+        torch.testing.assert_close(out[row:row + new], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        row += new

@@ -62,9 +62,35 @@ def test_sliding_window_is_read_where_it_applies():
 
 def test_an_unsupported_family_is_refused_with_the_supported_list():
     with pytest.raises(ModelFileError) as err:
-        arch_from_hf_config(BASE | {"architectures": ["Gemma2ForCausalLM"]})
-    assert "Gemma2ForCausalLM" in str(err.value)
+        arch_from_hf_config(BASE | {"architectures": ["FalconForCausalLM"]})
+    assert "FalconForCausalLM" in str(err.value)
     assert "Qwen3ForCausalLM" in str(err.value) and "LlamaForCausalLM" in str(err.value)
+
+
+GEMMA2 = BASE | {"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 3,
+                 "sliding_window": 4096, "query_pre_attn_scalar": 144,
+                 "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                 "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192}
+
+
+def test_gemma2_reads_its_window_layers_scalar_and_caps():
+    arch = arch_from_hf_config(GEMMA2)
+    g = arch.gemma
+    assert (g.sliding_layers, g.query_pre_attn_scalar) == ((0, 2), 144.0)
+    assert (g.attn_logit_softcapping, g.final_logit_softcapping) == (50.0, 30.0)
+    assert [arch.layer_window(i) for i in range(3)] == [4096, None, 4096]
+    assert arch.max_model_len_supported == 8192  # a real window: no cap
+    types = ["full_attention", "sliding_attention", "full_attention"]
+    assert arch_from_hf_config(GEMMA2 | {"layer_types": types}).gemma.sliding_layers == (1,)
+
+
+@pytest.mark.parametrize("change, field", [({"hidden_activation": "relu"}, "hidden_activation"),
+                                           ({"layer_types": ["local"] * 3}, "layer_types"),
+                                           ({"sliding_window": None}, "sliding_window"),
+                                           ({"attn_logit_softcapping": -1}, "attn_logit")])
+def test_gemma2_refuses_what_it_cannot_run_naming_the_field(change, field):
+    with pytest.raises(ModelFileError, match=field):
+        arch_from_hf_config(GEMMA2 | change)
 
 
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}

@@ -2,6 +2,8 @@
 (kernels/csrc/cpu_ops.cpp), PyTorch SDPA for prompt chunks.
 
 Decode reads each request's K/V rows where they lie in the cache: no gathered copy, no mask.
+The kernel has no sliding window and no soft-cap: a layer with either (Gemma) decodes through
+the inherited PyTorch path (attention/masked.py), chosen when the layer is built.
 """
 from __future__ import annotations
 

@@ -129,6 +129,11 @@ class RotaryEmbedding(CustomOp):
         self._args = (rotary_dim, max_positions, base, scaling, model_max)
         self.reset_tables(None)
 
+    def with_base(self, base: float) -> "RotaryEmbedding":
+        """Tables of the same size over another base, unscaled (Gemma 3's sliding layers)."""
+        rotary_dim, max_positions, _, _, model_max = self._args
+        return RotaryEmbedding(rotary_dim, max_positions, base, None, model_max)
+
     def reset_tables(self, device: Optional[torch.device]) -> None:
         """(Re)compute the float32 cos/sin tables on device (None: the CPU), e.g. after building
         on the meta device."""

@@ -11,9 +11,9 @@ from pagedllm.loader.gemma_arch import gemma_from_gguf, gemma_window
 from pagedllm.loader.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
-                                      "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
-                                      "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
+                                      "phi3": "phi3", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
+                                      "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 # llama.cpp's expert weights: Qwen3-MoE rescales the chosen experts' probabilities (norm_w),
 # Qwen2-MoE does not, unless <arch>.expert_weights_norm says otherwise
 _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}

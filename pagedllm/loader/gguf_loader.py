@@ -59,17 +59,19 @@ _LAYER_NAMES: dict[str, str] = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+_GEMMA_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # Per architecture (registry key), layer tensors whose HF name differs: llama.cpp's Phi-3 holds
 # gate and up fused in ffn_up.
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
-    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
-               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w, the factor they scale by; the
-# model holds w, as transformers does
-_NORMS_PLUS_ONE = ("gemma2",)
+# model holds w, as transformers does (Gemma 3's q/k norms too)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 
 
 @dataclass(frozen=True)

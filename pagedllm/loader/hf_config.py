@@ -7,11 +7,12 @@ from typing import Any, Mapping, Optional
 from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gemma_arch import gemma_from_hf, gemma_window
+from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
 
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Phi3ForCausalLM": "phi3",
@@ -22,9 +23,13 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"gemma2": "gemma2", "llama": "llama", "mistral": "llama", "phi3": "phi3",
-                                "qwen2": "qwen2", "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
+_MODEL_TYPES: dict[str, str] = {"gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
+                                "mistral": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
                                 "qwen3_moe": "qwen3_moe"}
+# Multimodal checkpoints (architecture, model_type) whose text decoder alone is supported
+_TEXT_ONLY: dict[str, tuple[str, str]] = {
+    "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM (model_type gemma3_text)")}
 _QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
@@ -36,6 +41,10 @@ def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json")
         if isinstance(name, str) and name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
     model_type = cfg.get("model_type")
+    for name, (mm_type, text) in _TEXT_ONLY.items():
+        if name in names or (not names and model_type == mm_type):
+            raise ModelFileError(f"{name} (model_type {mm_type!r}) is a multimodal checkpoint; "
+                                 f"only the text model is supported: {text} in {source}")
     if not names and isinstance(model_type, str) and model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
     raise ModelFileError(
@@ -67,7 +76,10 @@ def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, source: str | Path) -> Op
 
 def _rope(cfg: Mapping[str, Any], arch: str,
           source: str | Path) -> tuple[float, Optional[dict[str, Any]]]:
-    """(rope_theta, rope_scaling) from either the legacy keys or transformers 5 `rope_parameters`."""
+    """(rope_theta, rope_scaling) from either the legacy keys or transformers 5 `rope_parameters`
+    (Gemma 3: its global layers'; its local ones' base is in config.gemma)."""
+    if arch == "gemma3":
+        cfg = gemma3_global_rope(cfg)
     params = dict(cfg.get("rope_parameters") or {})
     nested_theta = params.pop("rope_theta", None)
     params.pop("partial_rotary_factor", None)  # _rotary_dim
@@ -194,7 +206,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         bos_token_id=None if bos is None else token_id(bos, "bos_token_id", source),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
         torch_dtype=torch_dtype,
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("gemma3", "qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(cfg, arch, source),
         rotary_dim=_rotary_dim(cfg, head_dim, source),
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),

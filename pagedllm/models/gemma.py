@@ -1,4 +1,4 @@
-"""Gemma 2: the Llama decoder's attention and gated MLP, rearranged.
+"""Gemma 2 and 3: the Llama decoder's attention and gated MLP, rearranged.
 
 - embeddings scaled by sqrt(hidden), in the embedding's dtype (as transformers does);
 - RMSNorm scaling by (1 + w) (layers/norm.py GemmaRMSNorm), four per layer: before and after
@@ -8,6 +8,11 @@
   layer (config.gemma.sliding_layers) attending over the last sliding_window tokens only:
   attention/masked.py, in plain PyTorch in every backend;
 - final logits soft-capped; the head tied to the embeddings.
+
+Gemma 3 (text) keeps that layer and adds, all set by the config: per-head q/k norms scaling by
+(1 + w) (config.qk_norm), five sliding layers to one global (config.gemma.sliding_layers), the
+sliding layers turning by their own unscaled RoPE base (gemma.rope_local_base_freq) while the
+global ones use rope_theta and rope_scaling; no attention soft-cap, the final one optional.
 """
 from __future__ import annotations
 
@@ -53,9 +58,19 @@ class GemmaDecoderModel(nn.Module):
         # an explicit weight skips nn.Embedding's init (see llama.DecoderModel)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, rope, i)
+        local_base = cfg.gemma.rope_local_base_freq
+        # Gemma 3's sliding layers' table (Gemma 2's share the one)
+        self.local_rope = None if local_base is None else rope.with_base(local_base)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, self._layer_rope(cfg, rope, i), i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def _layer_rope(self, cfg: ModelArchConfig, rope: RotaryEmbedding,
+                    index: int) -> RotaryEmbedding:
+        """The RoPE tables layer `index` turns q and k by."""
+        if self.local_rope is not None and index in cfg.gemma.sliding_layers:
+            return self.local_rope
+        return rope
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -81,3 +96,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3 text over a paged KV cache: Gemma 2's model, its departures set by the config
+    (q/k norms, the local RoPE table, the layer pattern, no attention soft-cap)."""

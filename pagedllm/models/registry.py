@@ -8,12 +8,14 @@ from typing import Optional
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
-from pagedllm.models.gemma import Gemma2ForCausalLM
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "qwen2": Qwen2ForCausalLM,
@@ -50,5 +52,7 @@ def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
     # tensors: that runs through torch._refs in Python and imports sympy (~1 s of start-up)
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # after the allocation, which gives each name its own tensor
-    model.rope.reset_tables(device)
+    for module in model.modules():  # the RoPE tables (Gemma 3 has a second one)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables(device)
     return model.eval()

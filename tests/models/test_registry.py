@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pagedllm import LLM
-from pagedllm.models.gemma import Gemma2ForCausalLM
+from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 from pagedllm.models.registry import model_class, supported_architectures
@@ -18,12 +18,13 @@ def test_known_architectures():
     assert model_class("qwen2_moe") is Qwen2MoeForCausalLM
     assert model_class("qwen3_moe") is Qwen3MoeForCausalLM
     assert model_class("gemma2") is Gemma2ForCausalLM
-    assert supported_architectures() == ["gemma2", "llama", "phi3", "qwen2", "qwen2_moe", "qwen3",
-                                         "qwen3_moe"]
+    assert model_class("gemma3") is Gemma3ForCausalLM
+    assert supported_architectures() == ["gemma2", "gemma3", "llama", "phi3", "qwen2",
+                                         "qwen2_moe", "qwen3", "qwen3_moe"]
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma2, llama, phi3, qwen2, "
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma2, gemma3, llama, phi3, qwen2, "
                                          "qwen2_moe, qwen3, qwen3_moe"):
         model_class("gpt2")
 

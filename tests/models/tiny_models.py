@@ -165,7 +165,9 @@ def base_fields(writer: gguf.GGUFWriter, cfg) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    # Gemma 3 keys rope_parameters by layer type; the GGUF's base is the global layers'
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
 
 
 def prompts(lengths: tuple[int, ...], seed: int, shared: int = 20) -> list[list[int]]:

@@ -75,7 +75,7 @@ class GemmaConfig:
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
 
-    architecture: str  # registry key: "llama", "qwen2", "qwen3", "phi3", "qwen2_moe", "qwen3_moe"
+    architecture: str  # registry key: "llama", "qwen2", "qwen3", "phi3", "smollm3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,6 +97,7 @@ class ModelArchConfig:
     sliding_window: Optional[int] = None
     # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
     rotary_dim: Optional[int] = None
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k RoPE leaves unturned
     moe: Optional[MoEConfig] = None  # routed experts (Qwen2-MoE, Qwen3-MoE); None: dense
     gemma: Optional[GemmaConfig] = None  # Gemma 2/3's departures; None: another family
 
@@ -127,6 +128,9 @@ class ModelArchConfig:
                                             for i in self.moe.dense_layers):
             raise ValueError(f"moe.dense_layers {list(self.moe.dense_layers)} must be layer "
                              f"indices below num_hidden_layers ({self.num_hidden_layers})")
+        if not all(0 <= i < self.num_hidden_layers for i in self.nope_layers):
+            raise ValueError(f"nope_layers {list(self.nope_layers)} must be layer indices "
+                             f"below num_hidden_layers ({self.num_hidden_layers})")
         if self.gemma is not None and not all(0 <= i < self.num_hidden_layers
                                               for i in self.gemma.sliding_layers):
             raise ValueError(f"gemma.sliding_layers {list(self.gemma.sliding_layers)} must be "

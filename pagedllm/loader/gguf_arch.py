@@ -13,7 +13,11 @@ from pagedllm.loader.gguf_header import GGUFTensorInfo
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
                                       "phi3": "phi3", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
-                                      "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+                                      "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                                      "smollm3": "smollm3"}
+# llama.cpp's SmolLM3 leaves every 4th layer without RoPE (n_no_rope_layer_step, fixed: the
+# GGUF has no key for it)
+_SMOLLM3_NOPE_STEP = 4
 # llama.cpp's expert weights: Qwen3-MoE rescales the chosen experts' probabilities (norm_w),
 # Qwen2-MoE does not, unless <arch>.expert_weights_norm says otherwise
 _NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
@@ -161,6 +165,8 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
         sliding_window=(None if window in (None, 0) else
                         dimension(window, f"{p}.attention.sliding_window", source)),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        nope_layers=tuple(i for i in range(dim("block_count"))
+                          if p == "smollm3" and (i + 1) % _SMOLLM3_NOPE_STEP == 0),
         moe=moe,
         gemma=gemma,
     )

@@ -294,6 +294,7 @@ def _undo_norm_offset(header: _GGUFHeader, name: str, tensor: torch.Tensor) -> N
 
 def _unpermute_head_dim(header: _GGUFHeader, info: GGUFTensorInfo) -> Optional[int]:
     """The head size to undo llama.cpp's Q/K row permutation with, or None: convert_hf_to_gguf
-    permutes Q/K for the llama architecture only."""
+    permutes Q/K for the llama architecture and SmolLM3 (its LlamaModel subclass) only."""
     is_qk = ".attn_q." in info.name or ".attn_k." in info.name
-    return header.arch.head_dim if header.arch.architecture == "llama" and is_qk else None
+    permuted = header.arch.architecture in ("llama", "smollm3")
+    return header.arch.head_dim if permuted and is_qk else None

@@ -20,17 +20,19 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
 _MODEL_TYPES: dict[str, str] = {"gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
                                 "mistral": "llama", "phi3": "phi3", "qwen2": "qwen2",
                                 "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
-                                "qwen3_moe": "qwen3_moe"}
+                                "qwen3_moe": "qwen3_moe", "smollm3": "smollm3"}
 # Multimodal checkpoints (architecture, model_type) whose text decoder alone is supported
 _TEXT_ONLY: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM (model_type gemma3_text)")}
-_QWEN = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+# Families whose sliding_window applies only with use_sliding_window
+_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
 
 
 def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json") -> str:
@@ -111,12 +113,30 @@ def _phi3_longrope(cfg: Mapping[str, Any], scaling: dict[str, Any]) -> None:
 
 
 def _sliding_window(cfg: Mapping[str, Any], arch: str, source: str | Path) -> Optional[int]:
-    """The attention window, or None for full attention. Qwen2/Qwen3 configs carry a
+    """The attention window, or None for full attention. Qwen2/Qwen3/SmolLM3 configs carry a
     sliding_window that applies only with use_sliding_window; null or 0 means none."""
     value = cfg.get("sliding_window")
-    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+    if arch in _WINDOW_SWITCHED and not cfg.get("use_sliding_window", False):
         return None
     return None if value in (None, 0) else dimension(value, "sliding_window", source)
+
+
+def _nope_layers(cfg: Mapping[str, Any], arch: str, num_layers: int,
+                 source: str | Path) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE, as transformers reads them: no_rope_layers[i] is 1 where
+    layer i turns q and k and 0 where it does not; absent, every no_rope_layer_interval-th
+    layer (4) is NoPE. () for other families."""
+    if arch != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        step = dimension(cfg.get("no_rope_layer_interval", 4), "no_rope_layer_interval", source)
+        return tuple(i for i in range(num_layers) if (i + 1) % step == 0)
+    if (not isinstance(flags, list) or len(flags) < num_layers
+            or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
+        raise ModelFileError(f"no_rope_layers must be a list of 0/1 flags, one per layer "
+                             f"({num_layers}), got {flags!r} in {source}")
+    return tuple(i for i in range(num_layers) if not flags[i])
 
 
 def _attention_bias(cfg: Mapping[str, Any], arch: str) -> bool:
@@ -209,6 +229,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         qk_norm=arch in ("gemma3", "qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(cfg, arch, source),
         rotary_dim=_rotary_dim(cfg, head_dim, source),
+        nope_layers=_nope_layers(cfg, arch, dim("num_hidden_layers"), source),
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
         gemma=gemma,
     )

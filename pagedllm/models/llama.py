@@ -7,7 +7,8 @@ and normalises each head of q and k before RoPE (config.qk_norm). Phi-3 stores q
 gate/up fused in its checkpoint (the loaders split them into the shards below, loader/fused.py),
 its long-context models use LongRoPE, and Phi-4-mini turns only 3/4 of each head (config.
 rotary_dim; layers/rotary.py). Qwen2-MoE and Qwen3-MoE replace the MLP of their sparse layers
-by routed experts (config.moe; layers/moe.py). Parameter names follow
+by routed experts (config.moe; layers/moe.py). SmolLM3 leaves q and k unturned on its NoPE
+layers, every fourth by default (config.nope_layers). Parameter names follow
 Hugging Face, except q/k/v and gate/up, which are merged modules that load the checkpoint's
 separate tensors by shard (checkpoint_params). The model is plain PyTorch: quantized weights are
 swapped in afterwards (layers/quantization.py), and which kernels run was chosen by the platform
@@ -33,11 +34,11 @@ from pagedllm.layers.rotary import RotaryEmbedding
 class SelfAttention(nn.Module):
     """Grouped-query self-attention: merged q/k/v projection, RoPE, paged attention, o_proj."""
 
-    def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, norm: type = RMSNorm,
-                 scale: Optional[float] = None, sliding_window: Optional[int] = None,
-                 softcap: Optional[float] = None) -> None:
-        """norm: the q/k norms' class; scale: head_dim ** -0.5 when None; sliding_window and
-        softcap as Attention takes them (Gemma)."""
+    def __init__(self, cfg: ModelArchConfig, rope: Optional[RotaryEmbedding],
+                 norm: type = RMSNorm, scale: Optional[float] = None,
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> None:
+        """rope: None on a NoPE layer (SmolLM3); norm: the q/k norms' class; scale:
+        head_dim ** -0.5 when None; sliding_window and softcap as Attention takes them (Gemma)."""
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -48,7 +49,8 @@ class SelfAttention(nn.Module):
         # Qwen3: RMSNorm over head_dim, one weight shared by every head of q (of k)
         self.q_norm = norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = [rope]  # shared with every layer; a list keeps it out of this module's children
+        # shared with every layer; a list keeps it out of this module's children
+        self.rope = None if rope is None else [rope]
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5 if scale is None else scale,
                               sliding_window, softcap)
@@ -62,7 +64,8 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             # a merged projection's outputs are strided views; the norm reads whole rows
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        q, k = self.rope[0](positions, q, k)
+        if self.rope is not None:
+            q, k = self.rope[0](positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(t, -1))  # [T, H]
 
 
@@ -80,7 +83,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rope)
+        self.self_attn = SelfAttention(cfg, None if index in cfg.nope_layers else rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = feed_forward(cfg, index)
 
@@ -179,3 +182,7 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE: Qwen3's decoder whose sparse layers route to experts (set by config.moe)."""
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: the Llama decoder whose NoPE layers skip RoPE (set by config.nope_layers)."""

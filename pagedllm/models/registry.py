@@ -11,7 +11,8 @@ from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+                                   SmolLM3ForCausalLM)
 
 _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": Gemma2ForCausalLM,
@@ -22,6 +23,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "smollm3": SmolLM3ForCausalLM,
 }
 
 

@@ -6,7 +6,8 @@ import pytest
 from pagedllm import LLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                                   Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+                                   SmolLM3ForCausalLM)
 from pagedllm.models.registry import model_class, supported_architectures
 
 
@@ -19,13 +20,14 @@ def test_known_architectures():
     assert model_class("qwen3_moe") is Qwen3MoeForCausalLM
     assert model_class("gemma2") is Gemma2ForCausalLM
     assert model_class("gemma3") is Gemma3ForCausalLM
+    assert model_class("smollm3") is SmolLM3ForCausalLM
     assert supported_architectures() == ["gemma2", "gemma3", "llama", "phi3", "qwen2",
-                                         "qwen2_moe", "qwen3", "qwen3_moe"]
+                                         "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
 
 
 def test_unknown_architecture_lists_supported():
     with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma2, gemma3, llama, phi3, qwen2, "
-                                         "qwen2_moe, qwen3, qwen3_moe"):
+                                         "qwen2_moe, qwen3, qwen3_moe, smollm3"):
         model_class("gpt2")
 
 

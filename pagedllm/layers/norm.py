@@ -12,16 +12,15 @@ from pagedllm.layers.custom_op import CustomOp
 NormOut = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
-class RMSNorm(CustomOp):
-    """Root-mean-square layer norm with a learned scale; optionally adds a residual first.
+class _ResidualRMSNorm(CustomOp):
+    """An RMSNorm with a learned scale (subclasses say how it applies: _norm); optionally adds a
+    residual first and returns (norm(x + residual), x + residual)."""
 
-    With a residual, returns (norm(x + residual), x + residual): the residual stream is summed
-    by the next norm, in one fused op on the CPU.
-    """
+    weight_init = 1.0  # the scale's value before loading: the identity
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.full((hidden_size,), self.weight_init))
         self.eps = eps
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
@@ -30,6 +29,17 @@ class RMSNorm(CustomOp):
             residual = residual + x
             return self._norm(residual), residual
         return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RMSNorm(_ResidualRMSNorm):
+    """Root-mean-square layer norm with a learned scale; optionally adds a residual first.
+
+    With a residual, returns (norm(x + residual), x + residual): the residual stream is summed
+    by the next norm, in one fused op on the CPU.
+    """
 
     def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
         """The same in one C++ pass over float32 rows; with a residual, both in place."""
@@ -44,22 +54,11 @@ class RMSNorm(CustomOp):
         return self.weight * x.to(self.weight.dtype)
 
 
-class GemmaRMSNorm(CustomOp):
+class GemmaRMSNorm(_ResidualRMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts (Llama casts first);
-    optionally adds a residual first, returning (norm(x + residual), x + residual) as RMSNorm
-    does."""
+    plain PyTorch on every platform (the C++ op scales by the weight itself)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
-        """norm(x) [T, H] in the weight's dtype (and the summed residual when one is given)."""
-        if residual is not None:
-            residual = residual + x
-            return self._norm(residual), residual
-        return self._norm(x)
+    weight_init = 0.0  # 1 + 0: the identity
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from e2e.helpers import model_runner
 from pagedllm import LLM
 from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, gguf_tensors,
-                         hf_reference, prompts, random_init, save_checkpoints)
+                         gemma_init, hf_reference, prompts, save_checkpoints)
 
 WINDOW = 8
 ATTN_CAP, FINAL_CAP = 2.0, 1.0
@@ -53,12 +52,7 @@ def tiny_gemma2(**changes) -> Gemma2ForCausalLM:
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                   attn_implementation="eager")
     model = Gemma2ForCausalLM(Gemma2Config(**{**fields, **changes})).eval()
-    random_init(model, seed=0, scale=0.3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.sub_(1)
-        model.model.embed_tokens.weight.mul_(0.05 / 0.3)
+    gemma_init(model)
     return model
 
 

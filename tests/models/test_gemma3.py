@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from e2e.helpers import model_runner
@@ -18,7 +17,7 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf
 from pagedllm.loader.hf_config import arch_from_hf_config
 from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, gguf_tensors,
-                         hf_reference, prompts, random_init, save_checkpoints)
+                         gemma_init, hf_reference, prompts, save_checkpoints)
 
 WINDOW, PATTERN = 8, 2
 LOCAL_BASE, GLOBAL_BASE, GLOBAL_FACTOR = 100.0, 10000.0, 2.0
@@ -67,12 +66,7 @@ def tiny_gemma3(**changes) -> Gemma3ForCausalLM:
                   tie_word_embeddings=True, final_logit_softcapping=FINAL_CAP,
                   rope_parameters=rope_parameters(), attn_implementation="eager")
     model = Gemma3ForCausalLM(Gemma3TextConfig(**{**fields, **changes})).eval()
-    random_init(model, seed=0, scale=0.3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.sub_(1)
-        model.model.embed_tokens.weight.mul_(0.05 / 0.3)
+    gemma_init(model)
     return model
 
 

@@ -16,7 +16,7 @@ from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from tiny_models import (CHUNKED, VOCAB, base_fields, check_q8_0, gguf_tensors, prompts,
-                         random_init, save_hf_dir)
+                         random_init, save_hf_dir, write_gguf_blocks)
 
 # where each type's fp16 scales sit in its block (ggml's block_q2_K / block_q3_K / block_iq4_xs),
 # and a magnitude that keeps the tiny model's weights around 0.03-0.3 (larger ones make 32 greedy
@@ -59,7 +59,7 @@ def low_bit(request, tmp_path_factory):
                 model.get_parameter(names[name]).copy_(torch.from_numpy(values))
                 blocks[name] = raw
     path = root / "model.gguf"
-    _write(path, cfg, tensors, blocks, qtype)
+    write_gguf_blocks(path, "qwen2", lambda w: base_fields(w, cfg), tensors, blocks, qtype)
     return SimpleNamespace(path=path, hf_dir=hf_dir, q8_0_model=model, qtype=qtype,
                            prompts=prompts((5, 23, 40), seed=2))
 
@@ -72,20 +72,6 @@ def _hf_to_gguf(model) -> dict[str, str]:
         if name is not None:
             out[hf_name] = name
     return out
-
-
-def _write(path, cfg, tensors, blocks, qtype) -> None:
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    base_fields(writer, cfg)
-    for name, arr in tensors.items():
-        if name in blocks:
-            writer.add_tensor(name, blocks[name], raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def test_low_bit_blocks_are_kept_and_match_transformers(low_bit):

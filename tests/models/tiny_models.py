@@ -137,20 +137,42 @@ def write_gguf(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
     tensors and MoE routers stay float32), with metadata written by fields(writer). Q8_0
     matrices must come from q8_0_round_trip, so that the file holds exactly the reference's
     values (checked)."""
+    blocks = {}
+    for name, arr in tensors.items():
+        if arr.ndim >= 2 and qtype != F32 and FLOAT_ROUTERS_GGUF not in name:
+            blocks[name] = gguf.quants.quantize(arr, qtype)
+            held = gguf.quants.dequantize(blocks[name], qtype).reshape(arr.shape)
+            assert np.array_equal(held, arr), name
+    write_gguf_blocks(path, arch, fields, tensors, blocks, qtype)
+
+
+def write_gguf_blocks(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
+                      tensors: Mapping[str, np.ndarray], blocks: Mapping[str, np.ndarray],
+                      qtype: GGMLQuantizationType) -> None:
+    """A GGUF of the tensors: those named in blocks as those raw qtype blocks, the rest in
+    float32, with metadata written by fields(writer)."""
     writer = gguf.GGUFWriter(str(path), arch)
     fields(writer)
     for name, arr in tensors.items():
-        if arr.ndim >= 2 and qtype != F32 and FLOAT_ROUTERS_GGUF not in name:
-            blocks = gguf.quants.quantize(arr, qtype)
-            held = gguf.quants.dequantize(blocks, qtype).reshape(arr.shape)
-            assert np.array_equal(held, arr), name
-            writer.add_tensor(name, blocks, raw_dtype=qtype)
+        if name in blocks:
+            writer.add_tensor(name, blocks[name], raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def gemma_init(model: torch.nn.Module) -> None:
+    """random_init for a tiny Gemma, then its norm weights as w with 1 + w near 1, and the
+    embedding scaled down: with normal-sized embeddings the tied head repeats the input token."""
+    random_init(model, seed=0, scale=0.3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.sub_(1)
+        model.model.embed_tokens.weight.mul_(0.05 / 0.3)
 
 
 def base_fields(writer: gguf.GGUFWriter, cfg) -> None:

@@ -222,6 +222,9 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4" or "none"
+    # the kept GGUF blocks mapped, regrouped, from a cache file (page cache) instead of read
+    # into anonymous memory (worker/x8_weight_file.py)
+    mmap_weights: bool = False
     eos_token_ids: tuple[int, ...] = ()  # model, generation_config and tokenizer ids together
 
     @property

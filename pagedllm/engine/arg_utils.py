@@ -115,6 +115,9 @@ class EngineArgs:
     model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
     # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
     quantization: Optional[str] = None
+    # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
+    # memory: None maps them only when they do not fit in memory; True always; False never
+    mmap_weights: Optional[bool] = None
     # who drives the engine, as vLLM's UsageContext: "llm" (offline LLM class) or "api_server";
     # it picks the default token budget (a server keeps steps short for time to first token)
     usage_context: str = "llm"
@@ -154,6 +157,8 @@ class EngineArgs:
         if self.model_source not in (None, "huggingface", "modelscope"):
             raise ValueError("model_source must be 'huggingface' or 'modelscope', got "
                              f"{self.model_source!r}")
+        if self.mmap_weights is not None and not isinstance(self.mmap_weights, bool):
+            raise ValueError(f"mmap_weights must be True, False or None, got {self.mmap_weights!r}")
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got "
                              f"{self.usage_context!r}")

@@ -9,7 +9,8 @@ import torch
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_weight_bytes
+from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
+                                      gguf_weight_bytes)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
@@ -109,20 +110,37 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
-    def plan(dt: torch.dtype) -> MemoryPlan:
+    def plan(dt: torch.dtype, mapped: bool = False) -> MemoryPlan:
         itemsize = torch.empty((), dtype=dt).element_size()
         # int8/int4 quantize after a float load: plan for the float weights (the load peak)
         weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
         name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
-        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights)
+        mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
+        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes)
         return plan_memory(fp, mem, block_size=args.block_size, max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                            kv_cache_bytes=args.kv_cache_memory_bytes,
                            num_blocks=args.num_gpu_blocks_override)
 
+    can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"
+    if args.mmap_weights and not can_map:
+        raise ValueError("mmap_weights=True maps a GGUF's kept blocks on the CPU; this engine "
+                         f"runs a {ckpt.kind} checkpoint with quantization {quantization!r} on "
+                         f"the {platform.name}")
+    if args.mmap_weights:
+        return plan(dtype, mapped=True), dtype
     try:
         return plan(dtype), dtype
-    except InsufficientMemoryError:
+    except InsufficientMemoryError as err:
+        if can_map and args.mmap_weights is None:
+            try:
+                result = plan(dtype, mapped=True)
+            except InsufficientMemoryError:
+                raise err from None
+            logger.warning("the GGUF's blocks do not fit in memory beside the runtime and the "
+                           "KV cache: they are mapped, regrouped, from a cache file instead "
+                           "(mmap_weights), so the page cache holds them")
+            return result, dtype
         half = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else None
         kept_blocks = quantization != "none"  # computed in float32: no half-size fallback
         if str(args.dtype) != "auto" or dtype != torch.float32 or half is None or kept_blocks:
@@ -201,6 +219,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
-        seed=args.seed, max_logprobs=args.max_logprobs, quantization=quantization)
+        seed=args.seed, max_logprobs=args.max_logprobs, quantization=quantization,
+        mmap_weights=mem_plan.mapped_bytes > 0)
 
 

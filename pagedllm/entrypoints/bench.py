@@ -72,6 +72,9 @@ def add_bench_parser(sub) -> None:
                            help="default: gguf for a GGUF on the CPU, else none; int8/int4 "
                            "quantize a float checkpoint at load")
             p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
+            p.add_argument("--mmap-weights", action=argparse.BooleanOptionalAction, default=None,
+                           help="map a GGUF's kept blocks from a cache file (default: only "
+                           "when they do not fit in memory)")
             p.add_argument("--max-num-seqs", type=int, default=64,
                            help="most sequences in a batch")
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
@@ -125,7 +128,8 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
+              mmap_weights=args.mmap_weights)
     params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_iters_warmup + args.num_iters,
@@ -146,7 +150,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from pagedllm.llm import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization)
+              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
+              mmap_weights=args.mmap_weights)
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len)
     params = _params(args)
     if params.structured_outputs is not None:

@@ -106,6 +106,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
                    "quantize a float checkpoint at load; none dequantizes")
+    p.add_argument("--mmap-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="map a GGUF's kept blocks, regrouped, from a cache file (page cache) "
+                   "instead of reading them into memory (default: only when they do not fit)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output "
                    "(default: the model's, shrunk to what memory holds)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
@@ -139,7 +142,8 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
         trust_remote_code=args.trust_remote_code, revision=args.revision,
         gguf_file=args.gguf_file, model_source=args.model_source,
-        quantization=args.quantization, usage_context="api_server",
+        quantization=args.quantization, mmap_weights=args.mmap_weights,
+        usage_context="api_server",
         **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 

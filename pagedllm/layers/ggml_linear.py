@@ -8,7 +8,8 @@ small batches and dequantize + BLAS GEMM on large ones.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -178,8 +179,66 @@ def _packable(module: nn.Module) -> bool:
     return module.qtype in X8_TYPES and rows % X8_ROWS == 0 and module.weight.device.type == "cpu"
 
 
-def _pack(weight: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> nn.Parameter:
-    return nn.Parameter(torch.ops.pagedllm.ggml_pack_x8(weight, int(qtype), k), requires_grad=False)
+def _as_param(weight: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(weight, requires_grad=False)
+
+
+@dataclass(frozen=True)
+class X8Slot:
+    """One block weight pack_x8 regroups: its tensor as loaded, its type and row length, and
+    where the regrouped tensor goes (every module sharing it)."""
+
+    source: torch.Tensor  # [rows, row_bytes] GGUF blocks
+    shape: tuple[int, int]  # the source's, kept: a file-backed load empties the source
+    qtype: GGMLQuantizationType
+    k: int  # values per row
+    put: Callable[[torch.Tensor], None]
+
+
+def _merged_put(module: "GGMLMergedLinear", i: int) -> Callable[[torch.Tensor], None]:
+    def put(weight: torch.Tensor) -> None:
+        module.weights[i] = _as_param(weight)
+        # packed once every shard holds its regrouped [rows / 8, bytes] tensor
+        module.packed = all(w.dim() == 2 and w.shape[0] * X8_ROWS == n
+                            for w, n in zip(module.weights, module.output_sizes))
+    return put
+
+
+def _shared_put(users: list[nn.Module]) -> Callable[[torch.Tensor], None]:
+    def put(weight: torch.Tensor) -> None:
+        param = _as_param(weight)
+        for m in users:
+            m.weight, m.packed = param, True
+    return put
+
+
+def x8_slots(model: nn.Module) -> list[X8Slot]:
+    """The CPU block weights of model that pack_x8 regroups, in module order (the order a step
+    reads them); a weight shared by several modules (tied embedding and head) is one slot."""
+    groups: dict[int, list[nn.Module]] = {}  # first weight's id -> modules sharing it
+    for m in model.modules():
+        if isinstance(m, GGMLMergedLinear):
+            groups[id(m)] = [m]
+        elif isinstance(m, (GGMLLinear, GGMLEmbedding)):
+            groups.setdefault(id(m.weight), []).append(m)
+    slots: list[X8Slot] = []
+    for users in groups.values():
+        first = users[0]
+        if first.packed or not all(_packable(m) for m in users):
+            continue
+        if isinstance(first, GGMLMergedLinear):
+            slots.extend(X8Slot(w, tuple(w.shape), qt, first.in_features, _merged_put(first, i))
+                         for i, (w, qt) in enumerate(zip(first.weights, first.qtypes)))
+            continue
+        k = first.in_features if isinstance(first, GGMLLinear) else first.embedding_dim
+        slots.append(X8Slot(first.weight, tuple(first.weight.shape), first.qtype, k,
+                            _shared_put(users)))
+    return slots
+
+
+def pack_slot(slot: X8Slot) -> torch.Tensor:
+    """The slot's weight regrouped eight rows at a time [rows / 8, bytes] (not yet put)."""
+    return torch.ops.pagedllm.ggml_pack_x8(slot.source, int(slot.qtype), slot.k)
 
 
 @torch.no_grad()
@@ -188,26 +247,7 @@ def pack_x8(model: nn.Module) -> int:
     a weight shared by several modules (tied embedding and head) is packed once and stays
     shared. Returns the number of tensors packed. Weights are packed in module order, so each
     layer's matrices are allocated together, in the order a step reads them."""
-    groups: dict[int, list[nn.Module]] = {}  # first weight's id -> modules sharing it
-    for m in model.modules():
-        if isinstance(m, GGMLMergedLinear):
-            groups[id(m)] = [m]
-        elif isinstance(m, (GGMLLinear, GGMLEmbedding)):
-            groups.setdefault(id(m.weight), []).append(m)
-    packed = 0
-    for users in groups.values():
-        first = users[0]
-        if first.packed or not all(_packable(m) for m in users):
-            continue
-        if isinstance(first, GGMLMergedLinear):
-            for i, (w, qt) in enumerate(zip(first.weights, first.qtypes)):
-                first.weights[i] = _pack(w, qt, first.in_features)
-            first.packed = True
-            packed += len(first.weights)
-            continue
-        k = first.in_features if isinstance(first, GGMLLinear) else first.embedding_dim
-        weight = _pack(first.weight, first.qtype, k)
-        for m in users:
-            m.weight, m.packed = weight, True
-        packed += 1
-    return packed
+    slots = x8_slots(model)
+    for slot in slots:
+        slot.put(pack_slot(slot))
+    return len(slots)

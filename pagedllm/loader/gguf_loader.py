@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Mapping, Optional
+from typing import BinaryIO, Collection, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -254,20 +254,47 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
     return plan
 
 
-def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> None:
-    """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time."""
-    header = _read_header(path)
-    for name, tensor in params.items():
-        kind_ok = tensor.is_floating_point() or tensor.dtype == torch.uint8
-        if not kind_ok or not tensor.is_contiguous():
-            raise ValueError(f"destination {name!r} must be a contiguous float or uint8 (block "
-                             f"format) tensor (dtype {tensor.dtype}, "
-                             f"contiguous={tensor.is_contiguous()})")
-    plan = _plan(header, params)
-    with open(path, "rb", buffering=0) as fh:
-        for info, name in load_progress(plan, path):
-            _copy_tensor(fh, info, params[name], _unpermute_head_dim(header, info))
-            _undo_norm_offset(header, name, params[name])
+def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor],
+                      names: Optional[Collection[str]] = None) -> None:
+    """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time;
+    with names, only those params (the plan still covers, and checks, every one)."""
+    with GGUFWeightReader(path, params) as reader:
+        reader.load(params if names is None else names)
+
+
+class GGUFWeightReader:
+    """A GGUF's tensors planned onto a model's params once, then loaded in any subsets (the
+    file-backed weights load one matrix at a time)."""
+
+    def __init__(self, path: str | Path, params: Mapping[str, torch.Tensor]) -> None:
+        self.path, self.params = path, params
+        self.header = _read_header(path)
+        for name, tensor in params.items():
+            kind_ok = tensor.is_floating_point() or tensor.dtype == torch.uint8
+            if not kind_ok or not tensor.is_contiguous():
+                raise ValueError(f"destination {name!r} must be a contiguous float or uint8 "
+                                 f"(block format) tensor (dtype {tensor.dtype}, "
+                                 f"contiguous={tensor.is_contiguous()})")
+        self.plan = _plan(self.header, params)
+        self._fh = open(path, "rb", buffering=0)
+
+    def load(self, names: Collection[str], progress: bool = True) -> None:
+        """Fill the params named (a progress bar on a terminal unless progress is False)."""
+        wanted = set(names)
+        todo = [(info, name) for info, name in self.plan if name in wanted]
+        for info, name in load_progress(todo, self.path) if progress else todo:
+            _copy_tensor(self._fh, info, self.params[name], _unpermute_head_dim(self.header, info))
+            _undo_norm_offset(self.header, name, self.params[name])
+
+    def close(self) -> None:
+        """Close the file."""
+        self._fh.close()
+
+    def __enter__(self) -> "GGUFWeightReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32

@@ -49,6 +49,12 @@ def gguf_kept_embedding(ckpt: Checkpoint,
     return embed.qtype
 
 
+def gguf_block_bytes(ckpt: Checkpoint, kept_types: frozenset) -> int:
+    """Bytes of a GGUF's matrices that stay in blocks of kept_types (what mmap_weights maps)."""
+    return sum(t.nbytes for t in gguf_header(ckpt.path)[1]
+               if len(t.shape) in (2, 3) and t.qtype in kept_types)
+
+
 def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int,
                       kept_names: Optional[frozenset] = None) -> int:
     """Resident weight bytes of a GGUF whose matrices of kept_types (2-D, or 3-D stacked

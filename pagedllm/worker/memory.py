@@ -41,6 +41,7 @@ class ModelFootprint:
     kv_bytes_per_token: int
     dtype_name: str
     source: str  # where the parameter count came from
+    mapped_bytes: int = 0  # block weights mapped from a file (page cache), not in weight_bytes
 
     @property
     def max_len_supported(self) -> int:
@@ -62,10 +63,28 @@ class MemoryPlan:
     activation_bytes: int
     overhead_bytes: int
     available: MemoryInfo
+    mapped_bytes: int = 0  # block weights mapped from a file: they live in the page cache
+
+    def page_cache_room(self) -> int:
+        """Bytes of the planned memory left for the page cache to hold mapped weights."""
+        used = self.weight_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
+        return max(0, int(self.available.available_bytes * MEMORY_UTILIZATION) - used)
+
+    def mapped_note(self) -> str:
+        """What the mapped weights cost, or "" when none are mapped."""
+        if not self.mapped_bytes:
+            return ""
+        room = self.page_cache_room()
+        if room >= self.mapped_bytes:
+            return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, and the "
+                    f"page cache has room for all of them ({fmt_bytes(room)} left)")
+        return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, of which the "
+                f"page cache can hold ~{fmt_bytes(room)}: each decode step re-reads up to "
+                f"~{fmt_bytes(self.mapped_bytes - room)} from disk")
 
     def summary(self) -> str:
         """One log line."""
-        return (f"memory plan: weights {fmt_bytes(self.weight_bytes)}, KV cache "
+        return (f"memory plan: weights {fmt_bytes(self.weight_bytes)}{self.mapped_note()}, KV cache "
                 f"{fmt_bytes(self.kv_cache_bytes)} ({self.num_blocks} blocks of {self.block_size}"
                 f" = {self.num_blocks * self.block_size} tokens), activations "
                 f"{fmt_bytes(self.activation_bytes)}, runtime {fmt_bytes(self.overhead_bytes)}; "
@@ -80,12 +99,13 @@ def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
 
 
 def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name: str,
-              source: str, weight_bytes: Optional[int] = None) -> ModelFootprint:
+              source: str, weight_bytes: Optional[int] = None,
+              mapped_bytes: int = 0) -> ModelFootprint:
     """A model's needs when its weights are held in a dtype of `itemsize` bytes (or take
-    weight_bytes when some stay quantized)."""
-    return ModelFootprint(arch, num_params,
-                          num_params * itemsize if weight_bytes is None else weight_bytes,
-                          kv_bytes_per_token(arch, itemsize), dtype_name, source)
+    weight_bytes when some stay quantized, mapped_bytes of them from a file)."""
+    resident = num_params * itemsize if weight_bytes is None else weight_bytes
+    return ModelFootprint(arch, num_params, resident - mapped_bytes,
+                          kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes)
 
 
 def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_seqs: int,
@@ -133,6 +153,9 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     if num_blocks is None:
         one_seq = want_len * fp.kv_bytes_per_token  # the cap never cuts one full-length sequence
         default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq), one_seq * max_num_seqs)
+        if fp.mapped_bytes:  # leave the page cache room for the mapped weights first
+            short = (max_model_len or min(MIN_MODEL_LEN, want_len)) * fp.kv_bytes_per_token
+            default = min(default, free_for_kv, max(short, free_for_kv - fp.mapped_bytes))
         num_blocks = (kv_cache_bytes if kv_cache_bytes is not None else default) // block_bytes
     cache_tokens = num_blocks * block_size
     min_len = max_model_len or (1 if explicit_cache else min(MIN_MODEL_LEN, want_len))
@@ -148,7 +171,7 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     return MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), max_num_seqs,
                       fp.weight_bytes, kv_bytes,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
-                      overhead_bytes, mem)
+                      overhead_bytes, mem, fp.mapped_bytes)
 
 
 def _window_note(arch: ModelArchConfig) -> str:

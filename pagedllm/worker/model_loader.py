@@ -4,10 +4,14 @@
     (on the meta device, inside the platform's build context) -> swap in block-format modules ->
     load the weights by checkpoint name -> refuse NaN/inf norms and biases -> quantize a float
     model (int8/int4) -> regroup blocks for the CPU kernels
+
+With config.mmap_weights, the kept blocks instead come regrouped from a cache file, mapped
+(x8_weight_file.py): only the float tensors are read into memory.
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 
 import torch
@@ -15,14 +19,16 @@ from torch import nn
 
 from pagedllm.config import EngineConfig
 from pagedllm.layers.custom_op import build_context
-from pagedllm.layers.ggml_linear import pack_x8
+from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
 from pagedllm.layers.quantization import QuantPlan, quantize_float_model
 from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
-from pagedllm.loader.gguf_loader import gguf_quant_plan
+from pagedllm.loader.gguf_loader import GGUFWeightReader, gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.registry import build_model
+from pagedllm.platforms.interface import fmt_bytes
+from pagedllm.worker.x8_weight_file import cache_path, map_slots
 
 logger = logging.getLogger("pagedllm")
 
@@ -38,6 +44,36 @@ def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantP
     return {} if embed is None else {"model.embed_tokens": embed}
 
 
+def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """Read the float tensors; map the kept blocks, regrouped, from their cache file (written
+    on the first load one matrix at a time). The blocks' own params are never filled: their
+    storage is released, so they take no memory."""
+    if ckpt.kind != "gguf":
+        raise ValueError("mmap_weights needs a GGUF checkpoint (its kept blocks are what is "
+                         f"mapped); {ckpt.path} is a {ckpt.kind} checkpoint")
+    slots = x8_slots(model)
+    name_of = {id(t): name for name, t in params.items()}
+    slot_names = {id(slot): name_of[id(slot.source)] for slot in slots}
+    with GGUFWeightReader(ckpt.path, params) as reader:  # planned on the params' shapes
+
+        def free(slot: X8Slot) -> None:  # every holder of the param sees it emptied
+            slot.source.data = torch.empty((0, slot.shape[1]), dtype=torch.uint8)
+
+        for slot in slots:  # the model's own untouched buffers go now: load maps fresh ones
+            free(slot)
+        reader.load([n for n in params if n not in set(slot_names.values())])
+
+        def load(slot: X8Slot) -> None:  # into pages of its own, unmapped again by free
+            rows, cols = slot.shape
+            buf = mmap.mmap(-1, max(1, rows * cols))
+            slot.source.data = torch.frombuffer(buf, dtype=torch.uint8)[:rows * cols].view(rows, cols)
+            reader.load([slot_names[id(slot)]], progress=False)
+
+        mapped = map_slots(ckpt.path, slots, load, free)
+    logger.info("%s of GGUF blocks mapped from %s (file-backed: the page cache holds them)",
+                fmt_bytes(mapped), cache_path(ckpt.path))
+
+
 def load_model(config: EngineConfig) -> nn.Module:
     """The model of config.model_path with its weights, on config.platform, ready to run."""
     started = time.monotonic()
@@ -49,11 +85,14 @@ def load_model(config: EngineConfig) -> nn.Module:
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan)
     with torch.no_grad():
         params = model.checkpoint_params()
-        load_weights(ckpt, params)
+        if config.mmap_weights:
+            _load_file_backed(ckpt, model, params)
+        else:
+            load_weights(ckpt, params)
         check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)
-    if quant != "none" or plan:
+    if (quant != "none" or plan) and not config.mmap_weights:
         pack_x8(model)  # the eight-row layout of the CPU kernels
     details = (f", token embedding kept in {plan['model.embed_tokens'].name} blocks"
                if quant == "none" and plan else "")

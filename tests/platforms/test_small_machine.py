@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -96,3 +98,80 @@ def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
     assert report["memory"]["source"].startswith("cgroup v1 limit 3.50 GiB")
     assert report["model_report"]["fits"] is False
     assert report["seconds"] < 3.0
+
+
+# The seed user's VM: 3.49 GiB, and a Qwen2-7B-shaped Q2_K GGUF (random blocks, ~2.8 GB)
+SEED_VM_LIMIT = 3_750_588_416
+
+
+@pytest.fixture(scope="module")
+def qwen7b_q2_k(tmp_path_factory) -> Iterator[Path]:
+    """The GGUF in a temporary directory; it and its regrouped copy are removed after."""
+    from big_gguf import write_qwen7b_gguf
+    from pagedllm.worker.x8_weight_file import cache_path
+
+    path = tmp_path_factory.mktemp("qwen7b") / "qwen2-7b-random-q2_k.gguf"
+    write_qwen7b_gguf(path)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(cache_path(path), ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+Q2K_JOB = """
+import json, sys, time
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker.memory import InsufficientMemoryError
+try:
+    LLM(model=sys.argv[1], mmap_weights=False)
+except InsufficientMemoryError as err:
+    refused = str(err)
+else:
+    refused = None
+started = time.monotonic()
+llm = LLM(model=sys.argv[1])
+loaded = time.monotonic()
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+runs = []
+for prompt in ("Hello, my name is", "The weather today is"):
+    t = time.monotonic()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    runs.append((time.monotonic() - t, len(out.outputs[0].token_ids)))
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({"refused": refused, "mmap": llm.llm_engine.config.mmap_weights,
+                  "load_s": loaded - started, "runs": runs, "VmHWM": status["VmHWM"].strip()}))
+"""
+
+
+@pytest.mark.parametrize("load", ["first (writes the regrouped copy)", "second (maps it)"])
+def test_qwen7b_q2_k_generates_in_3_49_gib(load, qwen7b_q2_k, tmp_path):
+    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    cg = CGROUP_V1_MEMORY / f"pagedllm-seed-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(SEED_VM_LIMIT))
+        script = tmp_path / "job.py"
+        script.write_text(Q2K_JOB)
+        # page cache charged to an earlier cgroup would not count here: start from disk
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+        proc = subprocess.run(
+            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "{sys.executable}" "{script}" '
+             f'"{qwen7b_q2_k}"'], capture_output=True, text=True, timeout=600)
+        oom = (cg / "memory.oom_control").read_text()
+        peak = int((cg / "memory.max_usage_in_bytes").read_text())
+    finally:
+        cg.rmdir()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "oom_kill 0" in oom
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # in anonymous memory the planner refuses it; mapped, it runs
+    assert result["refused"] and "does not fit in memory" in result["refused"]
+    assert result["mmap"] is True
+    assert all(n == 8 for _, n in result["runs"])
+    assert peak <= SEED_VM_LIMIT
+    print(f"\n{load}: load {result['load_s']:.1f} s, 8 tokens in "
+          f"{', '.join(f'{s:.1f}' for s, _ in result['runs'])} s, peak {peak / 2**30:.2f} GiB, "
+          f"VmHWM {result['VmHWM']}")

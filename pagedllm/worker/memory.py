@@ -14,6 +14,9 @@ RUNTIME_OVERHEAD_BYTES = 384 * 1024 ** 2  # tokenizer, Python objects, allocator
 MEMORY_UTILIZATION = 0.92  # share of available memory the engine plans to use
 DEFAULT_KV_CAP_BYTES = 1 * GiB  # the KV cache takes no more than this unless asked
 MIN_MODEL_LEN = 2048  # a default max_model_len is shrunk to fit, but not below this
+# the advice offers a GGUF with its blocks mapped from a file when the page cache would hold at
+# least this share of them (below, each token re-reads too much from disk)
+MAPPED_MIN_SHARE = 0.75
 
 # Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
 FAMILY_SIZES = {
@@ -199,12 +202,16 @@ def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act
     rest = one_seq + overhead + act
     # bits per weight of whole files; Q3_K_S and Q2_K scaled from Q4_K_M by llama-quantize's own
     # table (Llama-3-8B: 3.41, 2.96 and 4.58 GB): Qwen2-7B-Instruct Q2_K is ~3.0 GB
-    for label, bits in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85),
-                        ("a 3-bit GGUF of the same model (Q3_K_S)", 3.6),
-                        ("a 2-bit GGUF of the same model (Q2_K)", 3.15),
-                        ("an 8-bit quantization (int8 / Q8_0)", 8.5)):
+    for label, bits, gguf in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85, True),
+                              ("a 3-bit GGUF of the same model (Q3_K_S)", 3.6, True),
+                              ("a 2-bit GGUF of the same model (Q2_K)", 3.15, True),
+                              ("an 8-bit quantization (int8 / Q8_0)", 8.5, False)):
         size = n * bits / 8
         verdict = "would fit here" if size + rest <= budget else "still too large here"
+        share = (budget - rest) / size
+        if gguf and size + rest > budget and share >= MAPPED_MIN_SHARE:  # mmap_weights
+            verdict = (f"would run here with its blocks mapped from a file; the page cache "
+                       f"holds ~{share:.0%} of them")
         lines.append(f"  - {label}: weights ~{fmt_bytes(size)} ({verdict})")
     if fp.weight_bytes < budget - overhead - act:
         fit_len = max(0, (budget - overhead - act - fp.weight_bytes) // fp.kv_bytes_per_token)

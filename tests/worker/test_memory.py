@@ -59,8 +59,20 @@ def test_advice_names_the_low_bit_gguf_that_would_fit():
                     max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048)
     msg = str(err.value)
     assert "a 2-bit GGUF of the same model (Q2_K): weights ~2.79 GiB (would fit here)" in msg
-    assert "a 3-bit GGUF of the same model (Q3_K_S): weights ~3.19 GiB (still too large here)" in msg
+    assert ("a 3-bit GGUF of the same model (Q3_K_S): weights ~3.19 GiB (would run here with its "
+            "blocks mapped from a file; the page cache holds ~") in msg
     assert "(Q4_K_M): weights ~4.30 GiB (still too large here)" in msg
+
+
+def test_advice_offers_a_gguf_whose_blocks_the_page_cache_would_mostly_hold():
+    vm = MemoryInfo(int(3.49 * GiB), int(3.34 * GiB), "cgroup v1 limit 3.49 GiB, 3.34 GiB free")
+    with pytest.raises(InsufficientMemoryError) as err:
+        plan_memory(qwen7b_footprint(), vm, block_size=16, max_model_len=None, max_num_seqs=64,
+                    max_num_batched_tokens=512)
+    msg = str(err.value)
+    assert ("(Q2_K): weights ~2.79 GiB (would run here with its blocks mapped from a file; the "
+            "page cache holds ~8") in msg
+    assert "(Q3_K_S): weights ~3.19 GiB (still too large here)" in msg
 
 
 def test_a_fitting_model_gets_a_cache_and_the_full_length():

@@ -21,7 +21,7 @@ from test_ggml_kernels import random_blocks, rel_error
 
 ops = torch.ops.pagedllm
 REPO = Path(__file__).resolve().parents[2]
-SIMD_VARIANTS = ("avx512vnni", "avxvnni")  # each against avx2, the baseline
+SIMD_VARIANTS = ("avx512vnni", "avxvnni", "avx512bw")  # each against avx2, the baseline
 # gemv tiles of 4, 2 and 1 (1-7 rows); the gemm from 8, in chunks of 64 rows
 ROWS = (1, 2, 3, 4, 7, 8, 9, 33, 64, 65)
 

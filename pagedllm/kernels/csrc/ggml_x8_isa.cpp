@@ -27,10 +27,14 @@ TypeKernels avxvnni_kernels(int64_t qtype) { return isa_avxvnni::kernels_for(qty
 // (bench_kernels.py --isa, one thread), the same at the memory-bound 1-row output head; avx2
 // compiled with AVX-512VL's 32 registers was no faster than avx2, so the gain is vpdpbusd's.
 // avxvnni is that code with the VEX encoding, for CPUs without AVX-512 (not measured: no such
-// CPU was at hand).
+// CPU was at hand). avx512bw (Skylake-SP: AVX-512 without VNNI) before avx2: its gemm does 512-bit
+// maddubs on two weight groups at once, which a CPU with two 512-bit FMA units issues at twice
+// the ymm rate (not measured: no such CPU was at hand; on a Zen 4, which splits zmm in two, it
+// runs at avx2's speed).
 const IsaVariant kVariants[] = {
     {"avx512vnni", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", isa_avx512vnni::kernels_for},
     {"avxvnni", "avx2 fma f16c avx_vnni", avxvnni_kernels},
+    {"avx512bw", "avx2 fma f16c avx512f avx512bw avx512vl", isa_avx512bw::kernels_for},
     {"avx2", "avx2 fma f16c", isa_avx2::kernels_for},
     {"generic", "", nullptr},
 };

@@ -6,6 +6,7 @@
 //   variant      translation unit          inner integer dot of a quad (4 u8 x 4 i8 -> i32)
 //   avx2         ggml_x8_avx2.cpp           maddubs (i16 pairs, summed in i16) -> madd -> add
 //   avx512vnni   ggml_x8_avx512vnni.cpp     vpdpbusd ymm (EVEX: AVX512-VNNI + VL), 32 ymm registers
+//   avx512bw     ggml_x8_avx512bw.cpp       AVX2's maddubs; for many x rows 512-bit maddubs on two groups
 //   avxvnni      ggml_x8_avxvnni.cpp        vpdpbusd ymm (VEX: AVX-VNNI, Alder Lake, Zen 5)
 //   generic      -                          none: dequantize to float32, then at::matmul
 #pragma once
@@ -55,6 +56,7 @@ struct TypeKernels {  // one ggml type's kernels in one variant; null where it h
 // without x8 kernels).
 namespace isa_avx2 { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avx512vnni { TypeKernels kernels_for(int64_t qtype); }
+namespace isa_avx512bw { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avxvnni {
 TypeKernels kernels_for(int64_t qtype);
 bool compiled();  // false where the compiler cannot emit AVX-VNNI

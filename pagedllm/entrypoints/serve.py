@@ -125,6 +125,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generators")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the tokenizer run code from the model's repo")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many stages, one process each")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="only 1 for now: tensor parallelism is not implemented yet")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
+                   help="mp: one process per rank on this machine (the default with several "
+                   "ranks); ray is not implemented yet")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -140,6 +147,9 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         trust_remote_code=args.trust_remote_code, revision=args.revision,
         gguf_file=args.gguf_file, model_source=args.model_source,
         quantization=args.quantization, usage_context="api_server",
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 

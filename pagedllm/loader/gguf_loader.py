@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Mapping, Optional
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -225,8 +225,10 @@ def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
     return piece, part.name
 
 
-def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple[GGUFTensorInfo, str]]:
-    """(source tensor, destination name) pairs covering every param exactly once."""
+def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
+          skip: Optional[Callable[[str], bool]] = None) -> list[tuple[GGUFTensorInfo, str]]:
+    """(source tensor, destination name) pairs covering every param exactly once; tensors
+    whose HF name `skip` accepts are left out."""
     plan: list[tuple[GGUFTensorInfo, str]] = []
     embed: Optional[GGUFTensorInfo] = None
     for info in header.tensors:
@@ -235,13 +237,16 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
             if info.name in ROPE_FACTOR_TENSORS:  # read into the architecture's rope_scaling
                 continue
             raise ValueError(f"unexpected GGUF tensor {info.name!r} (no HF parameter for it)")
+        if info.name == "token_embd.weight":
+            embed = info  # a tied head loads it, even on a pipeline stage without the embedding
+        if skip is not None and skip(name):
+            continue
         if (parts := split_fused(name, params) or split_stacked(name, params)) is not None:
             plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
             continue
         if name not in params:
             raise ValueError(f"unexpected GGUF tensor {info.name!r}: the model has no {name!r}")
         _check_shape(name, params[name], info)
-        embed = info if info.name == "token_embd.weight" else embed
         plan.append((info, name))
     filled = {name for _, name in plan}
     if "lm_head.weight" in params and "lm_head.weight" not in filled and embed is not None:
@@ -254,8 +259,10 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
     return plan
 
 
-def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> None:
-    """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time."""
+def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor],
+                      skip: Optional[Callable[[str], bool]] = None) -> None:
+    """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time;
+    tensors whose HF name `skip` accepts are not read."""
     header = _read_header(path)
     for name, tensor in params.items():
         kind_ok = tensor.is_floating_point() or tensor.dtype == torch.uint8
@@ -263,7 +270,7 @@ def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor]) -> N
             raise ValueError(f"destination {name!r} must be a contiguous float or uint8 (block "
                              f"format) tensor (dtype {tensor.dtype}, "
                              f"contiguous={tensor.is_contiguous()})")
-    plan = _plan(header, params)
+    plan = _plan(header, params, skip)
     with open(path, "rb", buffering=0) as fh:
         for info, name in load_progress(plan, path):
             _copy_tensor(fh, info, params[name], _unpermute_head_dim(header, info))

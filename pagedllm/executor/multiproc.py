@@ -1,0 +1,289 @@
+"""The multiprocess executor: one worker process per pipeline rank on this machine.
+
+    engine process                      rank 0 (layers 0..k-1)     rank 1 (layers k..n-1)
+    MultiprocExecutor --pipe: call -->  Worker                     Worker
+                      --pipe: call ------------------------------> Worker
+                                        --- torch.distributed send/recv (gloo) --->
+                      <--pipe: reply -- (empty)                    ModelRunnerOutput
+
+Control (each step's SchedulerOutput, the KV sizing calls) goes to every rank over its own
+pipe, so all ranks keep the same request state; activations go stage to stage over a gloo
+process group; the last rank's reply is the step's output. A rank that dies is seen by its
+pipe or its process, and the executor then fails with the rank named, instead of waiting.
+
+A rank is a fresh `python -m pagedllm.executor.rank_process` with its end of a socket pair,
+not a multiprocessing "spawn" child: spawn re-runs the user's main script in every child, so a
+script without an `if __name__ == "__main__":` guard would start engines without end. Messages
+are plain pickles (tensors by value), which need no shared authentication key.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.executor.abstract import Executor
+
+logger = logging.getLogger("pagedllm")
+
+POLL_S = 0.5  # how often a wait on a rank's reply checks that the rank is still alive
+STOP_S = 10.0  # how long shutdown waits for a rank to exit before it is killed
+# gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
+COMM_TIMEOUT = timedelta(minutes=10)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or was killed: the engine cannot go on."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised while serving a call."""
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """A Worker method to run on a rank, with its arguments."""
+
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    """What a rank's call returned, or how it failed."""
+
+    value: Any = None
+    error: Optional[str] = None  # "TypeName: message" and the rank's traceback
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Send a message as a plain pickle."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    """Receive a message sent by send()."""
+    return pickle.loads(conn.recv_bytes())
+
+
+def worker_main(conn: Connection) -> None:
+    """A rank's process: take its config and stage, join the process group, load the stage,
+    then serve calls until told to stop or until the engine's end of the pipe closes."""
+    import torch.distributed as dist
+
+    from pagedllm.logger import configure_logging
+    from pagedllm.worker.worker import Worker
+
+    configure_logging()
+    try:
+        config, stage, init_method = recv(conn)
+        dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
+                                world_size=stage.world_size, timeout=COMM_TIMEOUT)
+        worker = Worker(config, stage)
+        worker.init_device()
+        worker.load_model()
+        send(conn, WorkerReply(worker.model_runner.decode_path))
+        _serve(worker, conn)
+    except (EOFError, KeyboardInterrupt):
+        pass  # the engine is gone (or stopping): nothing to answer
+    except BaseException as err:  # start-up failed: the engine hears why
+        _send_error(conn, err)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(worker: Any, conn: Connection) -> None:
+    """Run calls in order until a "shutdown" call or a closed pipe."""
+    while True:
+        call: WorkerCall = recv(conn)
+        if call.method == "shutdown":
+            send(conn, WorkerReply())
+            return
+        try:
+            reply = WorkerReply(getattr(worker, call.method)(*call.args))
+        except Exception as err:
+            _send_error(conn, err)
+            continue
+        send(conn, reply)
+
+
+def _send_error(conn: Connection, err: BaseException) -> None:
+    try:
+        send(conn, WorkerReply(error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    except OSError:
+        pass  # the engine closed the pipe
+
+
+def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> "_Rank":
+    """A rank's process with its end of a socket pair, given its config and stage."""
+    ours, theirs = socket.socketpair()
+    # the child finds pagedllm (and anything the config's objects need) where this process does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.executor.rank_process", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=env)
+    finally:
+        theirs.close()  # the child holds its end: its death closes the pipe here
+    rank = _Rank(stage, proc, Connection(ours.detach()))
+    send(rank.conn, (config, stage, init_method))
+    return rank
+
+
+@dataclass
+class _Rank:
+    """A worker process and the engine's end of its pipe."""
+
+    stage: PipelineStage
+    process: subprocess.Popen
+    conn: Connection
+
+    def alive(self) -> bool:
+        """The process has not exited."""
+        return self.process.poll() is None
+
+
+def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
+    """Ask each live rank to stop, then terminate (and at last kill) what is still running;
+    safe to call twice. A module function, so weakref.finalize holds no executor."""
+    for r in ranks:
+        if r.alive():
+            try:
+                send(r.conn, WorkerCall("shutdown"))
+            except OSError:
+                pass
+    for r in ranks:
+        for stop in (None, r.process.terminate, r.process.kill):
+            if stop is not None and r.alive():
+                stop()
+            try:
+                r.process.wait(timeout=STOP_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        r.conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    """One Worker process per pipeline rank, joined by a gloo process group."""
+
+    def _init_executor(self) -> None:
+        parallel = self.config.parallel
+        world = parallel.pipeline_parallel_size
+        self._failure: Optional[str] = None  # set once a rank has died: every call fails so
+        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        # a file store: no port to find free and no port race between two engines
+        self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
+        init_method = Path(self._store_dir, "store").as_uri()
+        self._ranks: list[_Rank] = []
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._ranks, self._store_dir)
+        try:
+            for rank in range(world):
+                stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
+                self._ranks.append(_start_rank(self.config, stage, init_method))
+            self._decode_paths = [self._reply(r) for r in self._ranks]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("pipeline parallel: %s", ", ".join(
+            f"rank {r.stage.rank} (pid {r.process.pid}) layers {r.stage.start_layer}-"
+            f"{r.stage.end_layer - 1}" for r in self._ranks))
+
+    # ---- calls --------------------------------------------------------------
+    def _send(self, rank: _Rank, call: WorkerCall) -> None:
+        try:
+            send(rank.conn, call)
+        except OSError:
+            self._died(rank)
+
+    def _reply(self, rank: _Rank) -> Any:
+        """The rank's answer to its last call; WorkerDiedError if it exits meanwhile."""
+        while not rank.conn.poll(POLL_S):
+            if not rank.alive():
+                self._died(rank)
+        try:
+            reply: WorkerReply = recv(rank.conn)
+        except (EOFError, OSError):
+            self._died(rank)
+        if reply.error is not None:
+            raise WorkerError(f"pipeline rank {rank.stage.rank} failed: {reply.error}")
+        return reply.value
+
+    def _died(self, rank: _Rank) -> None:
+        """Record the failure, stop the other ranks and raise."""
+        try:
+            code = rank.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "is still running but closed its pipe" if code is None else (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        self._failure = (f"worker process of pipeline rank {rank.stage.rank} (pid "
+                         f"{rank.process.pid}) {how}; the engine cannot continue")
+        logger.error("%s", self._failure)
+        for other in self._ranks:  # a stage without its peer can only wait: no graceful stop
+            if other.alive():
+                other.process.terminate()
+        self.shutdown()
+        raise WorkerDiedError(self._failure)
+
+    def _call_all(self, call: WorkerCall) -> list[Any]:
+        """Run a call on every rank; their answers in rank order."""
+        self._check_alive()
+        for rank in self._ranks:
+            self._send(rank, call)
+        return [self._reply(rank) for rank in self._ranks]
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise WorkerDiedError(self._failure)
+
+    # ---- Executor -----------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        # the largest stage's block: the engine divides the memory answer by it
+        return max(self._call_all(WorkerCall("kv_block_bytes")))
+
+    def determine_available_memory(self) -> int:
+        available = self._call_all(WorkerCall("determine_available_memory"))
+        block_bytes = self._call_all(WorkerCall("kv_block_bytes"))
+        # every stage holds the same block ids: the fewest blocks any stage can hold
+        num_blocks = min(a // b for a, b in zip(available, block_bytes))
+        return num_blocks * max(block_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all(WorkerCall("initialize_kv_cache", (num_blocks,)))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
+        last = len(self._ranks) - 1
+        for rank in self._ranks:
+            sampled = None if rank.stage.rank == last else self._sampled
+            self._send(rank, WorkerCall("execute_model", (sched, sampled)))
+        outputs = [self._reply(rank) for rank in self._ranks]
+        out: ModelRunnerOutput = outputs[last]
+        self._sampled = dict(out.sampled)
+        return out
+
+    def decode_path(self) -> str:
+        return self._decode_paths[-1]
+
+    def shutdown(self) -> None:
+        """Stop every rank's process and remove the process group's store."""
+        self._finalizer()

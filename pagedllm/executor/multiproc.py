@@ -287,3 +287,8 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop every rank's process and remove the process group's store."""
         self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [r.process.pid for r in self._ranks]

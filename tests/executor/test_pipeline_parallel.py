@@ -1,0 +1,206 @@
+"""Pipeline parallelism over local processes (pipeline_parallel_size=2, the "mp" executor):
+greedy tokens equal the single process's on the shipped models, each stage reads only its own
+tensors, the options are checked by name, and a killed rank fails the engine without a hang or
+a leftover process."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig, ParallelConfig
+from pagedllm.distributed.stage import PipelineStage, get_pp_indices
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from pagedllm.loader import gguf_loader
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.worker.model_loader import load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4,",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=8)
+DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
+
+
+def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _pp_equals_single(model: str, **engine) -> None:
+    """Greedy tokens of PP=2 equal one process's, the same engine options otherwise."""
+    single = LLM(model=model, **ENGINE, **engine)
+    want = _tokens(single)
+    del single
+    gc.collect()
+    pp = LLM(model=model, pipeline_parallel_size=2, **ENGINE, **engine)
+    try:
+        assert isinstance(pp.llm_engine.engine_core.executor, MultiprocExecutor)
+        assert _tokens(pp) == want
+    finally:
+        pp.llm_engine.shutdown()
+
+
+def _gone(pids: list[int]) -> bool:
+    """None of the processes is left (a zombie not reaped yet counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+# ---- the layer split -----------------------------------------------------------------------
+def test_layer_split_is_contiguous_as_vllm_splits_it():
+    assert [get_pp_indices(24, r, 2) for r in range(2)] == [(0, 12), (12, 24)]
+    assert [get_pp_indices(30, r, 2) for r in range(2)] == [(0, 15), (15, 30)]
+    # the remainder goes to the stages before the last, as vLLM's get_pp_indices gives it
+    assert [get_pp_indices(30, r, 4) for r in range(4)] == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    assert [get_pp_indices(5, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 4), (4, 5)]
+    assert [get_pp_indices(3, r, 2) for r in range(2)] == [(0, 2), (2, 3)]
+    assert [get_pp_indices(7, r, 7) for r in range(7)] == [(i, i + 1) for i in range(7)]
+    stage = PipelineStage.of_rank(30, 1, 2)
+    assert (stage.layers, stage.is_first, stage.is_last) == (range(15, 30), False, True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 is larger than the model's 2"):
+        get_pp_indices(2, 0, 3)
+
+
+# ---- options -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not implemented yet; "
+                                   "pipeline_parallel_size works"),
+    (dict(distributed_executor_backend="ray"), "distributed_executor_backend='ray' is not "
+                                               "implemented yet; use 'mp'"),
+    (dict(distributed_executor_backend="threads"), "distributed_executor_backend must be one "
+                                                   "of mp, uni"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"),
+     "distributed_executor_backend='uni' runs one rank"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an int >= 1, got 0"),
+    (dict(pipeline_parallel_size="2"), "pipeline_parallel_size must be an int >= 1, got '2'"),
+    (dict(pipeline_parallel_size=True), "pipeline_parallel_size must be an int >= 1"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1, got 0"),
+])
+def test_parallel_options_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineArgs(model="m", **kwargs)
+
+
+def test_parallel_defaults_pick_the_executor():
+    assert ParallelConfig().backend == "uni"
+    assert ParallelConfig(pipeline_parallel_size=2).backend == "mp"
+    assert ParallelConfig(tensor_parallel_size=1, distributed_executor_backend="mp").backend == "mp"
+
+
+def test_more_stages_than_layers_is_refused_before_any_process_starts(smollm_gguf):
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=31 is larger than the model's "
+                                         "30 layers"):
+        LLM(model=str(smollm_gguf), pipeline_parallel_size=31, **ENGINE)
+    assert psutil.Process().children(recursive=True) == before
+
+
+# ---- each stage reads its own tensors only -------------------------------------------------
+def test_a_stage_reads_only_its_own_tensors(smollm_gguf, monkeypatch):
+    """The last stage of SmolLM2 (tied embeddings) reads layers 15-29, the final norm and the
+    token embedding for its head, and nothing of layers 0-14."""
+    read: list[str] = []
+    copy = gguf_loader._copy_tensor
+    monkeypatch.setattr(gguf_loader, "_copy_tensor",
+                        lambda fh, info, *a: (read.append(info.name), copy(fh, info, *a))[1])
+    ckpt = resolve_checkpoint(smollm_gguf)
+    config = EngineConfig(model_path=str(smollm_gguf), arch=ckpt.arch, dtype=torch.float32,
+                          platform=CpuPlatform(), quantization="none")
+    stage = PipelineStage.of_rank(ckpt.arch.num_hidden_layers, 1, 2)
+    model = load_model(config, stage)
+    layers = {int(n.split(".")[1]) for n in read if n.startswith("blk.")}
+    assert layers == set(range(15, 30))
+    assert {n for n in read if not n.startswith("blk.")} == {"token_embd.weight",
+                                                             "output_norm.weight"}
+    params = model.checkpoint_params()
+    assert not any(n.startswith(("model.layers.0.", "model.layers.14.", "model.embed_tokens"))
+                   for n in params)
+    assert "lm_head.weight" in params and "model.layers.15.input_layernorm.weight" in params
+
+
+# ---- greedy tokens equal one process's -----------------------------------------------------
+def test_smollm_gguf_pp2_equals_one_process(smollm_gguf):
+    """SmolLM2 (llama, Q4_1 kept blocks, tied head on the last stage), batched."""
+    _pp_equals_single(str(smollm_gguf))
+
+
+def test_qwen_gguf_pp2_equals_one_process_with_chunked_prompts(qwen_gguf):
+    """Qwen2.5-Coder-0.5B (qwen2, K-quants, its own output.weight), prompts in chunks of 16
+    tokens so that steps mix prompt chunks and decodes on both stages."""
+    _pp_equals_single(str(qwen_gguf), max_num_batched_tokens=16)
+
+
+def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
+    """The float32 safetensors directory (sharded) of SmolLM2."""
+    _pp_equals_single(str(smollm_hf_dir))
+
+
+# ---- failure and shutdown ------------------------------------------------------------------
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_fails_generate_with_its_rank_named_and_leaves_no_process(smollm_gguf,
+                                                                                killed):
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.engine_core.executor
+    pids = executor.worker_pids
+    assert len(pids) == 2 and not _gone(pids)
+    result: dict = {}
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as err:  # what the test checks
+            result["error"] = err
+
+    runner = threading.Thread(target=generate, daemon=True)
+    runner.start()
+    while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
+        time.sleep(0.05)  # until a step has run
+    time.sleep(0.3)
+    os.kill(pids[killed], signal.SIGKILL)
+    runner.join(DEADLINE_S)
+    assert not runner.is_alive(), "generate hung after a rank was killed"
+    err = result.get("error")
+    assert isinstance(err, WorkerDiedError), err
+    assert f"pipeline rank {killed}" in str(err) and f"pid {pids[killed]}" in str(err)
+    assert "killed by signal 9" in str(err)
+    deadline = time.monotonic() + 30
+    while not _gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pids), "a rank's process outlived the failure"
+    # the engine stays failed, at once, with the same message
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=f"pipeline rank {killed}"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 5
+    llm.llm_engine.shutdown()  # a second stop is harmless
+
+
+def test_deleting_the_llm_stops_its_ranks(smollm_gguf):
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **ENGINE)
+    pids = llm.llm_engine.engine_core.executor.worker_pids
+    assert _tokens(llm, PROMPTS[:1])
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while not _gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pids)

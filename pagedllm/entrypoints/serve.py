@@ -130,8 +130,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="only 1 for now: tensor parallelism is not implemented yet")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
-                   help="mp: one process per rank on this machine (the default with several "
-                   "ranks); ray is not implemented yet")
+                   help="mp: one process per rank on this machine; uni: the model in the "
+                   "server's process (default: mp with several ranks, else uni); ray is not "
+                   "implemented yet")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import set_forward_context
+from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
@@ -63,10 +63,6 @@ class ModelRunner:
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
         self.model = load_model(self.config, self.stage)
-        if self.stage is not None:
-            self.decode_path = ("the model's layer loop (pipeline stage: the C++ decode stack "
-                                "runs whole models only)")
-            return
         self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
 
     @property
@@ -106,10 +102,7 @@ class ModelRunner:
                                  self.block_size, self.buffers)
         meta = self.attn_builder.build(step.attn)
         with set_forward_context(meta):
-            if self.captured_decode is not None and meta.decode_only:
-                hidden = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta)
-            else:
-                hidden = self._forward(step)  # [T, H]
+            hidden = self._forward(step, meta)
         out = ModelRunnerOutput(sampled={})
         if hidden is not None:
             self._prompt_logprobs(step, hidden, out)
@@ -118,17 +111,19 @@ class ModelRunner:
             seq.state.num_computed_tokens += seq.num_tokens
         return out
 
-    def _forward(self, step: StepInputs) -> Optional[torch.Tensor]:
-        """The model over the step: hidden states [T, H], or None on a pipeline stage before
-        the last, which sends its stream on instead."""
+    def _forward(self, step: StepInputs, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """The model (or its captured decode step) over the step: hidden states [T, H], or None
+        on a pipeline stage before the last, which sends its stream on instead."""
         stage = self.stage
-        if stage is None:
-            return self.model(step.input_ids, step.positions)
-        incoming = None if stage.is_first else recv_from_prev(
+        incoming = None if stage is None or stage.is_first else recv_from_prev(
             stage, step.input_ids.shape[0], self.config.arch.hidden_size, self.config.dtype,
             self.device)
-        result = self.model(step.input_ids, step.positions, incoming)
-        if stage.is_last:
+        if self.captured_decode is not None and meta.decode_only:
+            result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
+                                          incoming)
+        else:
+            result = self.model(step.input_ids, step.positions, incoming)
+        if stage is None or stage.is_last:
             return result
         send_to_next(stage, result)
         return None

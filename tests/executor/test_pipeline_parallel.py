@@ -39,15 +39,18 @@ def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def _pp_equals_single(model: str, **engine) -> None:
-    """Greedy tokens of PP=2 equal one process's, the same engine options otherwise."""
+def _pp_equals_single(model: str, decode_path: str, **engine) -> None:
+    """Greedy tokens of PP=2 equal one process's, the same engine options otherwise; each
+    stage's decode steps run `decode_path`."""
     single = LLM(model=model, **ENGINE, **engine)
     want = _tokens(single)
     del single
     gc.collect()
     pp = LLM(model=model, pipeline_parallel_size=2, **ENGINE, **engine)
     try:
-        assert isinstance(pp.llm_engine.engine_core.executor, MultiprocExecutor)
+        executor = pp.llm_engine.engine_core.executor
+        assert isinstance(executor, MultiprocExecutor)
+        assert executor.decode_path().startswith(decode_path), executor.decode_path()
         assert _tokens(pp) == want
     finally:
         pp.llm_engine.shutdown()
@@ -139,18 +142,18 @@ def test_a_stage_reads_only_its_own_tensors(smollm_gguf, monkeypatch):
 # ---- greedy tokens equal one process's -----------------------------------------------------
 def test_smollm_gguf_pp2_equals_one_process(smollm_gguf):
     """SmolLM2 (llama, Q4_1 kept blocks, tied head on the last stage), batched."""
-    _pp_equals_single(str(smollm_gguf))
+    _pp_equals_single(str(smollm_gguf), "the C++ decode stack")
 
 
 def test_qwen_gguf_pp2_equals_one_process_with_chunked_prompts(qwen_gguf):
     """Qwen2.5-Coder-0.5B (qwen2, K-quants, its own output.weight), prompts in chunks of 16
     tokens so that steps mix prompt chunks and decodes on both stages."""
-    _pp_equals_single(str(qwen_gguf), max_num_batched_tokens=16)
+    _pp_equals_single(str(qwen_gguf), "the C++ decode stack", max_num_batched_tokens=16)
 
 
 def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
-    """The float32 safetensors directory (sharded) of SmolLM2."""
-    _pp_equals_single(str(smollm_hf_dir))
+    """The float32 safetensors directory (sharded) of SmolLM2: the layer loop on both stages."""
+    _pp_equals_single(str(smollm_hf_dir), "the model's layer loop")
 
 
 # ---- failure and shutdown ------------------------------------------------------------------

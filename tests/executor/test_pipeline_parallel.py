@@ -156,6 +156,17 @@ def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
     _pp_equals_single(str(smollm_hf_dir), "the model's layer loop")
 
 
+def test_mp_backend_with_one_rank_equals_in_process(smollm_gguf):
+    """distributed_executor_backend="mp" with one rank: the whole model in one worker process."""
+    want = _tokens(LLM(model=str(smollm_gguf), **ENGINE), PROMPTS[:2])
+    llm = LLM(model=str(smollm_gguf), distributed_executor_backend="mp", **ENGINE)
+    try:
+        assert len(llm.llm_engine.engine_core.executor.worker_pids) == 1
+        assert _tokens(llm, PROMPTS[:2]) == want
+    finally:
+        llm.llm_engine.shutdown()
+
+
 # ---- failure and shutdown ------------------------------------------------------------------
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_killed_rank_fails_generate_with_its_rank_named_and_leaves_no_process(smollm_gguf,

@@ -30,7 +30,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Optional
 
@@ -188,7 +188,7 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         parallel = self.config.parallel
         world = parallel.pipeline_parallel_size
-        self._failure: Optional[str] = None  # set once a rank has died: every call fails so
+        self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
         # a file store: no port to find free and no port race between two engines
         self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
@@ -199,7 +199,7 @@ class MultiprocExecutor(Executor):
             for rank in range(world):
                 stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
                 self._ranks.append(_start_rank(self.config, stage, init_method))
-            self._decode_paths = [self._reply(r) for r in self._ranks]
+            self._decode_paths = self._gather()
         except BaseException:
             self.shutdown()
             raise
@@ -214,46 +214,62 @@ class MultiprocExecutor(Executor):
         except OSError:
             self._died(rank)
 
-    def _reply(self, rank: _Rank) -> Any:
-        """The rank's answer to its last call; WorkerDiedError if it exits meanwhile."""
-        while not rank.conn.poll(POLL_S):
-            if not rank.alive():
-                self._died(rank)
+    def _gather(self) -> list[Any]:
+        """Every rank's answer to its last call, in rank order, taken as they come: a rank
+        that fails is seen at once even while another waits on it in a send or receive."""
+        pending = {r.conn: r for r in self._ranks}
+        values: dict[int, Any] = {}
+        while pending:
+            for conn in wait(list(pending), timeout=POLL_S):
+                rank = pending.pop(conn)
+                values[rank.stage.rank] = self._read(rank)
+            for rank in pending.values():
+                if not rank.alive():
+                    self._died(rank)
+        return [values[r.stage.rank] for r in self._ranks]
+
+    def _read(self, rank: _Rank) -> Any:
+        """A rank's ready reply; a rank that failed fails the executor (the ranks' request
+        states may differ after it)."""
         try:
             reply: WorkerReply = recv(rank.conn)
         except (EOFError, OSError):
             self._died(rank)
         if reply.error is not None:
-            raise WorkerError(f"pipeline rank {rank.stage.rank} failed: {reply.error}")
+            self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: {reply.error}"))
         return reply.value
 
     def _died(self, rank: _Rank) -> None:
-        """Record the failure, stop the other ranks and raise."""
+        """Fail the executor for a rank whose process is gone (or closed its pipe)."""
         try:
             code = rank.process.wait(timeout=1)
         except subprocess.TimeoutExpired:
             code = None
         how = "is still running but closed its pipe" if code is None else (
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        self._failure = (f"worker process of pipeline rank {rank.stage.rank} (pid "
-                         f"{rank.process.pid}) {how}; the engine cannot continue")
-        logger.error("%s", self._failure)
-        for other in self._ranks:  # a stage without its peer can only wait: no graceful stop
-            if other.alive():
-                other.process.terminate()
+        self._fail(WorkerDiedError(f"worker process of pipeline rank {rank.stage.rank} (pid "
+                                   f"{rank.process.pid}) {how}; the engine cannot continue"))
+
+    def _fail(self, err: RuntimeError) -> None:
+        """Record the failure, stop every rank and raise; later calls raise it again."""
+        self._failure = err
+        logger.error("%s", err)
+        for rank in self._ranks:  # a stage without its peer can only wait: no graceful stop
+            if rank.alive():
+                rank.process.terminate()
         self.shutdown()
-        raise WorkerDiedError(self._failure)
+        raise err
 
     def _call_all(self, call: WorkerCall) -> list[Any]:
         """Run a call on every rank; their answers in rank order."""
         self._check_alive()
         for rank in self._ranks:
             self._send(rank, call)
-        return [self._reply(rank) for rank in self._ranks]
+        return self._gather()
 
     def _check_alive(self) -> None:
         if self._failure is not None:
-            raise WorkerDiedError(self._failure)
+            raise type(self._failure)(str(self._failure))
 
     # ---- Executor -----------------------------------------------------------
     def kv_block_bytes(self) -> int:
@@ -276,8 +292,7 @@ class MultiprocExecutor(Executor):
         for rank in self._ranks:
             sampled = None if rank.stage.rank == last else self._sampled
             self._send(rank, WorkerCall("execute_model", (sched, sampled)))
-        outputs = [self._reply(rank) for rank in self._ranks]
-        out: ModelRunnerOutput = outputs[last]
+        out: ModelRunnerOutput = self._gather()[last]
         self._sampled = dict(out.sampled)
         return out
 

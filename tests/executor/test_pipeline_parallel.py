@@ -5,8 +5,11 @@ a leftover process."""
 from __future__ import annotations
 
 import gc
+import math
 import os
+import shutil
 import signal
+import struct
 import threading
 import time
 
@@ -18,9 +21,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.distributed.stage import PipelineStage, get_pp_indices
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerError
 from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model
 
@@ -206,6 +210,26 @@ def test_a_killed_rank_fails_generate_with_its_rank_named_and_leaves_no_process(
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 5
     llm.llm_engine.shutdown()  # a second stop is harmless
+
+
+def test_a_rank_that_fails_to_load_fails_the_start_with_its_rank_named(tmp_path, smollm_gguf):
+    """A NaN in layer 20's norm: rank 1 (layers 15-29) refuses it while loading; the engine
+    reports that rank's error and no rank's process is left."""
+    for file in smollm_gguf.parent.iterdir():  # the tokenizer files beside the GGUF
+        if file.is_file() and file.suffix not in (".gguf", ".verified"):
+            shutil.copy(file, tmp_path / file.name)
+    norm = next(t for t in gguf_header(smollm_gguf)[1] if t.name == "blk.20.ffn_norm.weight")
+    path = tmp_path / "nan.gguf"
+    shutil.copy(smollm_gguf, path)
+    with open(path, "r+b") as fh:
+        fh.seek(norm.offset + 4 * 7)
+        fh.write(struct.pack("<f", math.nan))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(WorkerError, match=r"pipeline rank 1 failed: ModelFileError: model\.layers"
+                                          r"\.20\.post_attention_layernorm\.weight holds 1 NaN"):
+        LLM(model=str(path), pipeline_parallel_size=2, **ENGINE)
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert _gone(list(left))
 
 
 def test_deleting_the_llm_stops_its_ranks(smollm_gguf):

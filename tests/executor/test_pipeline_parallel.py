@@ -242,3 +242,40 @@ def test_deleting_the_llm_stops_its_ranks(smollm_gguf):
     while not _gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pids)
+
+
+def test_a_killed_rank_fails_every_open_stream_of_the_server_engine(smollm_gguf):
+    """The server's engine (AsyncLLM): every request in flight ends with EngineDeadError naming
+    the rank, and the engine keeps the error (what /health answers 503 on)."""
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(smollm_gguf),
+                                                   pipeline_parallel_size=2, **ENGINE))
+    pids = engine.engine_core.executor.worker_pids
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main() -> list[BaseException]:
+        llm = AsyncLLM(engine)
+        try:
+            streams = [llm.add_request(f"r{i}", p, long) for i, p in enumerate(PROMPTS)]
+            await streams[0].__anext__()  # the engine is stepping
+            os.kill(pids[1], signal.SIGKILL)
+            errors = []
+            for s in streams:
+                try:
+                    async for _ in s:
+                        pass
+                except EngineDeadError as err:
+                    errors.append(err)
+            assert isinstance(llm.error, WorkerDiedError)
+            return errors
+        finally:
+            llm.shutdown()
+
+    errors = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
+    assert len(errors) == len(PROMPTS)
+    assert all("pipeline rank 1" in str(e) for e in errors)
+    assert _gone(pids)

@@ -266,7 +266,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                                     timeout_graceful_shutdown=5, **uvicorn_options(limits)),
                      banner(name, args.host, args.port, api_key), stats,
                      on_started=functools.partial(ctx.engine.warm_up_grammars,
-                                                  busy=ctx.tokens.busy))
+                                                  busy=ctx.tokens.busy),
+                     on_shutdown=ctx.engine.shutdown)
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
@@ -285,15 +286,18 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
 class _Server(uvicorn.Server):
     """uvicorn's server that prints the banner once it listens, calls `on_started` (work that
-    need not delay readiness), and runs `background` (the throughput line) while it serves."""
+    need not delay readiness), runs `background` (the throughput line) while it serves, and
+    calls `on_shutdown` once it has stopped serving."""
 
     def __init__(self, config: uvicorn.Config, banner_text: str,
                  background: Optional[Callable[[], Awaitable[None]]],
-                 on_started: Optional[Callable[[], None]] = None) -> None:
+                 on_started: Optional[Callable[[], None]] = None,
+                 on_shutdown: Optional[Callable[[], None]] = None) -> None:
         super().__init__(config)
         self.banner_text = banner_text
         self.background = background
         self.on_started = on_started
+        self.on_shutdown = on_shutdown
         self._task: Optional[asyncio.Future] = None
 
     async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
@@ -310,3 +314,7 @@ class _Server(uvicorn.Server):
         if self._task is not None:
             self._task.cancel()
         await super().shutdown(sockets=sockets)
+        if self.on_shutdown is not None:
+            # here, not after run(): on SIGTERM uvicorn re-raises the signal once run() ends,
+            # which kills the process before the caller's clean-up (worker processes included)
+            self.on_shutdown()

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import struct
 import threading
 import time
@@ -149,6 +150,12 @@ def test_smollm_gguf_pp2_equals_one_process(smollm_gguf):
     _pp_equals_single(str(smollm_gguf), "the C++ decode stack")
 
 
+def test_smollm_gguf_dequantized_pp2_equals_one_process(smollm_gguf):
+    """SmolLM2's GGUF dequantized to float32 (quantization="none", the path that matches
+    transformers): the head on the last stage loads the embedding matrix the first one holds."""
+    _pp_equals_single(str(smollm_gguf), "the model's layer loop", quantization="none")
+
+
 def test_qwen_gguf_pp2_equals_one_process_with_chunked_prompts(qwen_gguf):
     """Qwen2.5-Coder-0.5B (qwen2, K-quants, its own output.weight), prompts in chunks of 16
     tokens so that steps mix prompt chunks and decodes on both stages."""
@@ -279,3 +286,42 @@ def test_a_killed_rank_fails_every_open_stream_of_the_server_engine(smollm_gguf)
     assert len(errors) == len(PROMPTS)
     assert all("pipeline rank 1" in str(e) for e in errors)
     assert _gone(pids)
+
+
+def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
+    """`pagedllm serve -pp 2`: the flag reaches the engine, a completion comes back, and the
+    ranks go when the server stops."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                                 "smollm2-135m-instruct", "--port", str(port), "-pp", "2",
+                                 "--max-model-len", "512"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + DEADLINE_S
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            assert len(ranks) == 2, log.read_text()[-3000:]
+            body = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}).json()
+            assert body["usage"]["completion_tokens"] == 8
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert _gone(ranks)
+    assert "pipeline parallel: rank 0" in log.read_text()

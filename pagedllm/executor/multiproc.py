@@ -11,15 +11,15 @@ pipe, so all ranks keep the same request state; activations go stage to stage ov
 process group; the last rank's reply is the step's output. A rank that dies is seen by its
 pipe or its process, and the executor then fails with the rank named, instead of waiting.
 
-A rank is a fresh `python -m pagedllm.executor.rank_process` with its end of a socket pair,
-not a multiprocessing "spawn" child: spawn re-runs the user's main script in every child, so a
+A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
+this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main script in every child, so a
 script without an `if __name__ == "__main__":` guard would start engines without end. Messages
 are plain pickles (tensors by value), which need no shared authentication key.
 """
 from __future__ import annotations
 
+import json
 import logging
-import os
 import pickle
 import shutil
 import socket
@@ -134,12 +134,14 @@ def _send_error(conn: Connection, err: BaseException) -> None:
 def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> "_Rank":
     """A rank's process with its end of a socket pair, given its config and stage."""
     ours, theirs = socket.socketpair()
-    # the child finds pagedllm (and anything the config's objects need) where this process does
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # the child imports with this process's sys.path, in its order: `python -m` would put the
+    # working directory first, where another checkout's pagedllm may shadow this one
+    bootstrap = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+                 "from pagedllm.executor.rank_process import main; main(int(sys.argv[1]))")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.executor.rank_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env)
+            [sys.executable, "-c", bootstrap, str(theirs.fileno()), json.dumps(sys.path)],
+            pass_fds=(theirs.fileno(),))
     finally:
         theirs.close()  # the child holds its end: its death closes the pipe here
     rank = _Rank(stage, proc, Connection(ours.detach()))

@@ -1,11 +1,12 @@
-"""`python -m pagedllm.executor.rank_process FD`: one pipeline rank's process, serving the
-engine over the socket inherited as file descriptor FD (executor/multiproc.py)."""
+"""The entry of a pipeline rank's process (started by executor/multiproc.py with the engine's
+sys.path): serve the engine over the socket inherited as a file descriptor."""
 from __future__ import annotations
 
-import sys
 from multiprocessing.connection import Connection
 
 from pagedllm.executor.multiproc import worker_main
 
-if __name__ == "__main__":
-    worker_main(Connection(int(sys.argv[1])))
+
+def main(fd: int) -> None:
+    """Serve the engine over the socket at file descriptor fd until it says stop."""
+    worker_main(Connection(fd))

@@ -13,6 +13,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -325,3 +326,29 @@ def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
             proc.wait(timeout=60)
     assert _gone(ranks)
     assert "pipeline parallel: rank 0" in log.read_text()
+
+
+def test_ranks_import_the_engines_pagedllm_whatever_the_working_directory(tmp_path,
+                                                                        smollm_gguf):
+    """A script run from a directory that holds another `pagedllm` (a checkout, say): the
+    ranks import the engine's, not the working directory's."""
+    import subprocess
+    import sys
+
+    import pagedllm
+
+    shadow = tmp_path / "cwd" / "pagedllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the shadowing pagedllm')\n")
+    script = tmp_path / "run.py"
+    script.write_text(
+        "from pagedllm import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(smollm_gguf)!r}, pipeline_parallel_size=2, max_model_len=256)\n"
+        "out = llm.generate('Hi', SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)\n"
+        "print('tokens', len(out[0].outputs[0].token_ids))\n")
+    repo = str(Path(pagedllm.__file__).parents[1])
+    proc = subprocess.run([sys.executable, str(script)], cwd=shadow.parent, text=True,
+                          capture_output=True, timeout=DEADLINE_S,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens 4" in proc.stdout

@@ -168,6 +168,36 @@ def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
     _pp_equals_single(str(smollm_hf_dir), "the model's layer loop")
 
 
+def test_preemption_seeds_and_logprobs_under_pp2_equal_one_process(smollm_gguf):
+    """8 KV blocks and 16-token steps: requests are preempted and recomputed, prompts come in
+    chunks; greedy and seeded tokens, logprobs and prompt logprobs (all from the last stage)
+    equal one process's under the same schedule."""
+    small = dict(dtype="float32", num_gpu_blocks_override=8, max_num_batched_tokens=16,
+                 max_model_len=128)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40,
+                             ignore_eos=True, repetition_penalty=1.2)]
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+
+    single = LLM(model=str(smollm_gguf), **small)
+    want = run(single)
+    assert single.llm_engine.engine_core.scheduler.num_preemptions > 0
+    del single
+    pp = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **small)
+    try:
+        got = run(pp)
+        assert pp.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        pp.llm_engine.shutdown()
+    assert [g[0] for g in got] == [w[0] for w in want]
+    assert got == want
+
+
 def test_mp_backend_with_one_rank_equals_in_process(smollm_gguf):
     """distributed_executor_backend="mp" with one rank: the whole model in one worker process."""
     want = _tokens(LLM(model=str(smollm_gguf), **ENGINE), PROMPTS[:2])

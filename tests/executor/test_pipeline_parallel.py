@@ -5,6 +5,7 @@ a leftover process."""
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import shutil
@@ -28,6 +29,7 @@ from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.worker.model_loader import load_model
 
 PROMPTS = [
@@ -168,10 +170,11 @@ def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
     _pp_equals_single(str(smollm_hf_dir), "the model's layer loop")
 
 
-def test_preemption_seeds_and_logprobs_under_pp2_equal_one_process(smollm_gguf):
+def test_preemption_seeds_logprobs_and_grammars_under_pp2_equal_one_process(smollm_gguf):
     """8 KV blocks and 16-token steps: requests are preempted and recomputed, prompts come in
-    chunks; greedy and seeded tokens, logprobs and prompt logprobs (all from the last stage)
-    equal one process's under the same schedule."""
+    chunks; greedy and seeded tokens, logprobs, prompt logprobs and JSON-constrained outputs
+    (the grammar bitmask travels in the SchedulerOutput to every rank) equal one process's
+    under the same schedule."""
     small = dict(dtype="float32", num_gpu_blocks_override=8, max_num_batched_tokens=16,
                  max_model_len=128)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
@@ -180,9 +183,18 @@ def test_preemption_seeds_and_logprobs_under_pp2_equal_one_process(smollm_gguf):
               SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40,
                              ignore_eos=True, repetition_penalty=1.2)]
 
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    constrained = SamplingParams(temperature=0, max_tokens=30,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+
     def run(llm: LLM) -> list:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
+        json_outs = llm.generate(["Give me a person as JSON:", "A JSON user:"], constrained,
+                                 use_tqdm=False)
+        return ([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs)
+                 for o in outs] + [o.outputs[0].text for o in json_outs])
 
     single = LLM(model=str(smollm_gguf), **small)
     want = run(single)
@@ -196,6 +208,7 @@ def test_preemption_seeds_and_logprobs_under_pp2_equal_one_process(smollm_gguf):
         pp.llm_engine.shutdown()
     assert [g[0] for g in got] == [w[0] for w in want]
     assert got == want
+    assert all(set(json.loads(text)) >= {"name", "age"} for text in got[-2:])
 
 
 def test_mp_backend_with_one_rank_equals_in_process(smollm_gguf):

@@ -12,9 +12,10 @@ process group; the last rank's reply is the step's output. A rank that dies is s
 pipe or its process, and the executor then fails with the rank named, instead of waiting.
 
 A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
-this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main script in every child, so a
-script without an `if __name__ == "__main__":` guard would start engines without end. Messages
-are plain pickles (tensors by value), which need no shared authentication key.
+this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
+script in every child, so a script without an `if __name__ == "__main__":` guard would start
+engines without end. Messages are plain pickles (tensors by value), which need no shared
+authentication key.
 """
 from __future__ import annotations
 
@@ -131,7 +132,20 @@ def _send_error(conn: Connection, err: BaseException) -> None:
         pass  # the engine closed the pipe
 
 
-def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> "_Rank":
+@dataclass
+class _Rank:
+    """A worker process and the engine's end of its pipe."""
+
+    stage: PipelineStage
+    process: subprocess.Popen
+    conn: Connection
+
+    def alive(self) -> bool:
+        """The process has not exited."""
+        return self.process.poll() is None
+
+
+def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> _Rank:
     """A rank's process with its end of a socket pair, given its config and stage."""
     ours, theirs = socket.socketpair()
     # the child imports with this process's sys.path, in its order: `python -m` would put the
@@ -147,19 +161,6 @@ def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) ->
     rank = _Rank(stage, proc, Connection(ours.detach()))
     send(rank.conn, (config, stage, init_method))
     return rank
-
-
-@dataclass
-class _Rank:
-    """A worker process and the engine's end of its pipe."""
-
-    stage: PipelineStage
-    process: subprocess.Popen
-    conn: Connection
-
-    def alive(self) -> bool:
-        """The process has not exited."""
-        return self.process.poll() is None
 
 
 def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:

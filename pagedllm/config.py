@@ -209,6 +209,62 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni")  # "ray": a later step (issue 17)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run the model and how the engine reaches them (vLLM's option names).
+
+    Pipeline parallelism splits the layers into contiguous stages, one process per stage;
+    tensor parallelism is not implemented yet and is refused rather than ignored."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # None: "mp" (one process per rank) with several ranks, "uni" (in-process) with one
+    distributed_executor_backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not "
+                             "implemented yet; pipeline_parallel_size works (it splits the "
+                             "layers over processes)")
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not implemented yet; use "
+                             "'mp' (one process per rank on this machine)")
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} or None, got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's "
+                             f"process; pipeline_parallel_size={self.pipeline_parallel_size} "
+                             "needs 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """The executor backend in effect: "mp" or "uni"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uni"
+
+    def check_layers(self, num_hidden_layers: int) -> None:
+        """A ValueError when there are more pipeline stages than layers to give them."""
+        if self.pipeline_parallel_size > num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is larger "
+                             f"than the model's {num_hidden_layers} layers: each stage needs "
+                             "at least one")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to be built."""
@@ -219,6 +275,7 @@ class EngineConfig:
     platform: Any  # pagedllm.platforms.Platform (untyped here: config sits below platforms)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     max_logprobs: int = 20
     quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4" or "none"
@@ -226,6 +283,9 @@ class EngineConfig:
     # into anonymous memory (worker/x8_weight_file.py)
     mmap_weights: bool = False
     eos_token_ids: tuple[int, ...] = ()  # model, generation_config and tokenizer ids together
+
+    def __post_init__(self) -> None:
+        self.parallel.check_layers(self.arch.num_hidden_layers)
 
     @property
     def device(self) -> Any:

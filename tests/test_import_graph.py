@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
      "pagedllm.version", "pagedllm.logger"),
     ("pagedllm.kernels",),
     ("pagedllm.platforms",),
+    ("pagedllm.distributed",),
     ("pagedllm.structured_output",),
     ("pagedllm.core",),
     ("pagedllm.loader",),

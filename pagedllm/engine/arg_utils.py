@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from pagedllm.config import check_quantization
+from pagedllm.config import ParallelConfig, check_quantization
 
 if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
     import torch
@@ -25,7 +25,7 @@ class IgnoredArg:
     short: Optional[str] = None  # vLLM's short flag, e.g. -tp
 
 
-_ONE_DEVICE = "this engine runs on one device"
+_NO_ALL_REDUCE = "there is no all-reduce: tensor parallelism is not implemented yet"
 _NO_GRAPHS = "the engine runs eagerly (no CUDA graphs)"
 # vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
 IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
@@ -33,13 +33,10 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "swap_space": IgnoredArg("preempted requests are recomputed, so no CPU swap space is "
                              "reserved", float),
     "cpu_offload_gb": IgnoredArg("weights stay on the device that runs them", float),
-    "tensor_parallel_size": IgnoredArg(_ONE_DEVICE, int, short="-tp"),
-    "pipeline_parallel_size": IgnoredArg(_ONE_DEVICE, int, short="-pp"),
-    "disable_custom_all_reduce": IgnoredArg(_ONE_DEVICE),
+    "disable_custom_all_reduce": IgnoredArg(_NO_ALL_REDUCE),
     "max_seq_len_to_capture": IgnoredArg(_NO_GRAPHS, int),
     "cuda_graph_sizes": IgnoredArg(_NO_GRAPHS, int, nargs="+"),
     "compilation_config": IgnoredArg("the model is not compiled", str, short="-O"),
-    "distributed_executor_backend": IgnoredArg(_ONE_DEVICE, str),
     "kv_cache_dtype": IgnoredArg("the KV cache is kept in the model's dtype", str),
     "disable_log_stats": IgnoredArg("LLM() logs no periodic statistics"),
     "tokenizer_mode": IgnoredArg("the tokenizer is always a fast (Rust) tokenizer", str),
@@ -49,7 +46,7 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "tokenizer_revision": IgnoredArg("the tokenizer comes from the model's revision", str),
     "enable_chunked_prefill": IgnoredArg("long prompts are always prefilled in chunks"),
     "disable_async_output_proc": IgnoredArg(),
-    "worker_cls": IgnoredArg(_ONE_DEVICE, str),
+    "worker_cls": IgnoredArg("every rank runs pagedllm's own worker", str),
     "hf_overrides": IgnoredArg("the checkpoint's config is used as it is", str),
     "mm_processor_kwargs": IgnoredArg("the engine runs text-only models", str),
     "limit_mm_per_prompt": IgnoredArg("the engine runs text-only models", str),
@@ -118,6 +115,11 @@ class EngineArgs:
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never
     mmap_weights: Optional[bool] = None
+    # ranks: the layers split into pipeline_parallel_size stages, one process each ("mp");
+    # tensor_parallel_size > 1 and the "ray" backend are refused (not implemented yet)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # None: "mp" with several ranks
     # who drives the engine, as vLLM's UsageContext: "llm" (offline LLM class) or "api_server";
     # it picks the default token budget (a server keeps steps short for time to first token)
     usage_context: str = "llm"
@@ -140,6 +142,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        self.parallel_config()  # a ValueError naming the field
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -164,3 +167,8 @@ class EngineArgs:
                              f"{self.usage_context!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    def parallel_config(self) -> ParallelConfig:
+        """The ranks asked for, checked."""
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                              self.distributed_executor_backend)

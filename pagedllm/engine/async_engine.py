@@ -214,6 +214,7 @@ class AsyncLLM:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()  # worker processes, with several ranks
 
     # ---- engine thread ------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

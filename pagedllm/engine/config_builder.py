@@ -219,7 +219,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
-        seed=args.seed, max_logprobs=args.max_logprobs, quantization=quantization,
-        mmap_weights=mem_plan.mapped_bytes > 0)
+        parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
+        quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0)
 
 

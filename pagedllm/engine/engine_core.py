@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.executor.abstract import Executor
-from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.executor import Executor, executor_class as default_executor_class
 
 logger = logging.getLogger("pagedllm")
 
@@ -19,10 +18,15 @@ class EngineCore:
     """Owns the executor and the scheduler; one step() is one forward pass."""
 
     def __init__(self, config: EngineConfig,
-                 executor_class: type[Executor] = UniProcExecutor) -> None:
+                 executor_class: Optional[type[Executor]] = None) -> None:
+        """executor_class: None picks the one config.parallel asks for."""
         self.config = config
-        self.executor = executor_class(config)
-        num_blocks = self._initialize_kv_cache()
+        self.executor = (executor_class or default_executor_class(config.parallel))(config)
+        try:
+            num_blocks = self._initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed start
+            raise
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size)

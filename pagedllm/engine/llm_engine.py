@@ -102,6 +102,11 @@ class LLMEngine:
         """Size of the model's vocabulary: valid token ids are [0, vocab_size)."""
         return self.config.arch.vocab_size
 
+    def shutdown(self) -> None:
+        """Stop the workers (worker processes, with several ranks); the engine is unusable
+        after."""
+        self.engine_core.shutdown()
+
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use (0-1)."""

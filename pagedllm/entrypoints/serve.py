@@ -128,6 +128,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generators")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let the tokenizer run code from the model's repo")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many stages, one process each")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="only 1 for now: tensor parallelism is not implemented yet")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
+                   help="mp: one process per rank on this machine; uni: the model in the "
+                   "server's process (default: mp with several ranks, else uni); ray is not "
+                   "implemented yet")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -144,6 +152,9 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         gguf_file=args.gguf_file, model_source=args.model_source,
         quantization=args.quantization, mmap_weights=args.mmap_weights,
         usage_context="api_server",
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
         **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 
@@ -259,7 +270,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                                     timeout_graceful_shutdown=5, **uvicorn_options(limits)),
                      banner(name, args.host, args.port, api_key), stats,
                      on_started=functools.partial(ctx.engine.warm_up_grammars,
-                                                  busy=ctx.tokens.busy))
+                                                  busy=ctx.tokens.busy),
+                     on_shutdown=ctx.engine.shutdown)
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
@@ -278,15 +290,18 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
 class _Server(uvicorn.Server):
     """uvicorn's server that prints the banner once it listens, calls `on_started` (work that
-    need not delay readiness), and runs `background` (the throughput line) while it serves."""
+    need not delay readiness), runs `background` (the throughput line) while it serves, and
+    calls `on_shutdown` once it has stopped serving."""
 
     def __init__(self, config: uvicorn.Config, banner_text: str,
                  background: Optional[Callable[[], Awaitable[None]]],
-                 on_started: Optional[Callable[[], None]] = None) -> None:
+                 on_started: Optional[Callable[[], None]] = None,
+                 on_shutdown: Optional[Callable[[], None]] = None) -> None:
         super().__init__(config)
         self.banner_text = banner_text
         self.background = background
         self.on_started = on_started
+        self.on_shutdown = on_shutdown
         self._task: Optional[asyncio.Future] = None
 
     async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
@@ -303,3 +318,7 @@ class _Server(uvicorn.Server):
         if self._task is not None:
             self._task.cancel()
         await super().shutdown(sockets=sockets)
+        if self.on_shutdown is not None:
+            # here, not after run(): on SIGTERM uvicorn re-raises the signal once run() ends,
+            # which kills the process before the caller's clean-up (worker processes included)
+            self.on_shutdown()

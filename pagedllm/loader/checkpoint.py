@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import torch
 
@@ -73,12 +73,14 @@ def resolve_checkpoint(model: str | Path) -> Checkpoint:
                      "pass a .gguf file or a Hugging Face checkpoint directory")
 
 
-def load_weights(ckpt: Checkpoint, params: Mapping[str, torch.Tensor]) -> None:
-    """Fill the model's pre-allocated params from the checkpoint."""
+def load_weights(ckpt: Checkpoint, params: Mapping[str, torch.Tensor],
+                 skip: Optional[Callable[[str], bool]] = None) -> None:
+    """Fill the model's pre-allocated params from the checkpoint; tensors whose HF name `skip`
+    accepts (another pipeline stage's) are neither read nor reported as unexpected."""
     if ckpt.kind == "gguf":
-        load_gguf_weights(ckpt.path, params)
+        load_gguf_weights(ckpt.path, params, skip)
     else:
-        load_safetensors_weights(ckpt.path, params)
+        load_safetensors_weights(ckpt.path, params, skip)
 
 
 def generation_config(ckpt: Checkpoint) -> dict[str, Any]:

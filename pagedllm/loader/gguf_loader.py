@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Collection, Iterator, Mapping, Optional
+from typing import BinaryIO, Callable, Collection, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -225,8 +225,10 @@ def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
     return piece, part.name
 
 
-def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple[GGUFTensorInfo, str]]:
-    """(source tensor, destination name) pairs covering every param exactly once."""
+def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
+          skip: Optional[Callable[[str], bool]] = None) -> list[tuple[GGUFTensorInfo, str]]:
+    """(source tensor, destination name) pairs covering every param exactly once; tensors
+    whose HF name `skip` accepts are left out."""
     plan: list[tuple[GGUFTensorInfo, str]] = []
     embed: Optional[GGUFTensorInfo] = None
     for info in header.tensors:
@@ -235,13 +237,16 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
             if info.name in ROPE_FACTOR_TENSORS:  # read into the architecture's rope_scaling
                 continue
             raise ValueError(f"unexpected GGUF tensor {info.name!r} (no HF parameter for it)")
+        if info.name == "token_embd.weight":
+            embed = info  # a tied head loads it, even on a pipeline stage without the embedding
+        if skip is not None and skip(name):
+            continue
         if (parts := split_fused(name, params) or split_stacked(name, params)) is not None:
             plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
             continue
         if name not in params:
             raise ValueError(f"unexpected GGUF tensor {info.name!r}: the model has no {name!r}")
         _check_shape(name, params[name], info)
-        embed = info if info.name == "token_embd.weight" else embed
         plan.append((info, name))
     filled = {name for _, name in plan}
     if "lm_head.weight" in params and "lm_head.weight" not in filled and embed is not None:
@@ -255,18 +260,20 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor]) -> list[tuple
 
 
 def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor],
-                      names: Optional[Collection[str]] = None) -> None:
+                      skip: Optional[Callable[[str], bool]] = None) -> None:
     """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time;
-    with names, only those params (the plan still covers, and checks, every one)."""
-    with GGUFWeightReader(path, params) as reader:
-        reader.load(params if names is None else names)
+    tensors whose HF name `skip` accepts are not read."""
+    with GGUFWeightReader(path, params, skip) as reader:
+        reader.load(reader.names())
 
 
 class GGUFWeightReader:
-    """A GGUF's tensors planned onto a model's params once, then loaded in any subsets (the
-    file-backed weights load one matrix at a time)."""
+    """A GGUF's tensors planned onto a model's params once (but those `skip` accepts, which
+    another pipeline stage holds), then loaded in any subsets (the file-backed weights load one
+    matrix at a time)."""
 
-    def __init__(self, path: str | Path, params: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, path: str | Path, params: Mapping[str, torch.Tensor],
+                 skip: Optional[Callable[[str], bool]] = None) -> None:
         self.path, self.params = path, params
         self.header = _read_header(path)
         for name, tensor in params.items():
@@ -275,8 +282,12 @@ class GGUFWeightReader:
                 raise ValueError(f"destination {name!r} must be a contiguous float or uint8 "
                                  f"(block format) tensor (dtype {tensor.dtype}, "
                                  f"contiguous={tensor.is_contiguous()})")
-        self.plan = _plan(self.header, params)
+        self.plan = _plan(self.header, params, skip)
         self._fh = open(path, "rb", buffering=0)
+
+    def names(self) -> list[str]:
+        """The params the plan fills, in file order."""
+        return [name for _, name in self.plan]
 
     def load(self, names: Collection[str], progress: bool = True) -> None:
         """Fill the params named (a progress bar on a terminal unless progress is False)."""

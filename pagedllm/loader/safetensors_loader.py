@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -63,13 +63,18 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 Plan = dict[str, tuple[str, Optional[RowSlice]]]
 
 
-def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor]) -> Plan:
-    """Where each destination comes from, or ValueError naming missing/unexpected tensors."""
-    skipped = {n for n in sources if n.endswith("rotary_emb.inv_freq")}
+def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor],
+          skip: Optional[Callable[[str], bool]] = None) -> Plan:
+    """Where each destination comes from, or ValueError naming missing/unexpected tensors;
+    tensors whose name `skip` accepts are left out."""
+    skipped = {n for n in sources
+               if n.endswith("rotary_emb.inv_freq") or (skip is not None and skip(n))}
     if _LM_HEAD not in params:
         skipped.add(_LM_HEAD)  # tied model: lm_head shares embed_tokens
     plan: Plan = {name: (name, None) for name in params if name in sources}
     for src in sources:
+        if src in skipped:
+            continue
         for part in split_fused(src, params) or ():
             plan[part.name] = (src, part)
             skipped.add(src)
@@ -104,10 +109,12 @@ def _copy(f, src: str, dst: str, dest: torch.Tensor, part: Optional[RowSlice]) -
         dest[r0:r0 + n].copy_(sl[start + r0:start + r0 + n])
 
 
-def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.Tensor]) -> None:
-    """Fill pre-allocated params (HF names) from an HF checkpoint directory, tensor by tensor."""
+def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.Tensor],
+                             skip: Optional[Callable[[str], bool]] = None) -> None:
+    """Fill pre-allocated params (HF names) from an HF checkpoint directory, tensor by tensor;
+    tensors whose name `skip` accepts are not read."""
     sources = _tensor_files(Path(model_dir))
-    plan = _plan(sources, params)
+    plan = _plan(sources, params, skip)
     with torch.no_grad():
         ordered = sorted(plan.items(), key=lambda item: str(sources[item[1][0]]))
         for dst, (src, part) in load_progress(ordered, model_dir):

@@ -17,7 +17,8 @@ the model runner.
 """
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.pipeline import IntermediateTensors, holds_module
 
 
 class SelfAttention(nn.Module):
@@ -123,24 +125,37 @@ class LlamaForCausalLM(nn.Module):
                                     cfg.max_position_embeddings)
         self.model = self.decoder_cls(cfg, self.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # the layers this process runs: all of them, or a pipeline stage's (models/pipeline.py)
+        self.layer_range = range(cfg.num_hidden_layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream [T, H] of tokens [T], in float32 whatever the weights' dtype: in
         bf16 its rounding error would flip near-tied greedy choices."""
         return self.model.embed_tokens(input_ids).float()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Optional[IntermediateTensors] = None
+                ) -> Union[torch.Tensor, IntermediateTensors]:
         """Hidden states [T, H] for flattened tokens input_ids [T] at positions [T]; attention
-        reads the step's metadata from the forward context."""
-        residual = self.embed(input_ids)  # [T, H]
-        x = torch.zeros_like(residual)  # the first norm adds it: residual stays the embedding
-        for layer in self.model.layers:
+        reads the step's metadata from the forward context. A pipeline stage after the first
+        starts from the previous stage's `intermediate` instead of the tokens, and one before
+        the last returns its stream as IntermediateTensors."""
+        if intermediate is None:
+            residual = self.embed(input_ids)  # [T, H]
+            x = torch.zeros_like(residual)  # the first norm adds it: residual stays the embedding
+        else:
+            x, residual = intermediate
+        r = self.layer_range
+        for layer in itertools.islice(self.model.layers, r.start, r.stop):
             x, residual = layer(x, residual, positions)
+        if r.stop < self.config.num_hidden_layers:
+            return IntermediateTensors(x, residual)
         return self.model.norm(x, residual)[0]
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with the output head when the config ties them."""
-        if self.config.tie_word_embeddings:
+        """Share the embedding matrix with the output head when the config ties them (and this
+        process holds both: a last pipeline stage loads the head on its own)."""
+        if self.config.tie_word_embeddings and holds_module(self.model.embed_tokens):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,14 @@ from torch import nn
 from typing import Optional
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
                                    SmolLM3ForCausalLM)
+from pagedllm.models.pipeline import keep_stage
 
 _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": Gemma2ForCausalLM,
@@ -42,12 +44,16 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
-                device: torch.device, quant_plan: Optional[QuantPlan] = None) -> nn.Module:
+                device: torch.device, quant_plan: Optional[QuantPlan] = None,
+                stage: Optional[PipelineStage] = None) -> nn.Module:
     """The model for cfg with parameters allocated in dtype on device but not initialised;
-    modules named in quant_plan hold their weights in a GGML block format instead."""
+    modules named in quant_plan hold their weights in a GGML block format instead. With a
+    pipeline stage, only the modules that stage holds (models/pipeline.py)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
+        if stage is not None:
+            keep_stage(model, stage)
         if quant_plan:
             swap_quantized_modules(model, quant_plan, dtype)
     # torch.empty per tensor, as Module.to_empty does, but without its empty_like on meta

@@ -12,13 +12,15 @@ line gives; the step itself checks nothing.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import itertools
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
+from pagedllm.models.pipeline import IntermediateTensors
 
 
 def _packed(*modules: nn.Module) -> bool:
@@ -89,7 +91,8 @@ def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
 
 
 class CapturedDecode:
-    """embed -> the C++ layer stack -> final norm, for decode-only steps."""
+    """embed -> the C++ layer stack -> final norm, for decode-only steps; on a pipeline stage,
+    its own layers only, from and to the residual stream of the stages around it."""
 
     def __init__(self, model: nn.Module, stack) -> None:
         self.model, self.stack = model, stack
@@ -98,6 +101,9 @@ class CapturedDecode:
     def capture(cls, model: nn.Module, kernels_ready: bool) -> Optional["CapturedDecode"]:
         """The captured step of a model whose layers can all take it, else None."""
         layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is not None:  # a pipeline stage's own (model.layer_range), in order
+            r = model.layer_range
+            layers = list(itertools.islice(layers, r.start, r.stop))
         if (not kernels_ready or not layers or not _float32(model.rope.cos)
                 or model.config.architecture not in STACK_ARCHITECTURES):
             return None
@@ -113,11 +119,18 @@ class CapturedDecode:
         return cls(model, stack)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [B, H] of a decode-only step, as model(input_ids, positions) gives."""
-        residual = self.model.embed(input_ids)  # [B, H] float32
-        x = torch.zeros_like(residual)
+                 meta: AttentionMetadata, intermediate: Optional[IntermediateTensors] = None
+                 ) -> Union[torch.Tensor, IntermediateTensors]:
+        """Hidden states [B, H] of a decode-only step, as model(input_ids, positions,
+        intermediate) gives (IntermediateTensors on a pipeline stage before the last)."""
+        if intermediate is None:
+            residual = self.model.embed(input_ids)  # [B, H] float32
+            x = torch.zeros_like(residual)
+        else:
+            x, residual = intermediate
         dec = meta.decode
         x, residual = self.stack.forward(x, residual, positions, kv_cache, meta.slot_mapping,
                                          dec.block_table, dec.context_lens)
+        if self.model.layer_range.stop < self.model.config.num_hidden_layers:
+            return IntermediateTensors(x, residual)
         return self.model.model.norm(x, residual)[0]

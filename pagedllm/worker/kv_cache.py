@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 import torch
@@ -10,10 +11,13 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.worker.memory import kv_bytes_per_token
 
 
-def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes over all layers (keys and values)."""
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,
+                   num_layers: Optional[int] = None) -> int:
+    """Bytes one KV block takes over all layers, or over num_layers of them (a pipeline
+    stage's), keys and values."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return block_size * kv_bytes_per_token(arch, itemsize)  # the memory planner's figure
+    whole = block_size * kv_bytes_per_token(arch, itemsize)  # the memory planner's figure
+    return whole if num_layers is None else whole // arch.num_hidden_layers * num_layers
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

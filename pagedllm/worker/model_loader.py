@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+from typing import Optional
 
 import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
 from pagedllm.layers.quantization import QuantPlan, quantize_float_model
@@ -26,6 +28,7 @@ from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpo
 from pagedllm.loader.gguf_loader import GGUFWeightReader, gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.weight_checks import check_finite_vectors
+from pagedllm.models.pipeline import held_elsewhere
 from pagedllm.models.registry import build_model
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.worker.x8_weight_file import cache_path, map_slots
@@ -44,24 +47,27 @@ def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantP
     return {} if embed is None else {"model.embed_tokens": embed}
 
 
-def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor],
+                      stage: Optional[PipelineStage]) -> None:
     """Read the float tensors; map the kept blocks, regrouped, from their cache file (written
-    on the first load one matrix at a time). The blocks' own params are never filled: their
-    storage is released, so they take no memory."""
+    on the first load one matrix at a time; one file per pipeline stage). The blocks' own params
+    are never filled: their storage is released, so they take no memory."""
     if ckpt.kind != "gguf":
         raise ValueError("mmap_weights needs a GGUF checkpoint (its kept blocks are what is "
                          f"mapped); {ckpt.path} is a {ckpt.kind} checkpoint")
     slots = x8_slots(model)
     name_of = {id(t): name for name, t in params.items()}
     slot_names = {id(slot): name_of[id(slot.source)] for slot in slots}
-    with GGUFWeightReader(ckpt.path, params) as reader:  # planned on the params' shapes
+    skip = None if stage is None else held_elsewhere(stage)
+    part = "all" if stage is None else f"pp{stage.rank}-of-{stage.world_size}"
+    with GGUFWeightReader(ckpt.path, params, skip) as reader:  # planned on the params' shapes
 
         def free(slot: X8Slot) -> None:  # every holder of the param sees it emptied
             slot.source.data = torch.empty((0, slot.shape[1]), dtype=torch.uint8)
 
         for slot in slots:  # the model's own untouched buffers go now: load maps fresh ones
             free(slot)
-        reader.load([n for n in params if n not in set(slot_names.values())])
+        reader.load([n for n in reader.names() if n not in set(slot_names.values())])
 
         def load(slot: X8Slot) -> None:  # into pages of its own, unmapped again by free
             rows, cols = slot.shape
@@ -69,26 +75,32 @@ def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torc
             slot.source.data = torch.frombuffer(buf, dtype=torch.uint8)[:rows * cols].view(rows, cols)
             reader.load([slot_names[id(slot)]], progress=False)
 
-        mapped = map_slots(ckpt.path, slots, load, free)
+        mapped = map_slots(ckpt.path, part, slots, load, free)
     logger.info("%s of GGUF blocks mapped from %s (file-backed: the page cache holds them)",
-                fmt_bytes(mapped), cache_path(ckpt.path))
+                fmt_bytes(mapped), cache_path(ckpt.path, part))
 
 
 def load_model(config: EngineConfig) -> nn.Module:
     """The model of config.model_path with its weights, on config.platform, ready to run."""
+
+
+def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None) -> nn.Module:
+    """The model of config.model_path with its weights, on config.platform, ready to run; with
+    a pipeline stage, only the modules and weights that stage holds."""
     started = time.monotonic()
     platform, quant = config.platform, config.quantization
     device = platform.device()
     ckpt = resolve_checkpoint(config.model_path)
     plan = _block_plan(ckpt, quant, platform.block_types())
     with build_context(platform, config.dtype):
-        model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan)
+        model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan,
+                            stage)
     with torch.no_grad():
         params = model.checkpoint_params()
         if config.mmap_weights:
-            _load_file_backed(ckpt, model, params)
+            _load_file_backed(ckpt, model, params, stage)
         else:
-            load_weights(ckpt, params)
+            load_weights(ckpt, params, None if stage is None else held_elsewhere(stage))
         check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)
@@ -100,6 +112,9 @@ def load_model(config: EngineConfig) -> nn.Module:
     rope = rope_summary(arch.rope_scaling, arch.max_position_embeddings,
                         config.scheduler.max_model_len)
     details += f", {rope}" if rope else ""
+    if stage is not None:
+        details += (f", pipeline stage {stage.rank + 1} of {stage.world_size}: layers "
+                    f"{stage.start_layer}-{stage.end_layer - 1}")
     logger.info("loaded %s (%s, %s, quantization %s%s) in %.1f s", ckpt.path,
                 arch.architecture, str(config.dtype).removeprefix("torch."), quant, details,
                 time.monotonic() - started)

@@ -3,6 +3,11 @@
 It owns the model (load_model), the KV cache (initialize_kv_cache), the per-request state, the
 persistent input buffers, the attention backend's metadata builder, the sampler, and the
 captured decode step that replaces the model's layer loop for decode-only steps where it can.
+
+As a pipeline stage (pipeline_parallel_size > 1) it holds its layers and their KV cache only;
+a stage after the first takes the residual stream from the one before, a stage before the last
+hands it on and returns an empty output: only the last stage samples. Every stage keeps the
+same per-request state, the executor giving the others the tokens the last one sampled.
 """
 from __future__ import annotations
 
@@ -11,10 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import set_forward_context
+from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
@@ -25,6 +31,7 @@ from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepI
                                          build_step_inputs)
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.stage_comm import recv_from_prev, send_to_next
 
 PROMPT_LOGPROBS_ROWS = 32  # prompt positions whose logits exist at once (19 MB for 152k ids)
 
@@ -32,8 +39,10 @@ PROMPT_LOGPROBS_ROWS = 32  # prompt positions whose logits exist at once (19 MB 
 class ModelRunner:
     """Keeps per-request state, builds step inputs, runs the model and the sampler."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None) -> None:
+        """stage: this runner's pipeline stage, or None: the whole model."""
         self.config = config
+        self.stage = stage
         self.platform = config.platform
         self.device = self.platform.device()
         self.block_size = config.cache.block_size
@@ -53,12 +62,19 @@ class ModelRunner:
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
-        self.model = load_model(self.config)
+        self.model = load_model(self.config, self.stage)
         self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers this runner holds (and caches keys and values for)."""
+        stage = self.stage
+        return self.config.arch.num_hidden_layers if stage is None else len(stage.layers)
+
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block over all layers."""
-        return kv_block_bytes(self.config.arch, self.block_size, self.config.dtype)
+        """Bytes of one KV block over this runner's layers."""
+        return kv_block_bytes(self.config.arch, self.block_size, self.config.dtype,
+                              self.num_layers)
 
     def determine_available_memory(self) -> int:
         """Bytes this runner may give the KV cache: the memory plan's figure, made from the
@@ -70,7 +86,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV cache and bind each Attention layer to its slice."""
         arch = self.config.arch
-        self.kv_cache = allocate_kv_cache(arch.num_hidden_layers, num_blocks, self.block_size,
+        self.kv_cache = allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
                                           arch.num_key_value_heads, arch.head_dim,
                                           self.config.dtype, self.device)
         bind_kv_cache(self.model, self.kv_cache)
@@ -86,16 +102,39 @@ class ModelRunner:
                                  self.block_size, self.buffers)
         meta = self.attn_builder.build(step.attn)
         with set_forward_context(meta):
-            if self.captured_decode is not None and meta.decode_only:
-                hidden = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta)
-            else:
-                hidden = self.model(step.input_ids, step.positions)  # [T, H]
+            hidden = self._forward(step, meta)
         out = ModelRunnerOutput(sampled={})
-        self._prompt_logprobs(step, hidden, out)
-        self._sample(step, hidden, out, sched.grammar)
+        if hidden is not None:
+            self._prompt_logprobs(step, hidden, out)
+            self._sample(step, hidden, out, sched.grammar)
         for seq in step.seqs:
             seq.state.num_computed_tokens += seq.num_tokens
         return out
+
+    def _forward(self, step: StepInputs, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """The model (or its captured decode step) over the step: hidden states [T, H], or None
+        on a pipeline stage before the last, which sends its stream on instead."""
+        stage = self.stage
+        incoming = None if stage is None or stage.is_first else recv_from_prev(
+            stage, step.input_ids.shape[0], self.config.arch.hidden_size, self.config.dtype,
+            self.device)
+        if self.captured_decode is not None and meta.decode_only:
+            result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
+                                          incoming)
+        else:
+            result = self.model(step.input_ids, step.positions, incoming)
+        if stage is None or stage.is_last:
+            return result
+        send_to_next(stage, result)
+        return None
+
+    def append_sampled(self, sampled: dict[str, int]) -> None:
+        """Tokens the last pipeline stage sampled, for a stage that does not sample: its next
+        step's inputs (and which of its rows end a sequence) need them."""
+        for req_id, token in sampled.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.token_ids.append(token)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:

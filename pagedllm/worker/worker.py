@@ -1,6 +1,7 @@
 """Worker: one model runner on one device, in the process that owns that device."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -8,14 +9,19 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
 
 
 class Worker:
     """Sets up its device, then serves the executor's calls through its model runner."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None) -> None:
+        """stage: this worker's pipeline stage, or None: the whole model in one process."""
         self.config = config
+        self.stage = stage
         self.model_runner: Optional[ModelRunner] = None  # made by init_device
 
     def init_device(self) -> None:
@@ -23,9 +29,15 @@ class Worker:
         and the model's layers run depends on the kernels being loaded."""
         platform = self.config.platform
         platform.init_device()
+        if self.stage is not None and self.stage.world_size > 1:
+            # the ranks of one machine share its cores: all of them each would oversubscribe
+            threads = max(1, torch.get_num_threads() // self.stage.world_size)
+            torch.set_num_threads(threads)
+            logger.info("pipeline rank %d of %d: %d threads", self.stage.rank,
+                        self.stage.world_size, threads)
         torch.manual_seed(self.config.seed)
         platform.load_kernels()  # cached: the config builder has usually loaded them already
-        self.model_runner = ModelRunner(self.config)
+        self.model_runner = ModelRunner(self.config, self.stage)
 
     def load_model(self) -> None:
         """Build the model and load its weights."""
@@ -43,6 +55,10 @@ class Worker:
         """Allocate num_blocks KV blocks."""
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step."""
+    def execute_model(self, sched: SchedulerOutput,
+                      sampled_before: Optional[dict[str, int]] = None) -> ModelRunnerOutput:
+        """Run one scheduled step; sampled_before: the tokens the last pipeline stage sampled
+        in the step before, for a stage that does not sample."""
+        if sampled_before:
+            self.model_runner.append_sampled(sampled_before)
         return self.model_runner.execute_model(sched)

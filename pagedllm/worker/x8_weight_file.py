@@ -6,7 +6,7 @@ on a 3.5 GiB VM) still runs: the kernel reads mapped pages, and the kernel's pag
 what fits and re-reads the rest from disk. The first load writes the file one matrix at a time
 (load, regroup, append, free), so it never holds more than one matrix in anonymous memory.
 
-    cache_dir()/x8-weights/<hash of the GGUF's path>/
+    cache_dir()/x8-weights/<hash of the GGUF's path>/<"all", or a pipeline stage's part>/
         index.json    {"key": ..., "tensors": [[offset, rows, bytes], ...]} in slot order
         weights.bin   the regrouped tensors, each at a 4 KiB-aligned offset
 
@@ -50,10 +50,11 @@ def cache_key(gguf: Path, slots: Sequence[X8Slot]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def cache_path(gguf: Path) -> Path:
-    """The cache directory of one GGUF (one per file: a changed file replaces its copy)."""
+def cache_path(gguf: Path, part: str = "all") -> Path:
+    """The cache directory of one GGUF's blocks: "all" of them, or a pipeline stage's part
+    (one per file and part: a changed file replaces its copy)."""
     name = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:24]
-    return cache_dir() / "x8-weights" / name
+    return cache_dir() / "x8-weights" / name / part
 
 
 def pack_chunks(slot: X8Slot, chunk_bytes: int = 8 << 20) -> Iterator[torch.Tensor]:
@@ -106,11 +107,11 @@ def _write(root: Path, key: str, slots: Sequence[X8Slot],
     return tensors
 
 
-def map_slots(gguf: Path, slots: Sequence[X8Slot], load: Callable[[X8Slot], None],
+def map_slots(gguf: Path, part: str, slots: Sequence[X8Slot], load: Callable[[X8Slot], None],
               free: Callable[[X8Slot], None]) -> int:
     """Put every slot's regrouped weight in place as a view of the mapped cache file, writing the
     file first when it is missing or stale. Returns the mapped bytes."""
-    root, key = cache_path(gguf), cache_key(gguf, slots)
+    root, key = cache_path(gguf, part), cache_key(gguf, slots)
     tensors = _read_index(root, key)
     if tensors is None:
         logger.info("writing the regrouped blocks of %s to %s (once per file)", gguf.name, root)

@@ -61,8 +61,10 @@ def test_serve_help_shows_defaults_and_choices():
     text = " ".join(proc.stdout.split())
     assert "--port PORT port to listen on (default: 8000)" in text
     assert "--dtype {auto,float32,bfloat16,float16,float,half}" in text
-    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE ignored: " \
-           "this engine runs on one device" in text
+    assert "--pipeline-parallel-size PIPELINE_PARALLEL_SIZE, -pp PIPELINE_PARALLEL_SIZE split " \
+           "the layers into this many stages, one process each (default: 1)" in text
+    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE only 1 for " \
+           "now: tensor parallelism is not implemented yet (default: 1)" in text
 
 
 def test_serve_takes_the_model_positionally_or_as_a_flag():
@@ -101,7 +103,8 @@ def test_serve_logs_each_request_and_the_throughput_while_busy(tmp_path):
     log = tmp_path / "serve.log"  # read through its own file object: no offset shared
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            CLI + ["serve", "--model", MODEL, "--port", str(port), "--enforce-eager", "-tp", "1"],
+            CLI + ["serve", "--model", MODEL, "--port", str(port), "--enforce-eager", "-tp", "1",
+                   "--swap-space", "4"],
             stdout=out, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PAGEDLLM_LOG_STATS_INTERVAL": "0.5"})
         try:
@@ -114,7 +117,8 @@ def test_serve_logs_each_request_and_the_throughput_while_busy(tmp_path):
             proc.terminate()
             proc.wait(timeout=30)
     assert "enforce_eager=True is ignored: the engine always runs eagerly" in text
-    assert "tensor_parallel_size=1 is ignored: this engine runs on one device" in text
+    assert "swap_space=4.0 is ignored: preempted requests are recomputed" in text
+    assert "tensor_parallel_size" not in text  # -tp 1 is an option in its own right now
     assert text.index("kernels: ") < text.index(f"pagedllm serving {MODEL!r} at "
                                                 f"http://127.0.0.1:{port}/v1")
     assert (f": {usage['prompt_tokens']} prompt tokens, 8 output tokens in " in text

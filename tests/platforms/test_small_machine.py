@@ -115,7 +115,7 @@ def qwen7b_q2_k(tmp_path_factory) -> Iterator[Path]:
     try:
         yield path
     finally:
-        shutil.rmtree(cache_path(path), ignore_errors=True)
+        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
         shutil.rmtree(path.parent, ignore_errors=True)
 
 

@@ -63,7 +63,7 @@ def test_mapped_blocks_give_the_same_tokens_and_are_read_from_the_file(qwen_gguf
     llm = LLM(model=str(qwen_gguf), max_model_len=512, mmap_weights=True)
     assert llm.llm_engine.config.mmap_weights
     assert _tokens(llm) == reference
-    (weights_bin,) = weight_cache.glob("x8-weights/*/weights.bin")
+    (weights_bin,) = weight_cache.glob("x8-weights/*/*/weights.bin")
     ranges = _mapped_ranges(weights_bin)
     blocks = _block_weights(llm)
     assert ranges and blocks
@@ -79,7 +79,7 @@ def test_the_cache_is_written_once_and_again_when_stale_or_damaged(smollm_gguf, 
 
     def run() -> tuple[list[list[int]], Path, int]:
         tokens = _tokens(LLM(model=str(gguf), mmap_weights=True, max_model_len=512))
-        (path,) = weight_cache.glob("x8-weights/*/weights.bin")
+        (path,) = weight_cache.glob("x8-weights/*/*/weights.bin")
         return tokens, path, path.stat().st_mtime_ns
 
     tokens, path, written = run()
@@ -120,3 +120,17 @@ def test_plan_with_mapped_blocks_leaves_the_page_cache_room_and_says_what_it_cos
                        max_num_batched_tokens=512)
     assert plan.page_cache_room() >= blocks and "room for all of them" in plan.summary()
     assert footprint(fp.arch, fp.num_params, 4, "x", "y", 10, 4).weight_bytes == 6
+
+
+def test_pipeline_stages_map_their_own_parts(qwen_gguf, weight_cache, monkeypatch):
+    reference = _tokens(LLM(model=str(qwen_gguf), max_model_len=512))
+    monkeypatch.undo()  # the ranks are processes of their own: they write to the real cache
+    parts = [x8_weight_file.cache_path(qwen_gguf, f"pp{r}-of-2") for r in range(2)]
+    try:
+        llm = LLM(model=str(qwen_gguf), max_model_len=512, mmap_weights=True,
+                  pipeline_parallel_size=2)
+        assert _tokens(llm) == reference
+        assert all((p / "weights.bin").is_file() for p in parts)
+    finally:
+        for p in parts:
+            shutil.rmtree(p, ignore_errors=True)

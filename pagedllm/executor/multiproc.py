@@ -1,0 +1,312 @@
+"""The multiprocess executor: one worker process per pipeline rank on this machine.
+
+    engine process                      rank 0 (layers 0..k-1)     rank 1 (layers k..n-1)
+    MultiprocExecutor --pipe: call -->  Worker                     Worker
+                      --pipe: call ------------------------------> Worker
+                                        --- torch.distributed send/recv (gloo) --->
+                      <--pipe: reply -- (empty)                    ModelRunnerOutput
+
+Control (each step's SchedulerOutput, the KV sizing calls) goes to every rank over its own
+pipe, so all ranks keep the same request state; activations go stage to stage over a gloo
+process group; the last rank's reply is the step's output. A rank that dies is seen by its
+pipe or its process, and the executor then fails with the rank named, instead of waiting.
+
+A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
+this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
+script in every child, so a script without an `if __name__ == "__main__":` guard would start
+engines without end. Messages are plain pickles (tensors by value), which need no shared
+authentication key.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.executor.abstract import Executor
+
+logger = logging.getLogger("pagedllm")
+
+POLL_S = 0.5  # how often a wait on a rank's reply checks that the rank is still alive
+STOP_S = 10.0  # how long shutdown waits for a rank to exit before it is killed
+# gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
+COMM_TIMEOUT = timedelta(minutes=10)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or was killed: the engine cannot go on."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised while serving a call."""
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """A Worker method to run on a rank, with its arguments."""
+
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    """What a rank's call returned, or how it failed."""
+
+    value: Any = None
+    error: Optional[str] = None  # "TypeName: message" and the rank's traceback
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Send a message as a plain pickle."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Connection) -> Any:
+    """Receive a message sent by send()."""
+    return pickle.loads(conn.recv_bytes())
+
+
+def worker_main(conn: Connection) -> None:
+    """A rank's process: take its config and stage, join the process group, load the stage,
+    then serve calls until told to stop or until the engine's end of the pipe closes."""
+    import torch.distributed as dist
+
+    from pagedllm.logger import configure_logging
+    from pagedllm.worker.worker import Worker
+
+    configure_logging()
+    try:
+        config, stage, init_method = recv(conn)
+        dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
+                                world_size=stage.world_size, timeout=COMM_TIMEOUT)
+        worker = Worker(config, stage)
+        worker.init_device()
+        worker.load_model()
+        send(conn, WorkerReply(worker.model_runner.decode_path))
+        _serve(worker, conn)
+    except (EOFError, KeyboardInterrupt):
+        pass  # the engine is gone (or stopping): nothing to answer
+    except BaseException as err:  # start-up failed: the engine hears why
+        _send_error(conn, err)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(worker: Any, conn: Connection) -> None:
+    """Run calls in order until a "shutdown" call or a closed pipe."""
+    while True:
+        call: WorkerCall = recv(conn)
+        if call.method == "shutdown":
+            send(conn, WorkerReply())
+            return
+        try:
+            reply = WorkerReply(getattr(worker, call.method)(*call.args))
+        except Exception as err:
+            _send_error(conn, err)
+            continue
+        send(conn, reply)
+
+
+def _send_error(conn: Connection, err: BaseException) -> None:
+    try:
+        send(conn, WorkerReply(error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    except OSError:
+        pass  # the engine closed the pipe
+
+
+@dataclass
+class _Rank:
+    """A worker process and the engine's end of its pipe."""
+
+    stage: PipelineStage
+    process: subprocess.Popen
+    conn: Connection
+
+    def alive(self) -> bool:
+        """The process has not exited."""
+        return self.process.poll() is None
+
+
+def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> _Rank:
+    """A rank's process with its end of a socket pair, given its config and stage."""
+    ours, theirs = socket.socketpair()
+    # the child imports with this process's sys.path, in its order: `python -m` would put the
+    # working directory first, where another checkout's pagedllm may shadow this one
+    bootstrap = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+                 "from pagedllm.executor.rank_process import main; main(int(sys.argv[1]))")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", bootstrap, str(theirs.fileno()), json.dumps(sys.path)],
+            pass_fds=(theirs.fileno(),))
+    finally:
+        theirs.close()  # the child holds its end: its death closes the pipe here
+    rank = _Rank(stage, proc, Connection(ours.detach()))
+    send(rank.conn, (config, stage, init_method))
+    return rank
+
+
+def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
+    """Ask each live rank to stop, then terminate (and at last kill) what is still running;
+    safe to call twice. A module function, so weakref.finalize holds no executor."""
+    for r in ranks:
+        if r.alive():
+            try:
+                send(r.conn, WorkerCall("shutdown"))
+            except OSError:
+                pass
+    for r in ranks:
+        for stop in (None, r.process.terminate, r.process.kill):
+            if stop is not None and r.alive():
+                stop()
+            try:
+                r.process.wait(timeout=STOP_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        r.conn.close()
+    shutil.rmtree(store_dir, ignore_errors=True)
+
+
+class MultiprocExecutor(Executor):
+    """One Worker process per pipeline rank, joined by a gloo process group."""
+
+    def _init_executor(self) -> None:
+        parallel = self.config.parallel
+        world = parallel.pipeline_parallel_size
+        self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
+        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        # a file store: no port to find free and no port race between two engines
+        self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
+        init_method = Path(self._store_dir, "store").as_uri()
+        self._ranks: list[_Rank] = []
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._ranks, self._store_dir)
+        try:
+            for rank in range(world):
+                stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
+                self._ranks.append(_start_rank(self.config, stage, init_method))
+            self._decode_paths = self._gather()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("pipeline parallel: %s", ", ".join(
+            f"rank {r.stage.rank} (pid {r.process.pid}) layers {r.stage.start_layer}-"
+            f"{r.stage.end_layer - 1}" for r in self._ranks))
+
+    # ---- calls --------------------------------------------------------------
+    def _send(self, rank: _Rank, call: WorkerCall) -> None:
+        try:
+            send(rank.conn, call)
+        except OSError:
+            self._died(rank)
+
+    def _gather(self) -> list[Any]:
+        """Every rank's answer to its last call, in rank order, taken as they come: a rank
+        that fails is seen at once even while another waits on it in a send or receive."""
+        pending = {r.conn: r for r in self._ranks}
+        values: dict[int, Any] = {}
+        while pending:
+            for conn in wait(list(pending), timeout=POLL_S):
+                rank = pending.pop(conn)
+                values[rank.stage.rank] = self._read(rank)
+            for rank in pending.values():
+                if not rank.alive():
+                    self._died(rank)
+        return [values[r.stage.rank] for r in self._ranks]
+
+    def _read(self, rank: _Rank) -> Any:
+        """A rank's ready reply; a rank that failed fails the executor (the ranks' request
+        states may differ after it)."""
+        try:
+            reply: WorkerReply = recv(rank.conn)
+        except (EOFError, OSError):
+            self._died(rank)
+        if reply.error is not None:
+            self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: {reply.error}"))
+        return reply.value
+
+    def _died(self, rank: _Rank) -> None:
+        """Fail the executor for a rank whose process is gone (or closed its pipe)."""
+        try:
+            code = rank.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = "is still running but closed its pipe" if code is None else (
+            f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+        self._fail(WorkerDiedError(f"worker process of pipeline rank {rank.stage.rank} (pid "
+                                   f"{rank.process.pid}) {how}; the engine cannot continue"))
+
+    def _fail(self, err: RuntimeError) -> None:
+        """Record the failure, stop every rank and raise; later calls raise it again."""
+        self._failure = err
+        logger.error("%s", err)
+        for rank in self._ranks:  # a stage without its peer can only wait: no graceful stop
+            if rank.alive():
+                rank.process.terminate()
+        self.shutdown()
+        raise err
+
+    def _call_all(self, call: WorkerCall) -> list[Any]:
+        """Run a call on every rank; their answers in rank order."""
+        self._check_alive()
+        for rank in self._ranks:
+            self._send(rank, call)
+        return self._gather()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+
+    # ---- Executor -----------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        # the largest stage's block: the engine divides the memory answer by it
+        return max(self._call_all(WorkerCall("kv_block_bytes")))
+
+    def determine_available_memory(self) -> int:
+        available = self._call_all(WorkerCall("determine_available_memory"))
+        block_bytes = self._call_all(WorkerCall("kv_block_bytes"))
+        # every stage holds the same block ids: the fewest blocks any stage can hold
+        num_blocks = min(a // b for a, b in zip(available, block_bytes))
+        return num_blocks * max(block_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all(WorkerCall("initialize_kv_cache", (num_blocks,)))
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
+        last = len(self._ranks) - 1
+        for rank in self._ranks:
+            sampled = None if rank.stage.rank == last else self._sampled
+            self._send(rank, WorkerCall("execute_model", (sched, sampled)))
+        out: ModelRunnerOutput = self._gather()[last]
+        self._sampled = dict(out.sampled)
+        return out
+
+    def decode_path(self) -> str:
+        return self._decode_paths[-1]
+
+    def shutdown(self) -> None:
+        """Stop every rank's process and remove the process group's store."""
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [r.process.pid for r in self._ranks]

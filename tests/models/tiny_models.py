@@ -148,14 +148,15 @@ def write_gguf(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
 
 def write_gguf_blocks(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
                       tensors: Mapping[str, np.ndarray], blocks: Mapping[str, np.ndarray],
-                      qtype: GGMLQuantizationType) -> None:
-    """A GGUF of the tensors: those named in blocks as those raw qtype blocks, the rest in
-    float32, with metadata written by fields(writer)."""
+                      qtype: GGMLQuantizationType | Mapping[str, GGMLQuantizationType]) -> None:
+    """A GGUF of the tensors: those named in blocks as those raw blocks of qtype (one type for
+    all, or one per name), the rest in float32, with metadata written by fields(writer)."""
     writer = gguf.GGUFWriter(str(path), arch)
     fields(writer)
     for name, arr in tensors.items():
         if name in blocks:
-            writer.add_tensor(name, blocks[name], raw_dtype=qtype)
+            raw_dtype = qtype[name] if isinstance(qtype, Mapping) else qtype
+            writer.add_tensor(name, blocks[name], raw_dtype=raw_dtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     writer.write_header_to_file()

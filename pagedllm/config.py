@@ -95,6 +95,9 @@ class ModelArchConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     # tokens a query may attend back over (itself included), or None: full attention
     sliding_window: Optional[int] = None
+    # layers that attend over their whole context though sliding_window is set (Qwen2/Qwen3
+    # below max_window_layers, SmolLM3's RoPE layers); Gemma names its own (gemma.sliding_layers)
+    full_attention_layers: tuple[int, ...] = ()
     # RoPE turns the first rotary_dim values of each head (Phi-4-mini: 96 of 128); None: all
     rotary_dim: Optional[int] = None
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k RoPE leaves unturned
@@ -137,13 +140,22 @@ class ModelArchConfig:
                              f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
         if self.gemma is not None and self.gemma.sliding_layers and self.sliding_window is None:
             raise ValueError("gemma.sliding_layers are set but sliding_window is None")
+        if not all(0 <= i < self.num_hidden_layers for i in self.full_attention_layers):
+            raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} must be "
+                             f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
 
     def layer_window(self, index: int) -> Optional[int]:
-        """The tokens layer `index` attends back over (itself included), or None: all of them.
-        Only Gemma runs a window; other families' sliding_window caps max_model_len instead."""
-        if self.gemma is None or index not in self.gemma.sliding_layers:
+        """The tokens layer `index` attends back over (itself included), or None: all of them."""
+        if self.sliding_window is None:
             return None
-        return self.sliding_window
+        if self.gemma is not None:
+            return self.sliding_window if index in self.gemma.sliding_layers else None
+        return None if index in self.full_attention_layers else self.sliding_window
+
+    @property
+    def has_window(self) -> bool:
+        """Whether any layer attends over a sliding window only."""
+        return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
 
     def is_sparse_layer(self, index: int) -> bool:
         """Whether layer `index` routes its tokens to experts (else it has a plain MLP)."""
@@ -153,15 +165,6 @@ class ModelArchConfig:
     def rope_dim(self) -> int:
         """The values of each head that RoPE turns."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
-
-    @property
-    def max_model_len_supported(self) -> int:
-        """The longest sequence the engine runs: max_position_embeddings, or a smaller sliding
-        window. Within the window every token sees its whole context, so full attention is
-        exact there; only Gemma's layers run a real sliding window (layers/attention.py)."""
-        if self.sliding_window is None or self.gemma is not None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
 
     def num_params(self) -> int:
         """Parameters of the decoder from its shapes."""

@@ -1,6 +1,8 @@
-"""Attention with a sliding window and soft-capped scores (Gemma), in plain PyTorch ops, as
-transformers' eager attention computes it: SDPA has no soft-cap, and the C++ decode kernel
-neither. Every backend sends the layers that need either through here (decided at build time).
+"""Attention with a sliding window (Gemma's local layers, Mistral, Qwen2/Qwen3 with
+use_sliding_window, Phi-3) and soft-capped scores (Gemma 2), in plain PyTorch ops, as
+transformers' eager attention computes it (its sdpa path builds the same mask): SDPA has no
+soft-cap. Every backend sends the layers that need either through here (decided at build time);
+the C++ decode kernel takes a window itself (attention/backends/cpu.py).
 
 A query at position p sees the keys at positions k with p - window < k <= p:
 
@@ -14,10 +16,11 @@ from typing import Optional
 import torch
 
 
-def window_mask(q_pos: torch.Tensor, num_keys: int, window: Optional[int]) -> torch.Tensor:
-    """[..., num_keys] bool, True = attend, for query positions q_pos [...] over keys at
-    positions 0..num_keys-1: causal, and within the window when one is given."""
-    keys = torch.arange(num_keys, device=q_pos.device)
+def window_mask(q_pos: torch.Tensor, num_keys: int, window: Optional[int],
+                first_key: int = 0) -> torch.Tensor:
+    """[..., num_keys - first_key] bool, True = attend, for query positions q_pos [...] over
+    keys at positions first_key..num_keys-1: causal, and within the window when one is given."""
+    keys = torch.arange(first_key, num_keys, device=q_pos.device)
     mask = keys <= q_pos[..., None]
     if window is not None:
         mask &= keys > q_pos[..., None] - window

@@ -203,12 +203,6 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                                                mem_plan.weight_bytes))
     logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
         args, ckpt, choice.platform, quantization, planned, planned != dtype))
-    arch = ckpt.arch
-    if args.max_model_len is None and arch.max_model_len_supported < arch.max_position_embeddings:
-        logger.info("max_model_len capped at %d, the model's sliding_window, instead of its "
-                    "max_position_embeddings %d: pagedllm has no sliding-window attention yet, "
-                    "and within the window full attention is exact", arch.sliding_window,
-                    arch.max_position_embeddings)
     logger.info("%s", mem_plan.summary())
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)

@@ -5,6 +5,6 @@ from gguf import GGMLQuantizationType as T
 
 # types with row kernels (csrc/ggml_quants.cpp, ggml_quants_low.cpp): kept in block form on the CPU
 KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-                          T.Q6_K, T.IQ4_XS})
+                          T.Q6_K, T.IQ4_NL, T.IQ4_XS})
 # types with an eight-row layout and its int8 gemv/gemm (csrc/ggml_x8.cpp)
 X8_TYPES = KERNEL_TYPES

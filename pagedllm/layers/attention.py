@@ -20,7 +20,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        # Gemma: keys within the last sliding_window positions; scores -> tanh(s / cap) * cap
+        # keys within the last sliding_window positions; (Gemma 2) scores -> tanh(s / cap) * cap
         self.sliding_window, self.softcap = sliding_window, softcap
         self.backend = current_build_context().attn_backend
         self.impl = self.backend.impl_cls(scale, sliding_window, softcap)

@@ -8,10 +8,10 @@ from typing import Any, Mapping, Optional
 from pagedllm.config import GemmaConfig
 from pagedllm.loader.arch_values import dimension, positive_float
 from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.window_layers import sliding_from_layer_types
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GeLU
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 # llama.cpp scales Gemma 2/3 27B's queries by (hidden / heads) ** -0.5, the others' by
 # head_dim ** -0.5 (its GGUF has no query_pre_attn_scalar); 27B is told by its layer count
 _LAYERS_27B = {"gemma2": 46, "gemma3": 62}
@@ -37,11 +37,7 @@ def _sliding_layers(cfg: Mapping[str, Any], arch: str, num_layers: int, source: 
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     if types is None:
         return tuple(range(0, num_layers, 2))
-    if not isinstance(types, list) or len(types) != num_layers or any(
-            t not in _LAYER_TYPES for t in types):
-        raise ModelFileError(f"layer_types must list one of {', '.join(_LAYER_TYPES)} for each "
-                             f"of the {num_layers} layers, got {types!r} in {source}")
-    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return sliding_from_layer_types(types, num_layers, source)
 
 
 def gemma3_global_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
+from pagedllm.loader.window_layers import full_attention_layers
 
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
@@ -202,6 +203,8 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
     rope_theta, rope_scaling = _rope(cfg, arch, source)
     gemma = gemma_from_hf(cfg, arch, dim("num_hidden_layers"), source)
     gemma_window(cfg.get("sliding_window"), gemma, "sliding_window", source)
+    window, layers = _sliding_window(cfg, arch, source), dim("num_hidden_layers")
+    nope = _nope_layers(cfg, arch, layers, source)
     bos = cfg.get("bos_token_id")
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):
@@ -227,9 +230,11 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), source),
         torch_dtype=torch_dtype,
         qk_norm=arch in ("gemma3", "qwen3", "qwen3_moe"),
-        sliding_window=_sliding_window(cfg, arch, source),
+        sliding_window=window,
+        full_attention_layers=(() if gemma is not None else
+                               full_attention_layers(cfg, arch, layers, window, nope, source)),
         rotary_dim=_rotary_dim(cfg, head_dim, source),
-        nope_layers=_nope_layers(cfg, arch, dim("num_hidden_layers"), source),
+        nope_layers=nope,
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
         gemma=gemma,
     )

@@ -40,7 +40,7 @@ class SelfAttention(nn.Module):
                  norm: type = RMSNorm, scale: Optional[float] = None,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> None:
         """rope: None on a NoPE layer (SmolLM3); norm: the q/k norms' class; scale:
-        head_dim ** -0.5 when None; sliding_window and softcap as Attention takes them (Gemma)."""
+        head_dim ** -0.5 when None; sliding_window and softcap as Attention takes them."""
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -85,7 +85,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, None if index in cfg.nope_layers else rope)
+        self.self_attn = SelfAttention(cfg, None if index in cfg.nope_layers else rope,
+                                       sliding_window=cfg.layer_window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = feed_forward(cfg, index)
 

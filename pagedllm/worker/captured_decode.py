@@ -74,6 +74,10 @@ def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no sliding "
                                   f"window, soft-capped attention or (1 + w) norms: {arch} "
                                   f"layers attend through attention/masked.py in PyTorch)")
+    if model.config.has_window:
+        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no sliding "
+                                  f"window: {arch} layers attend over the last "
+                                  f"{model.config.sliding_window} tokens)")
     if model.config.nope_layers:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack turns q and k "
                                   f"by RoPE on every layer: {arch} layers "

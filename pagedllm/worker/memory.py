@@ -48,9 +48,9 @@ class ModelFootprint:
 
     @property
     def max_len_supported(self) -> int:
-        """Positions the model was trained for, or its smaller sliding window (sliding-window
-        attention is not implemented: within the window full attention is exact)."""
-        return self.arch.max_model_len_supported
+        """Positions the model was trained for (a sliding window does not cut them: its layers
+        attend over the window, and the cache still holds the whole sequence)."""
+        return self.arch.max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
-                         f"({fp.max_len_supported} positions{_window_note(fp.arch)})")
+                         f"({fp.max_len_supported} positions)")
     block_bytes = fp.kv_bytes_per_token * block_size
     budget = int(mem.available_bytes * MEMORY_UTILIZATION)
     base_act = activation_bytes(fp, max_num_batched_tokens, max_num_seqs, 0)
@@ -175,14 +175,6 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       fp.weight_bytes, kv_bytes,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
                       overhead_bytes, mem, fp.mapped_bytes)
-
-
-def _window_note(arch: ModelArchConfig) -> str:
-    """Why a sliding window limits max_model_len, or "" when it does not."""
-    if arch.max_model_len_supported >= arch.max_position_embeddings:
-        return ""
-    return (f": its sliding_window {arch.sliding_window} is below max_position_embeddings "
-            f"{arch.max_position_embeddings}, and pagedllm has no sliding-window attention yet")
 
 
 def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,

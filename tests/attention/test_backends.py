@@ -119,10 +119,12 @@ def test_metadata_builders():
 
 
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
-@pytest.mark.parametrize("window, cap", [(3, None), (None, 0.5), (3, 0.5), (5, 2.0)])
+@pytest.mark.parametrize("window, cap", [(1, None), (3, None), (16, None), (None, 0.5), (3, 0.5),
+                                         (5, 2.0)])
 def test_window_and_softcap_equal_dense_attention(backend, window, cap):
     """Decode rows, a fresh prompt and a chunk over cached blocks, each query seeing keys at
-    p - window < k <= p, scores soft-capped, as computed from scratch (Gemma's layers)."""
+    p - window < k <= p, scores soft-capped, as computed from scratch (Gemma's layers; a window
+    alone is also Mistral's, Qwen2's and Phi-3's, and decodes in C++ in the CPU backend)."""
     reqs, owned, hist, _ = _layout(4)
     cache, q, k, v, common = _inputs(reqs, owned, hist, torch.Generator().manual_seed(11))
     meta = backend.builder_cls(BS).build(common)

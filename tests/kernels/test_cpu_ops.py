@@ -109,6 +109,36 @@ def test_paged_decode_attention_over_partial_key_blocks_and_head_groups(d):
         torch.testing.assert_close(out[i], ref)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])  # the scalar path, then the vector ones
+@pytest.mark.parametrize("window", [1, 7, 16, 20])
+def test_paged_decode_attention_with_a_window_reads_only_the_last_rows(d, window):
+    """A window gives bit for bit what the windowless op gives over a cache holding just each
+    sequence's last `window` rows, and transformers' window mask's numbers (masked.py)."""
+    from pagedllm.attention.masked import masked_attention, window_mask
+    hq, hk, bs = 14, 2, 16
+    lens = torch.tensor([1, 7, 15, 16, 17, 33, 70])
+    blocks = -(-int(lens.max()) // bs)
+    kv = torch.randn(2, len(lens) * blocks, bs, hk, d)
+    table = torch.randperm(len(lens) * blocks).view(len(lens), blocks)
+    q = torch.randn(len(lens), hq, d)
+    out = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, window)
+    for i, n in enumerate(lens.tolist()):
+        rows = kv[:, table[i]].reshape(2, -1, hk, d)[:, :n]  # [2, n, Hk, D]
+        last = rows[:, max(0, n - window):]
+        kept = torch.zeros(2, blocks * bs, hk, d)
+        kept[:, :last.shape[1]] = last
+        alone = ops.paged_decode_attention(q[i:i + 1], kept.view(2, blocks, bs, hk, d),
+                                           torch.arange(blocks)[None], torch.tensor([len(last[0])]),
+                                           d ** -0.5)
+        assert torch.equal(out[i], alone[0])
+        mask = window_mask(torch.tensor([n - 1]), n, window)  # [1, n]
+        ref = masked_attention(q[i][None, :, None], rows[0].transpose(0, 1)[None],
+                               rows[1].transpose(0, 1)[None], mask, d ** -0.5, None)
+        torch.testing.assert_close(out[i], ref[0, :, 0])
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.paged_decode_attention(q, kv, table, lens, 0.25, -1)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     """An AVX-512 CPU runs the AVX-512 path unless the avx2 kernels are forced; both give the
@@ -125,13 +155,13 @@ def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     try:
         ops.set_kernel_isa("avx2")
         assert ops.paged_attention_path() == "avx2"
-        avx2 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
+        avx2 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w) for w in (0, 20)]
         ops.set_kernel_isa("avx512vnni")
         assert ops.paged_attention_path() == "avx512"  # a build for this CPU has both paths
-        avx512 = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5)
+        avx512 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w) for w in (0, 20)]
     finally:
         ops.set_kernel_isa(before)
-    assert torch.equal(avx2, avx512)
+    assert all(torch.equal(a, b) for a, b in zip(avx2, avx512))
 
 
 def test_silu_mul_matches_torch_and_does_not_depend_on_the_length():

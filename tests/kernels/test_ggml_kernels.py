@@ -19,7 +19,7 @@ from pagedllm.loader.gguf_header import read_gguf_header
 # byte offsets of the fp16 scale/min fields inside one block of each type
 HALF_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
                T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
-               T.IQ4_XS: [0]}
+               T.IQ4_NL: [0], T.IQ4_XS: [0]}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -135,14 +135,15 @@ def test_real_tensors_of_both_models(qwen_gguf, smollm_gguf):
         assert rel_error(out, x.double() @ torch.from_numpy(ref).double().t()) < 1e-6, qtype.name
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
 def test_low_bit_types_dequantize_as_ggml_itself(qtype):
     """Against ggml's own dequantize_row_* in a built libggml-base (PAGEDLLM_TEST_LIBGGML names
     it, e.g. llama.cpp's build/bin/libggml-base.so), beyond gguf-py's numpy reference."""
     path = os.environ.get("PAGEDLLM_TEST_LIBGGML")
     if not path:
         pytest.skip("PAGEDLLM_TEST_LIBGGML is not set (the path of a built libggml-base.so)")
-    fn = getattr(ctypes.CDLL(path), "dequantize_row_" + {T.Q2_K: "q2_K", T.Q3_K: "q3_K", T.IQ4_XS: "iq4_xs"}[qtype])
+    fn = getattr(ctypes.CDLL(path), "dequantize_row_" + {T.Q2_K: "q2_K", T.Q3_K: "q3_K", T.IQ4_NL: "iq4_nl",
+                                                  T.IQ4_XS: "iq4_xs"}[qtype])
     raw = random_blocks(qtype, 16, 1024, seed=11)
     ref = np.empty(16 * 1024, np.float32)
     fn(raw.ctypes.data_as(ctypes.c_void_p), ref.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(ref.size))

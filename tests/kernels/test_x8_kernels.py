@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
@@ -158,22 +158,27 @@ def test_real_tensors_of_both_models(qwen_gguf, smollm_gguf):
 def _extreme_low_bit_blocks(qtype: T, rows: int, k: int) -> np.ndarray:
     """Random blocks whose rows 0 and 1 hold the type's extremes: the largest scales and minimums
     with every value at its lowest and at its highest."""
-    raw = random_blocks(qtype, rows, k, seed=9).reshape(rows, k // 256, -1)
+    block = GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, rows, k, seed=9).reshape(rows, k // block, -1)
     if qtype == T.Q2_K:  # scales[16]; qs[64]: scale and minimum 15, values 0 and 3
         raw[:2, :, :16] = 0xFF
         raw[0, :, 16:80], raw[1, :, 16:80] = 0x00, 0xFF
     elif qtype == T.Q3_K:  # hmask[32]; qs[64]; scales[12]: scale 0 (-32), values -4 and 3
         raw[:2, :, 96:108] = 0x00
         raw[0, :, :96], raw[1, :, :96] = 0x00, 0xFF
-    else:  # IQ4_XS: scales 0 (-32); nibbles 0 (-127) and 15 (113)
+    elif qtype == T.IQ4_XS:  # scales 0 (-32); nibbles 0 (-127) and 15 (113)
         raw[:2, :, 2:8] = 0x00
         raw[0, :, 8:], raw[1, :, 8:] = 0x00, 0xFF
+    else:  # IQ4_NL: d the largest of the random ones; nibbles 0 (-127) and 15 (113)
+        raw[:2, :, :2] = raw[:, :, :2].reshape(-1, 2)[np.abs(
+            raw[:, :, :2].reshape(-1, 2).copy().view(np.float16)).argmax()]
+        raw[0, :, 2:], raw[1, :, 2:] = 0x00, 0xFF
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
 def test_low_bit_rows_equal_alone_at_every_batch_size(qtype):
-    """Q2_K, Q3_K and IQ4_XS: every batch of 1-65 rows gives each row the numbers of that row
+    """Q2_K, Q3_K, IQ4_NL and IQ4_XS: every batch of 1-65 rows gives each row the numbers of that row
     alone bit for bit, in each variant this CPU runs, at the extremes of weights and x."""
     k = 512
     raw = _extreme_low_bit_blocks(qtype, 16, k)

@@ -45,7 +45,7 @@ def test_phi3_reads_its_factor_tensors_and_window(tmp_path):
                   attention__sliding_window=32, rope__dimension_count=4)
     arch = arch_from_gguf(path)
     assert (arch.architecture, arch.sliding_window) == ("phi3", 32)
-    assert arch.max_model_len_supported == 32
+    assert arch.layer_window(0) == 32  # every Phi-3 layer slides, as llama.cpp runs it
     assert arch.rope_scaling == {"rope_type": "longrope", "long_factor": [2.0, 3.0],
                                  "short_factor": [1.0, 1.5],
                                  "original_max_position_embeddings": 16,

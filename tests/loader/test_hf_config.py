@@ -49,15 +49,53 @@ def test_sliding_window_is_read_where_it_applies():
     mistral = BASE | {"architectures": ["MistralForCausalLM"]}
     assert arch_from_hf_config(mistral | {"sliding_window": 2048}).sliding_window == 2048
     assert arch_from_hf_config(mistral | {"sliding_window": None}).sliding_window is None
-    wide = arch_from_hf_config(mistral | {"sliding_window": 8192})  # beyond the 4096 positions
-    assert wide.max_model_len_supported == 4096
+    assert [arch_from_hf_config(mistral | {"sliding_window": 2048}).layer_window(i)
+            for i in range(BASE["num_hidden_layers"])] == [2048] * BASE["num_hidden_layers"]
     # Qwen2/Qwen3 configs name a window that is off unless use_sliding_window
     qwen = BASE | {"architectures": ["Qwen3ForCausalLM"], "sliding_window": 1024}
     assert arch_from_hf_config(qwen).sliding_window is None
-    on = arch_from_hf_config(qwen | {"use_sliding_window": True})
-    assert (on.sliding_window, on.max_model_len_supported) == (1024, 1024)
+    on = arch_from_hf_config(qwen | {"use_sliding_window": True, "max_window_layers": 0})
+    assert on.sliding_window == 1024 and on.full_attention_layers == ()
     with pytest.raises(ModelFileError, match="sliding_window must be >= 1"):
         arch_from_hf_config(mistral | {"sliding_window": -4})
+
+
+@pytest.mark.parametrize("cls, fields", [
+    ("Qwen2Config", {"max_window_layers": 2}),
+    ("Qwen2Config", {"max_window_layers": 0}),
+    ("Qwen3Config", {"max_window_layers": 3}),
+    ("Qwen2MoeConfig", {"max_window_layers": 3}),
+    ("Qwen3MoeConfig", {}),
+    ("SmolLM3Config", {"no_rope_layer_interval": 2}),
+    ("Qwen2Config", {"layer_types": ["sliding_attention", "full_attention"] * 2}),
+])
+def test_the_sliding_layers_are_those_transformers_fills_layer_types_with(cls, fields):
+    """Each family's rule for which layers slide, read from the config transformers writes and
+    from the same config without its layer_types (how older checkpoints come)."""
+    import transformers
+    cfg = getattr(transformers, cls)(vocab_size=32, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, use_sliding_window=True,
+                                     sliding_window=16, **fields)
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * 4  # Qwen3-MoE: all slide
+    want = [16 if t == "sliding_attention" else None for t in types]
+    written = cfg.to_dict()
+    for config in (written, {k: v for k, v in written.items() if k != "layer_types"}):
+        if "layer_types" in fields and config is not written:
+            continue  # a config's own layer_types is not a family rule
+        arch = arch_from_hf_config(config)
+        assert [arch.layer_window(i) for i in range(4)] == want, config.get("layer_types")
+
+
+def test_mistral_and_phi3_slide_on_every_layer_whatever_layer_types_say():
+    types = ["full_attention", "sliding_attention"]
+    for name in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        arch = arch_from_hf_config(BASE | {"architectures": [name], "num_hidden_layers": 2,
+                                           "sliding_window": 8, "layer_types": types})
+        assert [arch.layer_window(i) for i in range(2)] == [8, 8]
+    with pytest.raises(ModelFileError, match="layer_types must list one of"):
+        arch_from_hf_config(BASE | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 8,
+                                    "use_sliding_window": True, "layer_types": ["local"]})
 
 
 def test_an_unsupported_family_is_refused_with_the_supported_list():
@@ -79,7 +117,6 @@ def test_gemma2_reads_its_window_layers_scalar_and_caps():
     assert (g.sliding_layers, g.query_pre_attn_scalar) == ((0, 2), 144.0)
     assert (g.attn_logit_softcapping, g.final_logit_softcapping) == (50.0, 30.0)
     assert [arch.layer_window(i) for i in range(3)] == [4096, None, 4096]
-    assert arch.max_model_len_supported == 8192  # a real window: no cap
     types = ["full_attention", "sliding_attention", "full_attention"]
     assert arch_from_hf_config(GEMMA2 | {"layer_types": types}).gemma.sliding_layers == (1,)
 

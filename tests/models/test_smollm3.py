@@ -88,4 +88,5 @@ def test_no_rope_layers_as_transformers_reads_them():
         arch_from_hf_config({**base, "no_rope_layers": [1, 0]})
     window = {**base, "sliding_window": 32}
     assert arch_from_hf_config(window).sliding_window is None  # use_sliding_window off
-    assert arch_from_hf_config({**window, "use_sliding_window": True}).max_model_len_supported == 32
+    on = arch_from_hf_config({**window, "use_sliding_window": True})  # its NoPE layers slide
+    assert [on.layer_window(i) for i in range(8)] == [None, None, None, 32] * 2

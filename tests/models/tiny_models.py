@@ -148,14 +148,15 @@ def write_gguf(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
 
 def write_gguf_blocks(path: Path, arch: str, fields: Callable[[gguf.GGUFWriter], None],
                       tensors: Mapping[str, np.ndarray], blocks: Mapping[str, np.ndarray],
-                      qtype: GGMLQuantizationType) -> None:
-    """A GGUF of the tensors: those named in blocks as those raw qtype blocks, the rest in
-    float32, with metadata written by fields(writer)."""
+                      qtype: GGMLQuantizationType | Mapping[str, GGMLQuantizationType]) -> None:
+    """A GGUF of the tensors: those named in blocks as those raw blocks of qtype (one type for
+    all, or one per name), the rest in float32, with metadata written by fields(writer)."""
     writer = gguf.GGUFWriter(str(path), arch)
     fields(writer)
     for name, arr in tensors.items():
         if name in blocks:
-            writer.add_tensor(name, blocks[name], raw_dtype=qtype)
+            raw_dtype = qtype[name] if isinstance(qtype, Mapping) else qtype
+            writer.add_tensor(name, blocks[name], raw_dtype=raw_dtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     writer.write_header_to_file()
@@ -216,16 +217,22 @@ class Reference:
 @torch.no_grad()
 def hf_reference(model: torch.nn.Module, token_prompts: list[list[int]],
                  num_tokens: int = NUM_TOKENS) -> Reference:
-    """transformers' float32 logits and greedy continuation of each prompt, one at a time."""
+    """transformers' float32 logits and greedy continuation of each prompt, one at a time.
+    EOS is a token like any other, as the engine's ignore_eos takes it: min_new_tokens would
+    instead forbid it, and pick the runner-up wherever EOS is the best."""
     model = model.float().eval()
     logits, tokens = [], []
-    for p in token_prompts:
-        ids = torch.tensor([p])
-        logits.append(model(ids).logits[0, -1].float())
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                             pad_token_id=0)
-        tokens.append(out[0, len(p):].tolist())
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
+    try:
+        for p in token_prompts:
+            ids = torch.tensor([p])
+            logits.append(model(ids).logits[0, -1].float())
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_tokens, pad_token_id=0)
+            tokens.append(out[0, len(p):].tolist())
+    finally:
+        model.generation_config.eos_token_id = eos
+    assert all(len(t) == num_tokens for t in tokens)
     return Reference(token_prompts, logits, tokens)
 
 

@@ -107,15 +107,13 @@ def test_llm_refuses_qwen7b_fast_before_loading(monkeypatch):
     assert time.monotonic() - started < 2.0
 
 
-def test_a_sliding_window_below_the_positions_caps_max_model_len():
+def test_a_sliding_window_does_not_cap_max_model_len():
+    """Windowed layers attend over the window, the cache still holds the whole sequence: the
+    plan is the windowless one's."""
     fp = qwen7b_footprint()
     windowed = dataclasses.replace(fp, arch=dataclasses.replace(fp.arch, sliding_window=4096))
     big = MemoryInfo(64 * GiB, 60 * GiB, "test")
-    plan = plan_memory(windowed, big, block_size=16, max_model_len=None, max_num_seqs=8,
-                       max_num_batched_tokens=2048)
-    assert plan.max_model_len == 4096
-    with pytest.raises(ValueError, match="max_model_len=8192 is larger than the model supports "
-                       r"\(4096 positions: its sliding_window 4096 is below "
-                       "max_position_embeddings 32768, and pagedllm has no sliding-window"):
-        plan_memory(windowed, big, block_size=16, max_model_len=8192, max_num_seqs=8,
-                    max_num_batched_tokens=2048)
+    plans = [plan_memory(f, big, block_size=16, max_model_len=None, max_num_seqs=8,
+                         max_num_batched_tokens=2048) for f in (fp, windowed)]
+    assert plans[0] == plans[1]
+    assert plans[1].max_model_len == fp.arch.max_position_embeddings == 32768

@@ -1,9 +1,10 @@
 """The CPU backend: C++ K/V writes and batched paged decode attention over a float32 cache
 (kernels/csrc/cpu_ops.cpp), PyTorch SDPA for prompt chunks.
 
-Decode reads each request's K/V rows where they lie in the cache: no gathered copy, no mask.
-The kernel has no sliding window and no soft-cap: a layer with either (Gemma) decodes through
-the inherited PyTorch path (attention/masked.py), chosen when the layer is built.
+Decode reads each request's K/V rows where they lie in the cache: no gathered copy, no mask; a
+sliding window reads only the last `window` rows. The kernel has no soft-cap: a layer with one
+(Gemma 2) decodes through the inherited PyTorch path (attention/masked.py), chosen when the
+layer is built.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
     """Paged attention through pagedllm's C++ ops (float32 CPU tensors); prompt chunks as in the
     reference."""
 
+    decode_takes_window = True
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         # memcpy per slot: index_copy_ took ~0.6 ms for 512 rows
@@ -39,7 +42,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
         dec = meta.decode
         return torch.ops.pagedllm.paged_decode_attention(q.contiguous(), kv_cache,
                                                          dec.block_table, dec.context_lens,
-                                                         self.scale)
+                                                         self.scale, self.sliding_window or 0)
 
 
 class CpuAttentionBackend:

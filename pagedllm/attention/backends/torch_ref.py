@@ -80,13 +80,18 @@ class TorchAttentionImpl:
     """Paged attention in PyTorch ops. Other backends subclass it and replace write_kv and
     decode; the batch layout (decode rows first, then prompt chunks) is handled here once."""
 
+    decode_takes_window = False  # whether decode() runs a sliding window itself
+
     def __init__(self, scale: float, sliding_window: Optional[int] = None,
                  softcap: Optional[float] = None) -> None:
         self.scale = scale
         self.sliding_window, self.softcap = sliding_window, softcap
-        # decided once: a window or a soft-cap takes the masked PyTorch path in every backend
+        # decided once: a window or a soft-cap takes the masked PyTorch path in every backend,
+        # but for a decode that runs the window itself
         masked = sliding_window is not None or softcap is not None
-        self._decode = self.masked_decode if masked else self.decode
+        masked_decode = softcap is not None or (sliding_window is not None
+                                                and not self.decode_takes_window)
+        self._decode = self.masked_decode if masked_decode else self.decode
         self._prefill = self.masked_prefill if masked else self.prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -113,9 +118,14 @@ class TorchAttentionImpl:
         """One prompt chunk with the layer's window and soft-cap, into out's rows."""
         qs, ks, vs = _context_kv(q, k, v, kv_cache, seq)
         # the chunk's queries are the last num_tokens positions of its context
-        q_pos = seq.context_len - seq.num_tokens + torch.arange(seq.num_tokens, device=q.device)
-        mask = window_mask(q_pos, seq.context_len, self.sliding_window)  # [S, C]
-        o = masked_attention(qs, ks, vs, mask, self.scale, self.softcap)  # [1, Hq, S, D]
+        first_q = seq.context_len - seq.num_tokens
+        q_pos = first_q + torch.arange(seq.num_tokens, device=q.device)
+        # keys before the first query's window are seen by no query: leave them out, so the
+        # scores stay [S, S + window] however long the context
+        first = 0 if self.sliding_window is None else max(0, first_q - self.sliding_window + 1)
+        mask = window_mask(q_pos, seq.context_len, self.sliding_window, first)  # [S, C - first]
+        o = masked_attention(qs, ks[:, :, first:], vs[:, :, first:], mask, self.scale,
+                             self.softcap)  # [1, Hq, S, D]
         out[seq.start:seq.start + seq.num_tokens] = o.squeeze(0).transpose(0, 1)
 
     def masked_decode(self, q: torch.Tensor, kv_cache: torch.Tensor,

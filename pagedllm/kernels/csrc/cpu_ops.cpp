@@ -236,7 +236,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
-  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_mapping) -> ()");

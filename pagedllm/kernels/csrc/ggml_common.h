@@ -13,7 +13,7 @@ namespace pagedllm_ggml {
 
 enum GgmlType : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
 };
 
 struct Format {
@@ -36,6 +36,7 @@ inline Format format_of(int64_t t) {
     case kQ2_K: return {256, 84};
     case kQ3_K: return {256, 110};
     case kQ6_K: return {256, 210};
+    case kIQ4_NL: return {32, 18};
     case kIQ4_XS: return {256, 136};
   }
   TORCH_CHECK(false, "ggml type ", t, " has no pagedllm kernel");
@@ -99,6 +100,7 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 // Rows of the low-bit types, in the order ggml's dequantize_row_* writes them (ggml_quants_low.cpp).
 void row_q2_k(const uint8_t* p, float* y, int64_t k);
 void row_q3_k(const uint8_t* p, float* y, int64_t k);
+void row_iq4_nl(const uint8_t* p, float* y, int64_t k);
 void row_iq4_xs(const uint8_t* p, float* y, int64_t k);
 
 // One row of k values of ggml type qtype to float32, exactly as ggml dequantizes it

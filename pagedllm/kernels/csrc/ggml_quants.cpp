@@ -11,7 +11,7 @@
 //   Q4_K 256 values, 144 B: half d, dmin; u8 scales[12]; u8 qs[128]   8 groups of 32, 6-bit sc/m
 //   Q5_K 256 values, 176 B: half d, dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
 //   Q6_K 256 values, 210 B: u8 ql[128]; u8 qh[64]; i8 scales[16]; half d   16 groups of 16
-//   Q2_K, Q3_K, IQ4_XS: ggml_quants_low.cpp
+//   Q2_K, Q3_K, IQ4_NL, IQ4_XS: ggml_quants_low.cpp
 // Dequantization is exact (the float32 values ggml itself produces); ggml_linear accumulates in
 // float32 with FMA. The fast matmuls read the eight-row (x8) layout: ggml_x8.cpp.
 #include <ATen/ATen.h>
@@ -274,6 +274,7 @@ RowFn row_fn_scalar(int64_t t) {
     case kQ6_K: return row_q6_k;
     case kQ2_K: return row_q2_k;
     case kQ3_K: return row_q3_k;
+    case kIQ4_NL: return row_iq4_nl;
     case kIQ4_XS: return row_iq4_xs;
   }
   TORCH_CHECK(false, "ggml type ", t, " has no pagedllm kernel");

@@ -1,4 +1,5 @@
-// Rows of the low-bit GGML types to float32, exactly as ggml's dequantize_row_q2_K / q3_K / iq4_xs
+// Rows of the low-bit GGML types to float32, exactly as ggml's dequantize_row_q2_K / q3_K / iq4_nl /
+// iq4_xs
 // write them: every product below is exact in float32 (an fp16 scale times a 4-6 bit scale times
 // a value of at most 8 bits), so only Q2_K's "- min" rounds, as in ggml.
 //
@@ -12,6 +13,8 @@
 //   IQ4_XS 136 B: half d; u16 scales_h; u8 scales_l[4] (6-bit, iq4xs_scale); u8 qs[128]
 //           value 32g + l: nibble of qs[16g + l % 16] (low for l < 16), through kIq4Values
 //           w = d * (scale - 32) * kIq4Values[q]
+//   IQ4_NL  18 B (32 values): half d; u8 qs[16]; value l: nibble of qs[l % 16] (low for l < 16)
+//           w = d * kIq4Values[q] (llama.cpp's IQ4_XS fallback for rows not a multiple of 256)
 #include "ggml_common.h"
 
 namespace pagedllm_ggml {
@@ -47,6 +50,16 @@ void row_q3_k(const uint8_t* p, float* y, int64_t k) {
             y[l] = dl * static_cast<float>(low2(qs, j, l) + 4 * high - 4);
           }
         }
+    }
+  }
+}
+
+void row_iq4_nl(const uint8_t* p, float* y, int64_t k) {
+  for (int64_t b = 0; b < k / 32; ++b, p += 18, y += 32) {
+    const float d = half_at(p);
+    for (int l = 0; l < 16; ++l) {
+      y[l] = d * static_cast<float>(kIq4Values[p[2 + l] & 0xF]);
+      y[l + 16] = d * static_cast<float>(kIq4Values[p[2 + l] >> 4]);
     }
   }
 }

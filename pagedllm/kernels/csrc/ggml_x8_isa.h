@@ -22,7 +22,7 @@ struct XRows {  // x row-major, for the gemv
   const float* s;   // dx * sum(xq) per 32 values
   int64_t k, nb;
   const int32_t* h;  // 32 x the sums of q over values 0-15 and 16-31 of block b of row c at
-                     // h[2 * (c * nb + b)] and the next int (Q2_K, Q3_K, IQ4_XS)
+                     // h[2 * (c * nb + b)] and the next int (Q2_K, Q3_K, IQ4_NL, IQ4_XS)
 };
 
 struct XBlocks {  // x block-major, for the gemm: block b of x row c at q + 32 * (b * m + c); d, s at b * m + c

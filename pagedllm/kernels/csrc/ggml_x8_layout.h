@@ -257,7 +257,7 @@ struct Q6K {
 }  // namespace x8
 }  // namespace pagedllm_ggml
 
-#include "ggml_x8_layout_low.h"  // Q2_K, Q3_K, IQ4_XS
+#include "ggml_x8_layout_low.h"  // Q2_K, Q3_K, IQ4_NL, IQ4_XS
 
 namespace pagedllm_ggml {
 namespace x8 {
@@ -292,6 +292,7 @@ inline X8Format format_x8(int64_t t) {
     case kQ6_K: return x8_format<Q6K>(t);
     case kQ2_K: return x8_format<Q2K>(t);
     case kQ3_K: return x8_format<Q3K>(t);
+    case kIQ4_NL: return x8_format<IQ4NL>(t);
     case kIQ4_XS: return x8_format<IQ4XS>(t);
   }
   TORCH_CHECK(false, "ggml type ", t, " has no x8 layout");

@@ -1,4 +1,4 @@
-// The x8 records of the low-bit types, Q2_K, Q3_K and IQ4_XS (the layout: ggml_x8.cpp). Included
+// The x8 records of the low-bit types, Q2_K, Q3_K, IQ4_NL and IQ4_XS (the layout: ggml_x8.cpp). Included
 // by ggml_x8_layout.h before its format table; uses its value planes (put_bits, put_nib).
 //
 // Per 8 rows and 256-value super-block; the 2-bit planes hold the low bits of the values of a
@@ -10,6 +10,8 @@
 //          1-bit plane of bit 2 (32 B)                               (912 B = 8 x 110 + 32)
 //   IQ4_XS d[8]; sc[8][8] i8: byte 8j + r = scale - 32 of block j; per block j: nib (the
 //          source qs bytes as they are, as Q4_0's)                    (1104 B = 8 x 136 + 16)
+//   IQ4_NL per 8 rows and 32-value block: Q4_0's record, d[8] then nib (144 B = 8 x 18): the
+//          same bytes (half d; qs[16]), the nibbles indexing the codebook instead of q - 8
 #pragma once
 
 #include <cstdint>
@@ -90,6 +92,11 @@ struct LowK {
 };
 using Q2K = LowK<false>;
 using Q3K = LowK<true>;
+
+// IQ4_NL: its block is Q4_0's bytes, so it packs as Q4_0 does; nib at rec + kNib
+struct IQ4NL : Small<false, false> {
+  static constexpr int64_t kNib = kRec - 128;
+};
 
 struct IQ4XS {
   static constexpr int64_t kScales = 16, kNib = 80, kRec = kNib + 8 * 128;

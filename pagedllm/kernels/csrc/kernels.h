@@ -18,7 +18,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 void write_kv_(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& context_lens, double scale, int64_t window = 0);
 std::string paged_attention_path();  // "avx512", "avx2" or "scalar": which path the op runs now
 }  // namespace pagedllm_ops
 

@@ -5,6 +5,9 @@
 // The AVX-512 path computes the same numbers as the AVX2 one, bit for bit: each dot product is
 // reduced in the AVX2 path's order (lanes j + j+8 of two 8-lane halves, then j + j+4, j + j+2,
 // j + j+1), only 16 keys at once; each head's output sums its value rows in the same order.
+//
+// A sliding window (window > 0) reads only each sequence's last `window` rows, as if they were
+// its whole context: the same numbers as the windowless op over a cache holding just those rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -215,8 +218,9 @@ void attend_group(const float* q, const float* kc, const float* vc, RowOffset ro
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, int64_t window) {
   check_f32(q, "q");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   check_f32(kv, "kv_cache");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
@@ -250,10 +254,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / hk, g = task % hk, len = lens[i];
+      const int64_t i = task / hk, g = task % hk;
+      // the query at position lens[i] - 1 sees keys first..lens[i] - 1
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;
       const int64_t* blocks = table + i * max_blocks;
       scores.resize(group * len);
-      const auto row_offset = [&](int64_t p) { return ((blocks[p / bs] * bs + p % bs) * hk + g) * d; };
+      const auto row_offset = [&](int64_t p) {
+        const int64_t pos = first + p;
+        return ((blocks[pos / bs] * bs + pos % bs) * hk + g) * d;
+      };
       attend_group(qp + (i * hq + g * group) * d, kc, vc, row_offset, len, group, d, sc,
                    scores.data(), op + (i * hq + g * group) * d, avx512);
     }

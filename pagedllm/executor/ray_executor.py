@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import weakref
 from collections import Counter
@@ -52,6 +53,7 @@ PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for ev
 DEATH_GRACE_S = 5.0
 # a local cluster's object store: the calls carry only small messages (activations go by gloo)
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
+ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the tracebacks it carries
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,11 @@ class RayExecutor(Executor):
             self._died(rank, err)
         except RayTaskError as err:
             self._find_dead(pending)  # a peer's death is the better answer, when there is one
+            # err is also an instance of the cause's type; its text is the rank's traceback
             cause = err.cause
             self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: "
-                                   f"{type(cause).__name__}: {cause}\n{err.traceback_str}"))
+                                   f"{type(cause).__name__}: {cause}\n"
+                                   f"{ANSI_COLOR.sub('', str(err))}"))
         except RayError as err:  # the node, the object or the owner lost
             self._died(rank, err)
 

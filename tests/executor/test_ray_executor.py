@@ -6,8 +6,12 @@ cluster without room is refused by name; without Ray the option is one line sayi
 install it."""
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -22,8 +26,9 @@ from ray.cluster_utils import Cluster
 import pagedllm
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor import ray_executor
-from pagedllm.executor.multiproc import WorkerDiedError
+from pagedllm.executor.multiproc import WorkerDiedError, WorkerError
 from pagedllm.executor.ray_executor import RayExecutor
+from pagedllm.loader.gguf_header import gguf_header
 
 PROMPTS = [
     "The capital of France is",
@@ -168,6 +173,86 @@ def test_a_cluster_without_room_is_refused_by_name(smollm_gguf, ray_address, mon
         LLM(model=str(smollm_gguf), pipeline_parallel_size=3,
             distributed_executor_backend="ray", **ENGINE)
     assert not ray.is_initialized()
+    _cluster_is_free(ray_address)
+
+
+def test_without_ray_address_the_engine_starts_a_local_ray_and_stops_it(smollm_gguf,
+                                                                         monkeypatch):
+    """No RAY_ADDRESS: a Ray instance of the engine's own (no web dashboard), gone with the engine,
+    and the same tokens as one process."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    want = _tokens(LLM(model=str(smollm_gguf), **ENGINE), PROMPTS[:1])
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    try:
+        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert started, "a local Ray instance runs under the engine's process"
+        # Ray still runs its head process without a dashboard, its web front end off
+        heads = [" ".join(psutil.Process(pid).cmdline()) for pid in started
+                 if psutil.pid_exists(pid)]
+        assert all("--disable-frontend" in c for c in heads if "dashboard/dashboard.py" in c)
+        assert _tokens(llm, PROMPTS[:1]) == want
+    finally:
+        llm.llm_engine.shutdown()
+    assert not ray.is_initialized()
+    assert _wait_gone(list(started)), "a process of the local Ray instance outlived the engine"
+
+
+def test_a_rank_that_fails_to_load_fails_the_start_with_its_rank_named(tmp_path, smollm_gguf,
+                                                                        ray_address):
+    """A NaN in layer 20's norm: rank 1 (layers 15-29) refuses it while loading; the engine
+    reports that rank's error and the cluster is left free."""
+    for file in smollm_gguf.parent.iterdir():  # the tokenizer files beside the GGUF
+        if file.is_file() and file.suffix not in (".gguf", ".verified"):
+            shutil.copy(file, tmp_path / file.name)
+    norm = next(t for t in gguf_header(smollm_gguf)[1] if t.name == "blk.20.ffn_norm.weight")
+    path = tmp_path / "nan.gguf"
+    shutil.copy(smollm_gguf, path)
+    with open(path, "r+b") as fh:
+        fh.seek(norm.offset + 4 * 7)
+        fh.write(struct.pack("<f", math.nan))
+    with pytest.raises(WorkerError, match=r"pipeline rank 1 failed: ModelFileError: model\.layers"
+                                          r"\.20\.post_attention_layernorm\.weight holds 1 NaN"):
+        LLM(model=str(path), pipeline_parallel_size=2, distributed_executor_backend="ray",
+            **ENGINE)
+    assert not ray.is_initialized()
+    _cluster_is_free(ray_address)
+
+
+def test_serve_with_the_ray_backend_answers(ray_address, tmp_path):
+    """`pagedllm serve -pp 2 --distributed-executor-backend ray` with RAY_ADDRESS set: the
+    stages run as actors of that cluster, a completion comes back, and the cluster is free
+    once the server stops."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                                 "smollm2-135m-instruct", "--port", str(port), "-pp", "2",
+                                 "--distributed-executor-backend", "ray",
+                                 "--max-model-len", "256"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + DEADLINE_S
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            body = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}).json()
+            assert body["usage"]["completion_tokens"] == 8, body
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert "pipeline parallel on Ray" in log.read_text()
     _cluster_is_free(ray_address)
 
 

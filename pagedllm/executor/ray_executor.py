@@ -188,6 +188,13 @@ def _threads(group: PlacementGroup, world: int) -> list[int]:
     return [max(1, int(cpus[node_of[b]] // per_node[node_of[b]])) for b in range(world)]
 
 
+def _reason(err: RayError, limit: int = 400) -> str:
+    """Ray's account of a death on one line: its sentences, without the tab-indented ids."""
+    text = " ".join(line.strip() for line in ANSI_COLOR.sub("", str(err)).splitlines()
+                    if line.strip() and not line.startswith("\t"))
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 class RayExecutor(Executor):
     """One Ray actor per pipeline rank, joined by a gloo process group."""
 
@@ -270,9 +277,8 @@ class RayExecutor(Executor):
     def _died(self, rank: _Rank, err: RayError) -> None:
         """Fail the executor for a rank whose actor is gone."""
         where = f" ({rank.place})" if rank.place is not None else ""
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         self._fail(WorkerDiedError(f"Ray actor of pipeline rank {rank.stage.rank}{where} died "
-                                   f"({type(err).__name__}: {reason}); the engine cannot "
+                                   f"({type(err).__name__}: {_reason(err)}); the engine cannot "
                                    "continue"))
 
     def _fail(self, err: RuntimeError) -> None:

@@ -41,8 +41,20 @@ DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
 NODE = dict(num_cpus=1, object_store_memory=100 * 2**20)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_env():
+    """Ray's settings for these tests, in this process and the ones it starts: no usage
+    report, and token authentication off. A new local Ray turns it on by default, writing a
+    token to ~/.ray and RAY_AUTH_MODE=token into this process's environment, which a cluster
+    started before it would then refuse; these clusters live a minute on this machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray_env):
     """Two Ray nodes of one CPU each on this machine, the head without a dashboard; stopped
     (their processes only) after the module's tests."""
     cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))

@@ -1,6 +1,7 @@
 """Small configuration dataclasses shared by every layer of the engine."""
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -212,15 +213,18 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni")  # "ray": a later step (issue 17)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+RAY_MISSING = ("distributed_executor_backend='ray' needs Ray, which is not installed: "
+               "pip install 'pagedllm[ray]'")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many ranks run the model and how the engine reaches them (vLLM's option names).
 
-    Pipeline parallelism splits the layers into contiguous stages, one process per stage;
-    tensor parallelism is not implemented yet and is refused rather than ignored."""
+    Pipeline parallelism splits the layers into contiguous stages, one process per stage (a
+    local process with "mp", a Ray actor with "ray"); tensor parallelism is not implemented
+    yet and is refused rather than ignored."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -237,16 +241,15 @@ class ParallelConfig:
                              "implemented yet; pipeline_parallel_size works (it splits the "
                              "layers over processes)")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not implemented yet; use "
-                             "'mp' (one process per rank on this machine)")
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} or None, got {backend!r}")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's "
                              f"process; pipeline_parallel_size={self.pipeline_parallel_size} "
-                             "needs 'mp'")
+                             "needs 'mp' or 'ray'")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(RAY_MISSING)
 
     @property
     def world_size(self) -> int:
@@ -255,7 +258,7 @@ class ParallelConfig:
 
     @property
     def backend(self) -> str:
-        """The executor backend in effect: "mp" or "uni"."""
+        """The executor backend in effect: "mp", "ray" or "uni"."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.world_size > 1 else "uni"

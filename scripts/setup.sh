@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: .venv, torch (CPU build when no NVIDIA GPU), pagedllm[test], known models.
+# Idempotent setup: .venv, torch (CPU build when no NVIDIA GPU), pagedllm[test,ray], known models.
 #
 # Without an NVIDIA GPU, torch comes from PyTorch's CPU wheel index ($PAGEDLLM_TORCH_INDEX_URL,
 # default https://download.pytorch.org/whl/cpu), or from pip's default index when that one does
@@ -12,6 +12,7 @@ PROBE_TIMEOUT_S=5
 VENV=.venv
 PY="$VENV/bin/python"
 STAMP="$VENV/.pagedllm-install-stamp"
+EXTRAS="test,ray"  # ray: the tests run the Ray executor on a local two-node cluster
 
 log() { echo "[setup] $*" >&2; }
 
@@ -76,7 +77,7 @@ main() {
 
   local has_gpu want_stamp
   if nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; else has_gpu=0; fi
-  want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') gpu=$has_gpu root=$PWD"
+  want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') extras=$EXTRAS gpu=$has_gpu root=$PWD"
 
   if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want_stamp" ] \
      || ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pagedllm") is None)'; then
@@ -85,8 +86,8 @@ main() {
       log "no NVIDIA GPU (nvidia-smi -L failed)"
       install_cpu_torch
     fi
-    log "installing pagedllm (editable) with test extras"
-    pip_install -e ".[test]"
+    log "installing pagedllm (editable) with the extras $EXTRAS"
+    pip_install -e ".[$EXTRAS]"
     echo "$want_stamp" > "$STAMP"
   else
     log "pagedllm already installed for this pyproject.toml"

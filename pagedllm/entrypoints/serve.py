@@ -133,9 +133,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="only 1 for now: tensor parallelism is not implemented yet")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
-                   help="mp: one process per rank on this machine; uni: the model in the "
-                   "server's process (default: mp with several ranks, else uni); ray is not "
-                   "implemented yet")
+                   help="mp: one process per rank on this machine; ray: one Ray actor per "
+                   "rank on the Ray cluster at RAY_ADDRESS (else a local one; needs "
+                   "pagedllm[ray]); uni: the model in the server's process (default: mp with "
+                   "several ranks, else uni)")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:

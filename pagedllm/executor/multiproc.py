@@ -83,22 +83,34 @@ def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
+def start_worker(config: EngineConfig, stage: PipelineStage, init_method: str,
+                 num_threads: Optional[int] = None) -> Any:
+    """A rank's Worker (the mp and the Ray executors both start theirs here): join the gloo
+    process group at init_method, set up the device, load the stage's layers.
+    num_threads: torch threads for the rank; None: this machine's share."""
+    import torch.distributed as dist
+
+    from pagedllm.worker.worker import Worker
+
+    dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
+                            world_size=stage.world_size, timeout=COMM_TIMEOUT)
+    worker = Worker(config, stage, num_threads)
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
 def worker_main(conn: Connection) -> None:
     """A rank's process: take its config and stage, join the process group, load the stage,
     then serve calls until told to stop or until the engine's end of the pipe closes."""
     import torch.distributed as dist
 
     from pagedllm.logger import configure_logging
-    from pagedllm.worker.worker import Worker
 
     configure_logging()
     try:
         config, stage, init_method = recv(conn)
-        dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
-                                world_size=stage.world_size, timeout=COMM_TIMEOUT)
-        worker = Worker(config, stage)
-        worker.init_device()
-        worker.load_model()
+        worker = start_worker(config, stage, init_method)
         send(conn, WorkerReply(worker.model_runner.decode_path))
         _serve(worker, conn)
     except (EOFError, KeyboardInterrupt):

@@ -18,10 +18,14 @@ logger = logging.getLogger("pagedllm")
 class Worker:
     """Sets up its device, then serves the executor's calls through its model runner."""
 
-    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None) -> None:
-        """stage: this worker's pipeline stage, or None: the whole model in one process."""
+    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None,
+                 num_threads: Optional[int] = None) -> None:
+        """stage: this worker's pipeline stage, or None: the whole model in one process.
+        num_threads: torch threads (a Ray rank: its node's cores over the ranks placed there);
+        None: this machine's threads, shared among the pipeline ranks."""
         self.config = config
         self.stage = stage
+        self.num_threads = num_threads
         self.model_runner: Optional[ModelRunner] = None  # made by init_device
 
     def init_device(self) -> None:
@@ -29,7 +33,9 @@ class Worker:
         and the model's layers run depends on the kernels being loaded."""
         platform = self.config.platform
         platform.init_device()
-        if self.stage is not None and self.stage.world_size > 1:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        elif self.stage is not None and self.stage.world_size > 1:
             # the ranks of one machine share its cores: all of them each would oversubscribe
             threads = max(1, torch.get_num_threads() // self.stage.world_size)
             torch.set_num_threads(threads)

@@ -79,10 +79,8 @@ def _gone(pids: list[int]) -> bool:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is not implemented yet; "
                                    "pipeline_parallel_size works"),
-    (dict(distributed_executor_backend="ray"), "distributed_executor_backend='ray' is not "
-                                               "implemented yet; use 'mp'"),
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend must be one "
-                                                   "of mp, uni"),
+                                                   "of mp, ray, uni"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"),
      "distributed_executor_backend='uni' runs one rank"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be an int >= 1, got 0"),

@@ -1,0 +1,336 @@
+"""The Ray executor: one Ray actor per pipeline rank, on the machines of a Ray cluster (vLLM's
+`--distributed-executor-backend ray`).
+
+    head:   ray start --head --port=6379
+    others: ray start --address=HEAD_IP:6379
+    head:   RAY_ADDRESS=HEAD_IP:6379 pagedllm serve MODEL -pp 2 --distributed-executor-backend ray
+
+    engine process (Ray driver)       node A: actor, rank 0      node B: actor, rank 1
+    RayExecutor --actor call ------>  Worker (layers 0..k-1)
+                --actor call ------------------------------->  Worker (layers k..n-1)
+                                      --- torch.distributed send/recv (gloo, TCP) --->
+                <-- ray.get -------------------------------------  ModelRunnerOutput
+
+Ray places the ranks (a placement group, one bundle per rank: STRICT_SPREAD when the cluster
+has a node for each, else PACK) and carries the control calls; the activations go over the
+same gloo process group and the same stage code as the mp executor's, the group's address being
+rank 0's node IP and a free port found there. With RAY_ADDRESS set the engine joins that
+cluster; else it starts a small local one, which shutdown stops. An actor that dies fails the
+engine with its rank named, as a dead process does under mp.
+
+pagedllm must be importable on every node (installed there, as vLLM needs too).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import (PlacementGroup, placement_group,
+                                      placement_group_table, remove_placement_group)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.outputs import ModelRunnerOutput
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.multiproc import WorkerDiedError, WorkerError, start_worker
+
+logger = logging.getLogger("pagedllm")
+
+PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for every rank
+# after a rank raised, how long to look for a peer that died (the likelier cause: a stage whose
+# peer is gone fails its send or receive)
+DEATH_GRACE_S = 5.0
+# a local cluster's object store: the calls carry only small messages (activations go by gloo)
+LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
+ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the tracebacks it carries
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank's actor runs."""
+
+    pid: int
+    node_ip: str
+    package_dir: str  # the pagedllm the actor imported
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on node {self.node_ip}"
+
+
+@ray.remote
+class RankActor:
+    """A pipeline rank in a Ray actor: its Worker, once start() has run."""
+
+    def __init__(self) -> None:
+        self.worker: Any = None
+
+    def where(self) -> RankPlace:
+        """This actor's process, node and pagedllm."""
+        return RankPlace(os.getpid(), ray.util.get_node_ip_address(),
+                         str(Path(__file__).parents[1]))
+
+    def free_address(self) -> str:
+        """A TCP init method for the process group: this node's IP and a port free on it."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def start(self, config: EngineConfig, stage: PipelineStage, init_method: str,
+              num_threads: int) -> str:
+        """Join the process group and load the stage; what runs its decode steps."""
+        from pagedllm.logger import configure_logging
+
+        configure_logging()
+        self.worker = start_worker(config, stage, init_method, num_threads)
+        return self.worker.model_runner.decode_path
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run one of the Worker's methods."""
+        return getattr(self.worker, method)(*args)
+
+
+@dataclass
+class _Rank:
+    """A rank's actor and where it runs."""
+
+    stage: PipelineStage
+    actor: Any  # ray.actor.ActorHandle
+    place: Optional[RankPlace] = None
+
+
+@dataclass
+class _Cluster:
+    """What the executor holds in Ray (module level, so weakref.finalize holds no executor)."""
+
+    ranks: list[_Rank] = field(default_factory=list)
+    group: Optional[PlacementGroup] = None
+    owns_ray: bool = False  # this executor called ray.init: shutdown disconnects (or stops)
+
+
+def _release(cluster: _Cluster) -> None:
+    """Kill the actors, remove the placement group, leave Ray if this executor joined it;
+    safe to call twice."""
+    if not ray.is_initialized():
+        return
+    for rank in cluster.ranks:
+        try:
+            ray.kill(rank.actor, no_restart=True)
+        except RayError:
+            pass  # already gone
+    cluster.ranks.clear()
+    if cluster.group is not None:
+        remove_placement_group(cluster.group)
+        cluster.group = None
+    if cluster.owns_ray:
+        ray.shutdown()
+        cluster.owns_ray = False
+
+
+def _connect(world: int) -> bool:
+    """Join the cluster at RAY_ADDRESS, or start a small local one; whether this call did
+    (False: the process was already connected, and stays so)."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        try:
+            ray.init(address=address)
+        except ConnectionError as err:
+            raise RuntimeError(f"cannot join the Ray cluster at RAY_ADDRESS={address}: {err}") \
+                from err
+        return True
+    ray.init(address="local", num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
+             object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    return True
+
+
+def _bundle(config: EngineConfig) -> dict[str, float]:
+    """What one rank reserves: a CPU, and a GPU when the engine runs on CUDA (Ray then shows
+    the actor its own GPU only)."""
+    return {"CPU": 1.0, "GPU": 1.0} if config.device.type == "cuda" else {"CPU": 1.0}
+
+
+def _place(world: int, bundle: dict[str, float]) -> PlacementGroup:
+    """A placement group of one bundle per rank, once the cluster has found room for all."""
+    nodes = [n for n in ray.nodes() if n["Alive"]
+             and all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+    strategy = "STRICT_SPREAD" if len(nodes) >= world else "PACK"
+    group = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"the Ray cluster found no room for {world} pipeline ranks of {bundle} each "
+            f"({strategy} over {len(nodes)} nodes that could hold one) in "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s; free now: {ray.available_resources()}") from None
+    logger.info("Ray placement group: %d bundles of %s, %s", world, bundle, strategy)
+    return group
+
+
+def _threads(group: PlacementGroup, world: int) -> list[int]:
+    """Torch threads per rank: its node's CPUs shared among the ranks placed on that node."""
+    node_of = placement_group_table(group)["bundles_to_node_id"]
+    cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes()}
+    per_node = Counter(node_of[b] for b in range(world))
+    return [max(1, int(cpus[node_of[b]] // per_node[node_of[b]])) for b in range(world)]
+
+
+def _reason(err: RayError, limit: int = 400) -> str:
+    """Ray's account of a death on one line: its sentences, without the tab-indented ids."""
+    text = " ".join(line.strip() for line in ANSI_COLOR.sub("", str(err)).splitlines()
+                    if line.strip() and not line.startswith("\t"))
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+class RayExecutor(Executor):
+    """One Ray actor per pipeline rank, joined by a gloo process group."""
+
+    def _init_executor(self) -> None:
+        world = self.config.parallel.pipeline_parallel_size
+        self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
+        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        self._cluster = _Cluster()
+        self._finalizer = weakref.finalize(self, _release, self._cluster)
+        self._ranks = self._cluster.ranks
+        try:
+            self._cluster.owns_ray = _connect(world)
+            bundle = _bundle(self.config)
+            self._cluster.group = group = _place(world, bundle)
+            threads = _threads(group, world)
+            for rank in range(world):
+                stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
+                actor = RankActor.options(
+                    num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=rank)).remote()
+                self._ranks.append(_Rank(stage, actor))
+            for rank, place in zip(self._ranks, self._gather(
+                    [r.actor.where.remote() for r in self._ranks])):
+                rank.place = place
+            init_method = self._gather([self._ranks[0].actor.free_address.remote()],
+                                       self._ranks[:1])[0]
+            self._decode_paths = self._gather([
+                r.actor.start.remote(self.config, r.stage, init_method, threads[i])
+                for i, r in enumerate(self._ranks)])
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("pipeline parallel on Ray (%s): %s", init_method, ", ".join(
+            f"rank {r.stage.rank} ({r.place}, {threads[i]} threads) layers "
+            f"{r.stage.start_layer}-{r.stage.end_layer - 1}" for i, r in enumerate(self._ranks)))
+
+    # ---- calls --------------------------------------------------------------
+    def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None) -> list[Any]:
+        """Each rank's answer, in rank order, taken as they come: a rank that fails is seen at
+        once, even while another still waits on it in a send or receive."""
+        pending = dict(zip(refs, ranks or self._ranks))
+        values: dict[int, Any] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                rank = pending.pop(ref)
+                values[rank.stage.rank] = self._get(ref, rank, pending)
+        return [values[r.stage.rank] for r in (ranks or self._ranks)]
+
+    def _get(self, ref: Any, rank: _Rank, pending: dict) -> Any:
+        """A ready answer; a rank that raised or died fails the executor."""
+        try:
+            return ray.get(ref)
+        except RayActorError as err:
+            self._died(rank, err)
+        except RayTaskError as err:
+            self._find_dead(pending)  # a peer's death is the better answer, when there is one
+            # err is also an instance of the cause's type; its text is the rank's traceback
+            cause = err.cause
+            self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: "
+                                   f"{type(cause).__name__}: {cause}\n"
+                                   f"{ANSI_COLOR.sub('', str(err))}"))
+        except RayError as err:  # the node, the object or the owner lost
+            self._died(rank, err)
+
+    def _find_dead(self, pending: dict) -> None:
+        """Fail for a rank among `pending` whose actor died, if one did within the grace."""
+        if not pending:
+            return
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEATH_GRACE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayTaskError:
+                continue
+            except RayError as err:
+                self._died(pending[ref], err)
+
+    def _died(self, rank: _Rank, err: RayError) -> None:
+        """Fail the executor for a rank whose actor is gone."""
+        where = f" ({rank.place})" if rank.place is not None else ""
+        self._fail(WorkerDiedError(f"Ray actor of pipeline rank {rank.stage.rank}{where} died "
+                                   f"({type(err).__name__}: {_reason(err)}); the engine cannot "
+                                   "continue"))
+
+    def _fail(self, err: RuntimeError) -> None:
+        """Record the failure, kill every actor and raise; later calls raise it again."""
+        self._failure = err
+        logger.error("%s", err)
+        self.shutdown()
+        raise err
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every rank; the answers in rank order."""
+        self._check_alive()
+        return self._gather([r.actor.call.remote(method, *args) for r in self._ranks])
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+
+    # ---- Executor -----------------------------------------------------------
+    def kv_block_bytes(self) -> int:
+        # the largest stage's block: the engine divides the memory answer by it
+        return max(self._call_all("kv_block_bytes"))
+
+    def determine_available_memory(self) -> int:
+        available = self._call_all("determine_available_memory")
+        block_bytes = self._call_all("kv_block_bytes")
+        # every stage holds the same block ids: the fewest blocks any stage can hold
+        num_blocks = min(a // b for a, b in zip(available, block_bytes))
+        return num_blocks * max(block_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
+        last = len(self._ranks) - 1
+        out: ModelRunnerOutput = self._gather([
+            r.actor.call.remote("execute_model", sched,
+                                None if r.stage.rank == last else self._sampled)
+            for r in self._ranks])[last]
+        self._sampled = dict(out.sampled)
+        return out
+
+    def decode_path(self) -> str:
+        return self._decode_paths[-1]
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement group, and leave Ray if this executor
+        joined it."""
+        self._finalizer()
+
+    @property
+    def worker_places(self) -> list[RankPlace]:
+        """Where each rank's actor runs, in rank order."""
+        return [r.place for r in self._ranks]

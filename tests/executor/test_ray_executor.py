@@ -1,0 +1,286 @@
+"""The Ray executor (distributed_executor_backend="ray") on a local Ray cluster of two nodes
+(ray.cluster_utils.Cluster, one CPU each) that the engine joins through RAY_ADDRESS: greedy
+tokens with pipeline_parallel_size=2 equal one process's, one rank on each node; a killed actor
+fails generate with its rank named, and the engine leaves nothing behind in the cluster; a
+cluster without room is refused by name; without Ray the option is one line saying how to
+install it."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import pagedllm
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor import ray_executor
+from pagedllm.executor.multiproc import WorkerDiedError, WorkerError
+from pagedllm.executor.ray_executor import RayExecutor
+from pagedllm.loader.gguf_header import gguf_header
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
+DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
+NODE = dict(num_cpus=1, object_store_memory=100 * 2**20)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_env():
+    """Ray's settings for these tests, in this process and the ones it starts: no usage
+    report, and token authentication off. A new local Ray turns it on by default, writing a
+    token to ~/.ray and RAY_AUTH_MODE=token into this process's environment, which a cluster
+    started before it would then refuse; these clusters live a minute on this machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_AUTH_MODE", "disabled")
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_env):
+    """Two Ray nodes of one CPU each on this machine, the head without a dashboard; stopped
+    (their processes only) after the module's tests."""
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
+    try:
+        cluster.add_node(**NODE)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def ray_address(ray_cluster, monkeypatch):
+    """RAY_ADDRESS pointing at the two-node cluster, as `ray start --address` users set it."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    yield ray_cluster.address
+    if ray.is_initialized():  # a test that failed half-way leaves no connection behind
+        ray.shutdown()
+
+
+def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _gone(pids: list[int]) -> bool:
+    """None of the processes is left (a zombie not reaped yet counts as gone)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _gone(pids)
+
+
+def _cluster_is_free(address: str) -> None:
+    """No placement group left and every CPU free again, seen from a fresh connection."""
+    ray.init(address=address)
+    try:
+        groups = ray.util.placement_group_table().values()
+        assert all(g["state"] == "REMOVED" for g in groups), list(groups)
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU", 0) == 2, ray.available_resources()
+    finally:
+        ray.shutdown()
+
+
+def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
+    """SmolLM2 GGUF in float32, one stage per node: the same greedy tokens as one process; the
+    actors import this checkout's pagedllm; shutdown frees the cluster."""
+    single = LLM(model=str(smollm_gguf), **ENGINE)
+    want = _tokens(single)
+    del single
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert isinstance(executor, RayExecutor)
+        places = executor.worker_places
+        assert ray.get_runtime_context().gcs_address == ray_address
+        assert [p.package_dir for p in places] == [str(Path(pagedllm.__file__).parent)] * 2
+        node_of = ray.util.placement_group_table(executor._cluster.group)["bundles_to_node_id"]
+        assert len(set(node_of.values())) == 2, "STRICT_SPREAD: one rank on each node"
+        assert executor.decode_path().startswith("the C++ decode stack")
+        assert _tokens(llm) == want
+    finally:
+        llm.llm_engine.shutdown()
+    assert not ray.is_initialized(), "the engine joined the cluster: it leaves it"
+    assert _wait_gone([p.pid for p in places])
+    _cluster_is_free(ray_address)
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_address, killed):
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    pids = [p.pid for p in llm.llm_engine.engine_core.executor.worker_places]
+    result: dict = {}
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         use_tqdm=False)
+        except BaseException as err:  # what the test checks
+            result["error"] = err
+
+    runner = threading.Thread(target=generate, daemon=True)
+    try:
+        runner.start()
+        while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
+            time.sleep(0.05)  # until a step has run
+        time.sleep(0.3)
+        os.kill(pids[killed], signal.SIGKILL)
+        runner.join(DEADLINE_S)
+        assert not runner.is_alive(), "generate hung after an actor was killed"
+        err = result.get("error")
+        assert isinstance(err, WorkerDiedError), err
+        assert f"Ray actor of pipeline rank {killed} (pid {pids[killed]} on node " in str(err)
+        assert "the engine cannot continue" in str(err)
+        # the engine stays failed, at once, with the same message
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=f"pipeline rank {killed}"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        assert time.monotonic() - started < 5
+    finally:
+        llm.llm_engine.shutdown()  # a second stop is harmless
+    assert _wait_gone(pids), "an actor's process outlived the failure"
+    _cluster_is_free(ray_address)
+
+
+def test_a_cluster_without_room_is_refused_by_name(smollm_gguf, ray_address, monkeypatch):
+    """Three ranks of one CPU on two one-CPU nodes: refused with the shortfall, after the
+    placement timeout, and the placement group is removed."""
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 3.0)
+    with pytest.raises(RuntimeError, match=r"the Ray cluster found no room for 3 pipeline ranks "
+                                           r"of \{'CPU': 1.0\} each \(PACK over 2 nodes"):
+        LLM(model=str(smollm_gguf), pipeline_parallel_size=3,
+            distributed_executor_backend="ray", **ENGINE)
+    assert not ray.is_initialized()
+    _cluster_is_free(ray_address)
+
+
+def test_without_ray_address_the_engine_starts_a_local_ray_and_stops_it(smollm_gguf,
+                                                                         monkeypatch):
+    """No RAY_ADDRESS: a Ray instance of the engine's own (no web dashboard), gone with the engine,
+    and the same tokens as one process."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    want = _tokens(LLM(model=str(smollm_gguf), **ENGINE), PROMPTS[:1])
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    try:
+        started = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert started, "a local Ray instance runs under the engine's process"
+        # Ray still runs its head process without a dashboard, its web front end off
+        heads = [" ".join(psutil.Process(pid).cmdline()) for pid in started
+                 if psutil.pid_exists(pid)]
+        assert all("--disable-frontend" in c for c in heads if "dashboard/dashboard.py" in c)
+        assert _tokens(llm, PROMPTS[:1]) == want
+    finally:
+        llm.llm_engine.shutdown()
+    assert not ray.is_initialized()
+    assert _wait_gone(list(started)), "a process of the local Ray instance outlived the engine"
+
+
+def test_a_rank_that_fails_to_load_fails_the_start_with_its_rank_named(tmp_path, smollm_gguf,
+                                                                        ray_address):
+    """A NaN in layer 20's norm: rank 1 (layers 15-29) refuses it while loading; the engine
+    reports that rank's error and the cluster is left free."""
+    for file in smollm_gguf.parent.iterdir():  # the tokenizer files beside the GGUF
+        if file.is_file() and file.suffix not in (".gguf", ".verified"):
+            shutil.copy(file, tmp_path / file.name)
+    norm = next(t for t in gguf_header(smollm_gguf)[1] if t.name == "blk.20.ffn_norm.weight")
+    path = tmp_path / "nan.gguf"
+    shutil.copy(smollm_gguf, path)
+    with open(path, "r+b") as fh:
+        fh.seek(norm.offset + 4 * 7)
+        fh.write(struct.pack("<f", math.nan))
+    with pytest.raises(WorkerError, match=r"pipeline rank 1 failed: ModelFileError: model\.layers"
+                                          r"\.20\.post_attention_layernorm\.weight holds 1 NaN"):
+        LLM(model=str(path), pipeline_parallel_size=2, distributed_executor_backend="ray",
+            **ENGINE)
+    assert not ray.is_initialized()
+    _cluster_is_free(ray_address)
+
+
+def test_serve_with_the_ray_backend_answers(ray_address, tmp_path):
+    """`pagedllm serve -pp 2 --distributed-executor-backend ray` with RAY_ADDRESS set: the
+    stages run as actors of that cluster, a completion comes back, and the cluster is free
+    once the server stops."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                                 "smollm2-135m-instruct", "--port", str(port), "-pp", "2",
+                                 "--distributed-executor-backend", "ray",
+                                 "--max-model-len", "256"], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + DEADLINE_S
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            body = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}).json()
+            assert body["usage"]["completion_tokens"] == 8, body
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    assert "pipeline parallel on Ray" in log.read_text()
+    _cluster_is_free(ray_address)
+
+
+def test_the_ray_backend_without_ray_says_how_to_install_it():
+    """`import ray` fails (as where the extra is not installed): one line, before any model is
+    read."""
+    script = ("import sys; sys.modules['ray'] = None\n"
+              "from pagedllm import LLM\n"
+              "try:\n"
+              "    LLM(model='no-such-model', pipeline_parallel_size=2,\n"
+              "        distributed_executor_backend='ray')\n"
+              "except ValueError as err:\n"
+              "    print(repr(str(err)))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=DEADLINE_S,
+                          env={**os.environ, "PYTHONPATH": str(Path(pagedllm.__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == repr("distributed_executor_backend='ray' needs Ray, which is "
+                                       "not installed: pip install 'pagedllm[ray]'")

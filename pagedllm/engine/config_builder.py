@@ -1,6 +1,7 @@
 """EngineArgs + checkpoint metadata -> EngineConfig: platform, dtype and a memory plan, before loading."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -129,6 +130,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
+        if not mapped and ckpt.kind == "gguf":  # the load holds the kept blocks twice
+            fp = dataclasses.replace(fp, load_extra_bytes=layout.mapped_total)
         sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                      kv_cache_bytes=args.kv_cache_memory_bytes,

@@ -98,6 +98,17 @@ def cgroup_memory(directory: str) -> MemoryInfo:
     return MemoryInfo(info.total_bytes, info.available_bytes, f"{directory}: {info.source}")
 
 
+def own_memory(mem: MemoryInfo) -> MemoryInfo:
+    """What a rank may use, read in its own process: what is free plus what the process
+    already holds (Python, torch), which the plan counts as its runtime."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    return MemoryInfo(mem.total_bytes, min(mem.total_bytes, mem.available_bytes + rss),
+                      f"{mem.source}; this rank already holds {rss / 2**20:.0f} MiB of its "
+                      "runtime")
+
+
 def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
     """Each rank's memory when each runs in its own cgroup (PAGEDLLM_RANK_CGROUP), else None:
     the ranks share this machine's memory."""
@@ -155,7 +166,7 @@ def worker_main(conn: Connection) -> None:
         if rank_cgroup(stage.rank) is not None:  # its own memory: its share must fit there
             from pagedllm.worker.memory import plan_rank_memory
 
-            plan = plan_rank_memory(config, stage, config.platform.memory())
+            plan = plan_rank_memory(config, stage, own_memory(config.platform.memory()))
             logging.getLogger("pagedllm").info("%s", plan.summary())
         dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
                                 world_size=stage.world_size, timeout=COMM_TIMEOUT)
@@ -180,6 +191,11 @@ def _serve(worker: Any, conn: Connection) -> None:
         if call.method == "shutdown":
             send(conn, WorkerReply())
             return
+        if call.method == "comm_stats":  # the stage send/recv timings (worker/stage_comm.py)
+            from pagedllm.worker.stage_comm import COMM_STATS
+
+            send(conn, WorkerReply(COMM_STATS.snapshot(*call.args)))
+            continue
         try:
             reply = WorkerReply(getattr(worker, call.method)(*call.args))
         except Exception as err:
@@ -369,6 +385,11 @@ class MultiprocExecutor(Executor):
 
     def decode_path(self) -> str:
         return self._decode_paths[-1]
+
+    def comm_stats(self, reset: bool = False) -> list[dict]:
+        """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats), in
+        rank order; reset=True starts the counters again."""
+        return self._call_all(WorkerCall("comm_stats", (reset,)))
 
     def shutdown(self) -> None:
         """Stop every rank's process and remove the process group's store."""

@@ -87,6 +87,7 @@ def test_qwen7b_is_refused_fast_with_advice(small_machine, tmp_path):
     assert float(seconds) < 2.0
     assert "does not fit in memory" in text and "cgroup v1 limit 3.50 GiB" in text
     assert "4-bit GGUF" in text and "smaller model of the same family" in text
+    assert "machines like this one" in text and "pipeline_parallel_size=" in text
 
 
 def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
@@ -98,6 +99,12 @@ def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
     assert report["memory"]["source"].startswith("cgroup v1 limit 3.50 GiB")
     assert report["model_report"]["fits"] is False
     assert report["seconds"] < 3.0
+    # the way out of a split: how many machines like this one (bfloat16 7B: ~14 GiB of weights)
+    machines = report["model_report"]["machines_needed"]
+    assert 5 <= machines["tensor_parallel_size"] <= machines["pipeline_parallel_size"]
+    assert ("machines like this one (" in report["model_report"]["reason"]
+            and f"pipeline_parallel_size={machines['pipeline_parallel_size']}"
+            in report["model_report"]["reason"])
 
 
 # The seed user's VM: 3.49 GiB, and a Qwen2-7B-shaped Q2_K GGUF (random blocks, ~2.8 GB)

@@ -1,6 +1,7 @@
 """EngineArgs + checkpoint metadata -> EngineConfig: platform, dtype and a memory plan, before loading."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -9,12 +10,14 @@ import torch
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
+from pagedllm.executor.multiproc import rank_memories
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
-                                      gguf_weight_bytes)
+                                      gguf_weight_bytes, planned_weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import fmt_bytes
-from pagedllm.worker.memory import InsufficientMemoryError, MemoryPlan, footprint, plan_memory
+from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, footprint,
+                                    plan_memory, plan_pipeline_memory)
 
 logger = logging.getLogger("pagedllm")
 
@@ -103,9 +106,16 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        dtype: torch.dtype, quantization: Optional[str] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
     """Size the KV cache and max_model_len from metadata; with dtype 'auto', fall back to a
-    half-size dtype when float32 weights do not fit."""
+    half-size dtype when float32 weights do not fit.
+
+    With pipeline_parallel_size N, each rank's share is planned (its layers' weights, KV cache
+    and workspace, and a runtime): ranks that share this machine's memory for their sum, ranks
+    that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
+    which the rank checks again where it runs before it loads anything."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
+    world = args.pipeline_parallel_size
+    rank_mems = rank_memories(world) if world > 1 and platform.name == "cpu" else None
     batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
@@ -116,11 +126,19 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
         name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
         mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
-        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes)
-        return plan_memory(fp, mem, block_size=args.block_size, max_model_len=args.max_model_len,
-                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
-                           kv_cache_bytes=args.kv_cache_memory_bytes,
-                           num_blocks=args.num_gpu_blocks_override)
+        kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
+        layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
+                       layout)
+        if not mapped and ckpt.kind == "gguf":  # the load holds the kept blocks twice
+            fp = dataclasses.replace(fp, load_extra_bytes=layout.mapped_total)
+        sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+                     kv_cache_bytes=args.kv_cache_memory_bytes,
+                     num_blocks=args.num_gpu_blocks_override)
+        if world > 1:
+            return plan_pipeline_memory(fp, world, mem, rank_mems, **sizes)
+        return plan_memory(fp, mem, **sizes)
 
     can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"
     if args.mmap_weights and not can_map:
@@ -135,8 +153,9 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         if can_map and args.mmap_weights is None:
             try:
                 result = plan(dtype, mapped=True)
-            except InsufficientMemoryError:
-                raise err from None
+            except InsufficientMemoryError as mapped_err:
+                # mapped, the page cache would be too short: say so (its advice is the same)
+                raise (mapped_err if mapped_err.page_cache else err) from None
             logger.warning("the GGUF's blocks do not fit in memory beside the runtime and the "
                            "KV cache: they are mapped, regrouped, from a cache file instead "
                            "(mmap_weights), so the page cache holds them")

@@ -12,7 +12,7 @@ import platform
 import resource
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import DEVICE_HELP, DTYPE_CHOICES
@@ -77,6 +77,12 @@ def add_bench_parser(sub) -> None:
                            "when they do not fit in memory)")
             p.add_argument("--max-num-seqs", type=int, default=64,
                            help="most sequences in a batch")
+            p.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1,
+                           help="pipeline stages, one process each (reports the stage-to-stage "
+                                "send/recv time per step)")
+            p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
+                           help="tensor-parallel ranks (not implemented yet: above 1 refused, as "
+                                "LLM() refuses it)")
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
                            help="json: every request constrained to a JSON array of at least "
                                 "--output-len integers (so it runs to --output-len tokens)")
@@ -123,41 +129,73 @@ def _params(args: argparse.Namespace):
                           structured_outputs=constraint)
 
 
-def run_latency(args: argparse.Namespace) -> dict[str, Any]:
-    """One stream, in-process: the mean of --num-iters requests after --num-iters-warmup."""
+def _llm(args: argparse.Namespace):
+    """The LLM the offline modes measure."""
     from pagedllm.llm import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-              mmap_weights=args.mmap_weights)
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               max_num_seqs=args.max_num_seqs, quantization=args.quantization,
+               mmap_weights=args.mmap_weights,
+               pipeline_parallel_size=args.pipeline_parallel_size,
+               tensor_parallel_size=args.tensor_parallel_size)
+
+
+def _comm_stats(llm, reset: bool = False) -> Optional[list[dict]]:
+    """Each pipeline rank's send/recv counters (worker/stage_comm.py), or None in one process."""
+    stats = getattr(llm.llm_engine.engine_core.executor, "comm_stats", None)
+    return None if stats is None else stats(reset)
+
+
+def _comm_report(stats: Optional[list[dict]]) -> dict[str, Any]:
+    """Per step: the first rank's send (the transfer: the next stage is waiting in its
+    receive) and each later rank's receive (the transfer plus the wait for the stages before
+    it to compute), in milliseconds; the bytes a step moves."""
+    if not stats:
+        return {}
+    steps = max(1, stats[0]["sends"])
+    out: dict[str, Any] = {"pp_steps": stats[0]["sends"],
+                           "pp_bytes_per_step": stats[0]["send_bytes"] / steps}
+    for rank, s in enumerate(stats):
+        if s["sends"]:
+            out[f"pp_rank{rank}_send_ms_per_step"] = 1e3 * s["send_s"] / s["sends"]
+        if s["recvs"]:
+            out[f"pp_rank{rank}_recv_ms_per_step"] = 1e3 * s["recv_s"] / s["recvs"]
+    return out
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """One stream, in-process: the mean of --num-iters requests after --num-iters-warmup."""
+    llm = _llm(args)
     params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_iters_warmup + args.num_iters,
                              args.input_len)
-    times = [_timed_request(llm.llm_engine, f"latency-{i}", prompt, params)
-             for i, prompt in enumerate(prompts)][args.num_iters_warmup:]
+    times = []
+    for i, prompt in enumerate(prompts):
+        if i == args.num_iters_warmup:
+            _comm_stats(llm, reset=True)
+        times.append(_timed_request(llm.llm_engine, f"latency-{i}", prompt, params))
+    times = times[args.num_iters_warmup:]
     ttft = statistics.mean(first for first, _ in times)
     result = {"num_iters": args.num_iters, "ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
               "request_latency_s": statistics.mean(total for _, total in times)}
     if args.output_len > 1:
         decode_s = statistics.mean(total - first for first, total in times)
         result["decode_tok_per_s"] = (args.output_len - 1) / decode_s
-    return result
+        result["decode_ms_per_step"] = 1e3 * decode_s / (args.output_len - 1)
+    return {**result, **_comm_report(_comm_stats(llm))}
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """N prompts through LLM.generate."""
-    from pagedllm.llm import LLM
-
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-              mmap_weights=args.mmap_weights)
+    llm = _llm(args)
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len)
     params = _params(args)
     if params.structured_outputs is not None:
         # once per engine, untimed: the grammar engine's view of the vocabulary (~1 s for 152k
         # tokens) and this schema's compilation
         llm.generate(prompts[:1], _params(args).clone(), use_tqdm=False)
+    _comm_stats(llm, reset=True)
     before = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -169,7 +207,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "output_tok_per_s": out_tokens / elapsed,
             "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
             "system_cpu_s": after.ru_stime - before.ru_stime,
-            "minor_page_faults": after.ru_minflt - before.ru_minflt}
+            "minor_page_faults": after.ru_minflt - before.ru_minflt,
+            **_comm_report(_comm_stats(llm))}
 
 
 async def _one_request(client, url: str, headers: dict, body: dict) -> dict[str, Any]:

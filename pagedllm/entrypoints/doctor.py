@@ -75,7 +75,9 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
         plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:
         offline = offline_alternative(model, num_params, device, max_model_len)
+        # how many machines like this one would hold it split (also in the reason's ways out)
         out.update(fits=False, dtype=str(chosen).removeprefix("torch."), offline_model=offline,
+                   machines_needed=err.machines,
                    reason=str(err) if offline is None else _with_way_out(
                        str(err), f"  - a model already on this machine (no download): "
                        f"{offline} (pagedllm serve {offline})"))

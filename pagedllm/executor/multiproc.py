@@ -16,11 +16,20 @@ this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the 
 script in every child, so a script without an `if __name__ == "__main__":` guard would start
 engines without end. Messages are plain pickles (tensors by value), which need no shared
 authentication key.
+
+PAGEDLLM_RANK_CGROUP puts each rank in its own memory cgroup, a machine of its own as far as
+memory goes: a cgroup directory with a `{rank}` placeholder (/sys/fs/cgroup/memory/pp{rank} on
+cgroup v1, /sys/fs/cgroup/pp{rank} on v2), made beforehand by whoever sets the variable. A rank
+writes its pid into the directory's cgroup.procs first thing, before it imports torch or loads
+anything; the planner then plans each rank's share against its cgroup's limit instead of
+planning all ranks' sum against this machine, and each rank checks its share again against
+the limit it reads where it runs, refusing (with the rank named) before it loads a weight.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import shutil
 import socket
@@ -40,6 +49,7 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.executor.abstract import Executor
+from pagedllm.platforms.interface import MemoryInfo
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,6 +57,65 @@ POLL_S = 0.5  # how often a wait on a rank's reply checks that the rank is still
 STOP_S = 10.0  # how long shutdown waits for a rank to exit before it is killed
 # gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
 COMM_TIMEOUT = timedelta(minutes=10)
+
+
+RANK_CGROUP_ENV = "PAGEDLLM_RANK_CGROUP"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def rank_cgroup(rank: int) -> Optional[str]:
+    """The cgroup directory rank `rank` joins (PAGEDLLM_RANK_CGROUP), or None."""
+    template = os.environ.get(RANK_CGROUP_ENV)
+    if not template:
+        return None
+    if "{rank}" not in template:
+        raise ValueError(f"{RANK_CGROUP_ENV}={template!r} must hold a {{rank}} placeholder: "
+                         "each rank needs a cgroup of its own")
+    return template.replace("{rank}", str(rank))
+
+
+def cgroup_memory(directory: str) -> MemoryInfo:
+    """What a process in the cgroup `directory` may use (v1 under /sys/fs/cgroup/memory, else
+    v2), read from here before the process exists, as the process itself would read it."""
+    import psutil
+
+    from pagedllm.platforms.cgroup import memory_limit
+    from pagedllm.platforms.cpu import memory_info
+
+    path = Path(directory).resolve()
+    v1 = CGROUP_ROOT / "memory"
+    try:
+        line = (f"1:memory:/{path.relative_to(v1)}" if path.is_relative_to(v1)
+                else f"0::/{path.relative_to(CGROUP_ROOT)}")
+    except ValueError:
+        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup directory under "
+                         f"{CGROUP_ROOT}") from None
+    if not (path / "cgroup.procs").exists():
+        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup (no cgroup.procs); "
+                         "make it first (mkdir, then write its memory limit)")
+    vm = psutil.virtual_memory()
+    info = memory_info(vm.available, vm.total, memory_limit(CGROUP_ROOT, line))
+    return MemoryInfo(info.total_bytes, info.available_bytes, f"{directory}: {info.source}")
+
+
+def own_memory(mem: MemoryInfo) -> MemoryInfo:
+    """What a rank may use, read in its own process: what is free plus what the process
+    already holds (Python, torch), which the plan counts as its runtime."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    return MemoryInfo(mem.total_bytes, min(mem.total_bytes, mem.available_bytes + rss),
+                      f"{mem.source}; this rank already holds {rss / 2**20:.0f} MiB of its "
+                      "runtime")
+
+
+def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
+    """Each rank's memory when each runs in its own cgroup (PAGEDLLM_RANK_CGROUP), else None:
+    the ranks share this machine's memory."""
+    dirs = [rank_cgroup(r) for r in range(world_size)]
+    if dirs[0] is None:
+        return None
+    return [cgroup_memory(d) for d in dirs]
 
 
 class WorkerDiedError(RuntimeError):
@@ -110,6 +179,11 @@ def worker_main(conn: Connection) -> None:
     configure_logging()
     try:
         config, stage, init_method = recv(conn)
+        if rank_cgroup(stage.rank) is not None:  # its own memory: its share must fit there
+            from pagedllm.worker.memory import plan_rank_memory
+
+            plan = plan_rank_memory(config, stage, own_memory(config.platform.memory()))
+            logging.getLogger("pagedllm").info("%s", plan.summary())
         worker = start_worker(config, stage, init_method)
         send(conn, WorkerReply(worker.model_runner.decode_path))
         _serve(worker, conn)
@@ -129,6 +203,11 @@ def _serve(worker: Any, conn: Connection) -> None:
         if call.method == "shutdown":
             send(conn, WorkerReply())
             return
+        if call.method == "comm_stats":  # the stage send/recv timings (worker/stage_comm.py)
+            from pagedllm.worker.stage_comm import COMM_STATS
+
+            send(conn, WorkerReply(COMM_STATS.snapshot(*call.args)))
+            continue
         try:
             reply = WorkerReply(getattr(worker, call.method)(*call.args))
         except Exception as err:
@@ -162,12 +241,17 @@ def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) ->
     ours, theirs = socket.socketpair()
     # the child imports with this process's sys.path, in its order: `python -m` would put the
     # working directory first, where another checkout's pagedllm may shadow this one
-    bootstrap = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+    # a rank with a cgroup of its own joins it first: before torch, before any page is touched
+    bootstrap = ("import json, os, sys\n"
+                 "if sys.argv[3]:\n"
+                 "    with open(os.path.join(sys.argv[3], 'cgroup.procs'), 'w') as f:\n"
+                 "        f.write(str(os.getpid()))\n"
+                 "sys.path[:] = json.loads(sys.argv[2])\n"
                  "from pagedllm.executor.rank_process import main; main(int(sys.argv[1]))")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", bootstrap, str(theirs.fileno()), json.dumps(sys.path)],
-            pass_fds=(theirs.fileno(),))
+            [sys.executable, "-c", bootstrap, str(theirs.fileno()), json.dumps(sys.path),
+             rank_cgroup(stage.rank) or ""], pass_fds=(theirs.fileno(),))
     finally:
         theirs.close()  # the child holds its end: its death closes the pipe here
     rank = _Rank(stage, proc, Connection(ours.detach()))
@@ -313,6 +397,11 @@ class MultiprocExecutor(Executor):
 
     def decode_path(self) -> str:
         return self._decode_paths[-1]
+
+    def comm_stats(self, reset: bool = False) -> list[dict]:
+        """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats), in
+        rank order; reset=True starts the counters again."""
+        return self._call_all(WorkerCall("comm_stats", (reset,)))
 
     def shutdown(self) -> None:
         """Stop every rank's process and remove the process group's store."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 from gguf import GGMLQuantizationType
@@ -9,7 +10,7 @@ from gguf import GGMLQuantizationType
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
 from pagedllm.loader.gguf_header import gguf_header
-from pagedllm.loader.safetensors_header import safetensors_num_params
+from pagedllm.loader.safetensors_header import safetensors_num_params, safetensors_shapes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 INDEX_FILE = "model.safetensors.index.json"
@@ -64,3 +65,120 @@ def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int,
     return sum(t.nbytes if len(t.shape) in (2, 3) and t.qtype in kept_types
                and (kept_names is None or t.name in kept_names)
                else math.prod(t.shape) * itemsize for t in tensors)
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """A checkpoint's weight bytes grouped by where a pipeline stage holds them: each decoder
+    layer, the token embedding (first stage), the final norm and output head (last stage), and
+    anything else (first stage). `mapped_*`: of those bytes, the ones in kept GGUF blocks, which
+    mmap_weights maps from a file instead of holding in anonymous memory."""
+
+    layers: tuple[int, ...]
+    embedding: int
+    head: int
+    other: int = 0
+    mapped_layers: tuple[int, ...] = ()
+    mapped_embedding: int = 0
+    mapped_head: int = 0
+    tied: bool = False  # the head shares the embedding: a last stage without it holds a copy
+
+    @property
+    def total(self) -> int:
+        """Bytes of the whole model in one process."""
+        return sum(self.layers) + self.embedding + self.head + self.other
+
+    @property
+    def mapped_total(self) -> int:
+        """Bytes of the whole model's kept blocks."""
+        return sum(self.mapped_layers) + self.mapped_embedding + self.mapped_head
+
+    def stage_bytes(self, start: int, end: int, first: bool, last: bool) -> tuple[int, int]:
+        """(bytes, of which mapped bytes) of a stage holding layers [start, end)."""
+        mapped = self.mapped_layers or (0,) * len(self.layers)
+        size, blocks = sum(self.layers[start:end]), sum(mapped[start:end])
+        if first:
+            size, blocks = size + self.embedding + self.other, blocks + self.mapped_embedding
+        if last:
+            size, blocks = size + self.head, blocks + self.mapped_head
+            if self.tied and not first:  # keep_stage gives the tied head its own copy
+                size, blocks = size + self.embedding, blocks + self.mapped_embedding
+        return size, blocks
+
+
+def _group(name: str) -> tuple[str, int]:
+    """Where a tensor of a GGUF or an HF checkpoint sits: ("layer", i), ("embedding", 0),
+    ("head", 0) or ("other", 0)."""
+    for prefix in ("blk.", "model.layers."):
+        if name.startswith(prefix):
+            index = name[len(prefix):].split(".", 1)[0]
+            if index.isdigit():
+                return "layer", int(index)
+    if name.startswith(("token_embd.", "model.embed_tokens.")):
+        return "embedding", 0
+    if name.startswith(("output.", "output_norm.", "lm_head.", "model.norm.")):
+        return "head", 0
+    return "other", 0
+
+
+def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool) -> WeightLayout:
+    """A WeightLayout from (tensor name, bytes, mapped bytes) triples."""
+    layers, mapped = [0] * num_layers, [0] * num_layers
+    groups = {"embedding": [0, 0], "head": [0, 0], "other": [0, 0]}
+    for name, size, blocks in sizes:
+        kind, index = _group(name)
+        if kind == "layer" and index < num_layers:
+            layers[index] += size
+            mapped[index] += blocks
+        else:
+            groups[kind if kind != "layer" else "other"][0] += size
+            groups[kind if kind != "layer" else "other"][1] += blocks
+    return WeightLayout(tuple(layers), groups["embedding"][0], groups["head"][0],
+                        groups["other"][0], tuple(mapped), groups["embedding"][1],
+                        groups["head"][1], tied)
+
+
+def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = frozenset(),
+                  kept_names: Optional[frozenset] = None) -> WeightLayout:
+    """The checkpoint's weights grouped by stage, from its tensor table (GGUF header or
+    safetensors headers; else the config's shapes, layers of equal size): float tensors at
+    itemsize bytes a value, a GGUF's matrices of kept_types (of kept_names, when given) in
+    their blocks, as gguf_weight_bytes counts them."""
+    a = ckpt.arch
+    tied = a.tie_word_embeddings
+    if ckpt.kind == "gguf":
+        sizes = []
+        for t in gguf_header(ckpt.path)[1]:
+            kept = (len(t.shape) in (2, 3) and t.qtype in kept_types
+                    and (kept_names is None or t.name in kept_names))
+            size = t.nbytes if kept else math.prod(t.shape) * itemsize
+            sizes.append((t.name, size, size if kept else 0))
+        tied = tied or not any(name == "output.weight" for name, _, _ in sizes)
+        return _layout(a.num_hidden_layers, sizes, tied)
+    files = sorted(ckpt.path.glob("*.safetensors"))
+    if files:
+        sizes = [(name, math.prod(shape) * itemsize, 0)
+                 for f in files for name, shape in safetensors_shapes(f).items()]
+        tied = tied or not any(name.startswith("lm_head.") for name, _, _ in sizes)
+        return _layout(a.num_hidden_layers, sizes, tied)
+    total = a.num_params()  # the config's shapes: embedding, head, equal layers
+    embed = a.vocab_size * a.hidden_size
+    head = a.hidden_size + (0 if tied else embed)
+    per_layer = (total - embed - head) // max(1, a.num_hidden_layers)
+    return WeightLayout((per_layer * itemsize,) * a.num_hidden_layers, embed * itemsize,
+                        head * itemsize, tied=tied)
+
+
+def planned_weight_layout(ckpt: Checkpoint, block_types: frozenset, quantization: str,
+                          itemsize: int) -> WeightLayout:
+    """The layout of the weights as model_loader holds them: a GGUF run with its blocks kept
+    ("gguf") keeps every matrix of block_types; run dequantized ("none"), only the token
+    embedding's blocks (gguf_kept_embedding); anything else at itemsize bytes a value."""
+    if ckpt.kind == "gguf" and quantization == "gguf":
+        return weight_layout(ckpt, itemsize, block_types)
+    if ckpt.kind == "gguf" and quantization == "none":
+        embed = gguf_kept_embedding(ckpt, block_types)
+        if embed is not None:
+            return weight_layout(ckpt, itemsize, frozenset({embed}),
+                                 frozenset({"token_embd.weight"}))
+    return weight_layout(ckpt, itemsize)

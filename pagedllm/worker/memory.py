@@ -4,10 +4,12 @@ Everything here runs on metadata before a weight byte is read or downloaded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.loader.metadata import WeightLayout
 from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
 
 RUNTIME_OVERHEAD_BYTES = 384 * 1024 ** 2  # tokenizer, Python objects, allocator slack still to come
@@ -31,7 +33,17 @@ FAMILY_SIZES = {
 
 
 class InsufficientMemoryError(ValueError):
-    """The model cannot run in the memory available; the message says what would."""
+    """The model cannot run in the memory available; the message says what would.
+
+    machines: how many machines like this one would hold it split, as
+    {"pipeline_parallel_size": n, "tensor_parallel_size": m} (a value None: not even split
+    over one machine per layer / per KV head)."""
+
+    def __init__(self, message: str, machines: Optional[dict] = None,
+                 page_cache: bool = False) -> None:
+        super().__init__(message)
+        self.machines = machines or {}
+        self.page_cache = page_cache  # the blocks would be mapped, but the page cache is short
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,19 @@ class ModelFootprint:
     dtype_name: str
     source: str  # where the parameter count came from
     mapped_bytes: int = 0  # block weights mapped from a file (page cache), not in weight_bytes
+    layout: Optional[WeightLayout] = None  # the weights by layer, for splits over ranks
+    num_layers: Optional[int] = None  # decoder layers held (KV cache, activations); None: all
+    has_head: bool = True  # computes the logits (the last pipeline stage, or the whole model)
+    processes: int = 1  # ranks that share this memory: a runtime and a workspace each
+    where: str = ""  # which rank(s) this is, for messages: "" for the whole model
+    # bytes a load holds twice at its peak: kept GGUF blocks in anonymous memory are read, then
+    # regrouped for the kernels (a Qwen2-7B Q4_K stage of 2.13 GiB of blocks peaked at 4.5 GB)
+    load_extra_bytes: int = 0
+
+    @property
+    def layers(self) -> int:
+        """Decoder layers whose KV cache this footprint holds."""
+        return self.arch.num_hidden_layers if self.num_layers is None else self.num_layers
 
     @property
     def max_len_supported(self) -> int:
@@ -67,6 +92,8 @@ class MemoryPlan:
     overhead_bytes: int
     available: MemoryInfo
     mapped_bytes: int = 0  # block weights mapped from a file: they live in the page cache
+    where: str = ""  # the pipeline rank(s) planned, when split; "" for one process
+    ranks: tuple["MemoryPlan", ...] = ()  # each rank's own plan, when each has its own memory
 
     def page_cache_room(self) -> int:
         """Bytes of the planned memory left for the page cache to hold mapped weights."""
@@ -86,8 +113,13 @@ class MemoryPlan:
                 f"~{fmt_bytes(self.mapped_bytes - room)} from disk")
 
     def summary(self) -> str:
-        """One log line."""
-        return (f"memory plan: weights {fmt_bytes(self.weight_bytes)}{self.mapped_note()}, KV cache "
+        """One log line (one per rank when each rank has its own memory)."""
+        if self.ranks:
+            return "\n".join(r.summary() for r in self.ranks) + (
+                f"\nevery rank holds the same {self.num_blocks} KV blocks (the fewest any rank "
+                f"fits) and max_model_len {self.max_model_len}")
+        where = f" ({self.where})" if self.where else ""
+        return (f"memory plan{where}: weights {fmt_bytes(self.weight_bytes)}{self.mapped_note()}, KV cache "
                 f"{fmt_bytes(self.kv_cache_bytes)} ({self.num_blocks} blocks of {self.block_size}"
                 f" = {self.num_blocks * self.block_size} tokens), activations "
                 f"{fmt_bytes(self.activation_bytes)}, runtime {fmt_bytes(self.overhead_bytes)}; "
@@ -103,23 +135,28 @@ def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
 
 def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name: str,
               source: str, weight_bytes: Optional[int] = None,
-              mapped_bytes: int = 0) -> ModelFootprint:
+              mapped_bytes: int = 0, layout: Optional[WeightLayout] = None) -> ModelFootprint:
     """A model's needs when its weights are held in a dtype of `itemsize` bytes (or take
-    weight_bytes when some stay quantized, mapped_bytes of them from a file)."""
+    weight_bytes when some stay quantized, mapped_bytes of them from a file); layout: the
+    weights by layer, which splits over pipeline ranks need."""
     resident = num_params * itemsize if weight_bytes is None else weight_bytes
     return ModelFootprint(arch, num_params, resident - mapped_bytes,
-                          kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes)
+                          kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes,
+                          layout)
 
 
 def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_seqs: int,
                      kv_cache_bytes: int) -> int:
-    """Peak workspace of one step: hidden activations, logits, one layer's gathered K/V."""
+    """Peak workspace of one step: hidden activations (in each rank), logits (where the head
+    is), one layer's gathered K/V (in each rank)."""
     a = fp.arch
     width = 4 * a.hidden_size + _ffn_width(a) + (
         a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-    hidden = max_num_batched_tokens * width * 4
-    logits = max_num_seqs * a.vocab_size * 4 * 4  # logits, float32 copy, softmax, filtered
-    gathered = kv_cache_bytes // max(1, a.num_hidden_layers)  # decode reads one layer's context
+    hidden = max_num_batched_tokens * width * 4 * fp.processes
+    # logits, float32 copy, softmax, filtered
+    logits = max_num_seqs * a.vocab_size * 4 * 4 if fp.has_head else 0
+    # decode reads one layer's context
+    gathered = kv_cache_bytes * fp.processes // max(1, fp.layers)
     return hidden + logits + gathered
 
 
@@ -147,9 +184,22 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                          f"({fp.max_len_supported} positions)")
     block_bytes = fp.kv_bytes_per_token * block_size
     budget = int(mem.available_bytes * MEMORY_UTILIZATION)
+    overhead_bytes *= fp.processes
     base_act = activation_bytes(fp, max_num_batched_tokens, max_num_seqs, 0)
+    load_peak = fp.weight_bytes + fp.load_extra_bytes + overhead_bytes
+    if fp.load_extra_bytes and load_peak > budget:
+        need_len = max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported)
+        raise InsufficientMemoryError(
+            f"loading does not fit in memory{_where(fp)}: the GGUF's "
+            f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped for the "
+            f"kernels, and the load peaks near {fmt_bytes(load_peak)} with the runtime; "
+            f"mapped from a file (mmap_weights) they are regrouped into it instead\n"
+            + _advice(fp, mem, budget, overhead_bytes, base_act, need_len, block_size,
+                      max_num_batched_tokens, max_num_seqs),
+            _machines(fp, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
+                      max_num_seqs, need_len))
     # decode gathers one layer's context: 1/num_layers of the cache on top of the cache itself
-    kv_share = 1 + 1 / max(1, fp.arch.num_hidden_layers)
+    kv_share = 1 + fp.processes / max(1, fp.layers)
     free_for_kv = max(0, int((budget - fp.weight_bytes - overhead_bytes - base_act) / kv_share))
     want_len = max_model_len or fp.max_len_supported
     explicit_cache = num_blocks is not None or kv_cache_bytes is not None
@@ -163,26 +213,156 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     cache_tokens = num_blocks * block_size
     min_len = max_model_len or (1 if explicit_cache else min(MIN_MODEL_LEN, want_len))
     if num_blocks * block_bytes > free_for_kv or (not explicit_cache and cache_tokens < min_len):
-        raise InsufficientMemoryError(_advice(fp, mem, budget, overhead_bytes, base_act,
-                                              min_len if not explicit_cache else max(1, cache_tokens),
-                                              block_size))
+        need_len = min_len if not explicit_cache else max(1, cache_tokens)
+        raise InsufficientMemoryError(
+            _advice(fp, mem, budget, overhead_bytes, base_act, need_len, block_size,
+                    max_num_batched_tokens, max_num_seqs),
+            _machines(fp, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
+                      max_num_seqs, need_len))
     if cache_tokens < min_len:
         raise ValueError(f"max_model_len={min_len} does not fit the KV cache ({num_blocks} blocks "
                          f"of {block_size} = {cache_tokens} tokens); lower max_model_len or "
                          "raise kv_cache_memory_bytes")
     kv_bytes = num_blocks * block_bytes
-    return MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), max_num_seqs,
+    plan = MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), max_num_seqs,
                       fp.weight_bytes, kv_bytes,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
-                      overhead_bytes, mem, fp.mapped_bytes)
+                      overhead_bytes, mem, fp.mapped_bytes, fp.where)
+    room = plan.page_cache_room()
+    if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes:
+        need_len = max_model_len or min(MIN_MODEL_LEN, want_len)
+        anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
+        raise InsufficientMemoryError(
+            f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a file (mmap_weights) the "
+            f"page cache could hold only ~{fmt_bytes(room)} of their "
+            f"{fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; pagedllm maps them "
+            f"from {MAPPED_MIN_SHARE:.0%}): each decode step would re-read "
+            f"~{fmt_bytes(fp.mapped_bytes - room)} from disk\n"
+            + _advice(anon, mem, budget, overhead_bytes, base_act, need_len, block_size,
+                      max_num_batched_tokens, max_num_seqs),
+            _machines(anon, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
+                      max_num_seqs, need_len), page_cache=True)
+    return plan
+
+
+def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
+    """One pipeline rank's share of a whole-model footprint (which must carry its layout): its
+    layers' weights (the embedding on the first, the final norm and head on the last), its
+    layers' KV cache, its workspace and one runtime."""
+    if fp.layout is None:
+        raise ValueError("a footprint without a weight layout cannot be split into stages")
+    size, blocks = fp.layout.stage_bytes(stage.start_layer, stage.end_layer, stage.is_first,
+                                         stage.is_last)
+    mapped = blocks if fp.mapped_bytes else 0
+    n = len(stage.layers)
+    return replace(fp, weight_bytes=size - mapped, mapped_bytes=mapped,
+                   load_extra_bytes=blocks if fp.load_extra_bytes else 0,
+                   kv_bytes_per_token=fp.kv_bytes_per_token * n // fp.arch.num_hidden_layers,
+                   num_layers=n, has_head=stage.is_last, processes=1,
+                   where=f"pipeline rank {stage.rank} of {stage.world_size}: layers "
+                         f"{stage.start_layer}-{stage.end_layer - 1}"
+                         + (", embedding" if stage.is_first else "")
+                         + (", head" if stage.is_last else ""))
+
+
+def shared_footprint(fp: ModelFootprint, world_size: int) -> ModelFootprint:
+    """The footprint of world_size pipeline ranks that share one memory (processes on one
+    machine): the sum of their shares, with a runtime and a workspace per rank."""
+    stages = [stage_footprint(fp, PipelineStage.of_rank(fp.arch.num_hidden_layers, r,
+                                                       world_size)) for r in range(world_size)]
+    return replace(fp, weight_bytes=sum(s.weight_bytes for s in stages),
+                   mapped_bytes=sum(s.mapped_bytes for s in stages),
+                   load_extra_bytes=sum(s.load_extra_bytes for s in stages),
+                   kv_bytes_per_token=sum(s.kv_bytes_per_token for s in stages),
+                   num_layers=fp.layers, has_head=True, processes=world_size,
+                   where=f"{world_size} pipeline ranks on this machine, sharing its memory")
+
+
+def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
+                         rank_mems: Optional[Sequence[MemoryInfo]] = None,
+                         **kwargs) -> MemoryPlan:
+    """plan_memory for world_size pipeline ranks. Ranks that share this machine's memory
+    (rank_mems None) are planned as the sum of their shares against `mem`; ranks that each
+    have their own memory (a cgroup or a machine each: rank_mems[r]) each plan their own
+    share, and all then take the fewest KV blocks and the shortest max_model_len any rank
+    fits (every rank holds the same block ids)."""
+    if rank_mems is None:
+        return plan_memory(shared_footprint(fp, world_size), mem, **kwargs)
+    plans = []
+    for r, rank_mem in enumerate(rank_mems):
+        share = stage_footprint(fp, PipelineStage.of_rank(fp.arch.num_hidden_layers, r,
+                                                         world_size))
+        plans.append(plan_memory(share, rank_mem, **kwargs))  # a refusal names the rank
+    tightest = min(plans, key=lambda p: p.num_blocks * p.block_size)
+    max_len = min(p.max_model_len for p in plans)
+    plans = [replace(p, num_blocks=tightest.num_blocks, max_model_len=max_len,
+                     kv_cache_bytes=p.kv_cache_bytes // p.num_blocks * tightest.num_blocks)
+             for p in plans]
+    return replace(plans[0], ranks=tuple(plans), max_model_len=max_len,
+                   num_blocks=tightest.num_blocks,
+                   weight_bytes=max(p.weight_bytes for p in plans),
+                   where=f"{world_size} pipeline ranks, each in its own memory")
+
+
+def _where(fp: ModelFootprint) -> str:
+    """" (pipeline rank 1 of 2: layers 14-27, head)" for a share of the model, else ""."""
+    return f" ({fp.where})" if fp.where else ""
+
+
+def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs: int,
+              min_len: int) -> dict:
+    """How many machines with this budget each would hold the model split: the smallest
+    pipeline_parallel_size whose largest stage fits (weights by layer from the layout), and
+    the smallest tensor_parallel_size whose share (weights/N, the KV heads split, replicated
+    below one per rank) fits; None when no split does."""
+    a = fp.arch
+    total = fp.layout.total if fp.layout is not None else fp.weight_bytes + fp.mapped_bytes
+    whole = replace(fp, weight_bytes=total, mapped_bytes=0, processes=1, num_layers=None,
+                    load_extra_bytes=0,
+                    kv_bytes_per_token=fp.kv_bytes_per_token * a.num_hidden_layers
+                    // max(1, fp.layers), has_head=True)
+    pp = None
+    if whole.layout is not None:
+        for n in range(2, a.num_hidden_layers + 1):
+            fits = True
+            for r in range(n):
+                s = stage_footprint(whole, PipelineStage.of_rank(a.num_hidden_layers, r, n))
+                kv = s.kv_bytes_per_token * min_len
+                if s.weight_bytes + kv + overhead + activation_bytes(s, batched, seqs, kv) > budget:
+                    fits = False
+                    break
+            if fits:
+                pp = n
+                break
+    tp = None
+    for n in range(2, 65):
+        kv_heads = max(1, a.num_key_value_heads // n) if a.num_key_value_heads >= n else 1
+        kv = whole.kv_bytes_per_token * kv_heads // max(1, a.num_key_value_heads) * min_len
+        if whole.weight_bytes // n + kv + overhead + activation_bytes(whole, batched, seqs,
+                                                                      kv) // n <= budget:
+            tp = n
+            break
+    return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp}
+
+
+def _machines_line(machines: dict, budget: int) -> Optional[str]:
+    pp, tp = machines.get("pipeline_parallel_size"), machines.get("tensor_parallel_size")
+    if pp is None and tp is None:
+        return None
+    ways = [f"pipeline_parallel_size={pp}" for _ in [0] if pp is not None] + [
+        f"tensor_parallel_size={tp} (weights/{tp} each)" for _ in [0] if tp is not None]
+    count = min(n for n in (pp, tp) if n is not None)
+    return (f"  - split over {count}+ machines like this one ({fmt_bytes(budget)} planned "
+            f"each): {' or '.join(ways)} with distributed_executor_backend='ray', or one rank "
+            f"per cgroup (PAGEDLLM_RANK_CGROUP); ranks on this one machine share its memory")
 
 
 def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,
-            min_len: int, block_size: int) -> str:
+            min_len: int, block_size: int, batched: int = 0, seqs: int = 1) -> str:
     one_seq = fp.kv_bytes_per_token * min_len
     need = fp.weight_bytes + one_seq + overhead + act
     lines = [
-        f"the model does not fit in memory: it needs {fmt_bytes(need)} = weights "
+        f"the model does not fit in memory{_where(fp)}: it needs {fmt_bytes(need)} = weights "
         f"{fmt_bytes(fp.weight_bytes)} ({fp.num_params / 1e9:.2f} B parameters in "
         f"{fp.dtype_name}; {fp.source}) + KV cache {fmt_bytes(one_seq)} for one sequence of "
         f"{min_len} tokens + activations {fmt_bytes(act)} + runtime {fmt_bytes(overhead)}",
@@ -210,11 +390,41 @@ def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act
         fit_len = fit_len // block_size * block_size
         lines.append(f"  - a shorter max_model_len: {fit_len} tokens fit "
                      f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)")
+    line = _machines_line(_machines(fp, budget, overhead // fp.processes, batched, seqs,
+                                    min_len), budget)
+    if line is not None:
+        lines.append(line)
     itemsize = fp.weight_bytes / max(1, n)
     smaller = [(name, p) for name, p in FAMILY_SIZES.get(fp.arch.architecture, [])
-               if p * itemsize + overhead + act < budget and p < n]
+               if p * itemsize + overhead + act < budget and p < n and fp.num_layers is None]
     if smaller:
         name, p = smaller[-1]
         lines.append(f"  - a smaller model of the same family: {name} (~{fmt_bytes(p * itemsize)}"
                      f" in {fp.dtype_name})")
     return "\n".join(lines)
+
+
+def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo) -> MemoryPlan:
+    """Check, in a pipeline rank's own process and before it loads anything, that its share
+    (config's planned KV blocks, max_model_len and mmap_weights) fits the memory it reads
+    where it runs (its own cgroup or machine); InsufficientMemoryError names the rank."""
+    import torch
+
+    from pagedllm.loader.checkpoint import resolve_checkpoint
+    from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+
+    ckpt = resolve_checkpoint(config.model_path)
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
+    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize)
+    num_params, source = checkpoint_num_params(ckpt)
+    name = str(config.dtype).removeprefix("torch.")
+    fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
+                   layout.mapped_total if config.mmap_weights else 0, layout)
+    if not config.mmap_weights:
+        fp = replace(fp, load_extra_bytes=layout.mapped_total)
+    sched = config.scheduler
+    return plan_memory(stage_footprint(fp, stage), mem, block_size=config.cache.block_size,
+                       max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
+                       max_num_batched_tokens=sched.max_num_batched_tokens,
+                       num_blocks=config.cache.num_blocks)

@@ -1,7 +1,14 @@
 """The residual stream between pipeline stages, over torch.distributed point-to-point (gloo on
 the CPU). Every stage sees the same SchedulerOutput, so the receiver knows how many tokens come
-and no shape needs to travel: one tensor [2, T, H] a step, the layer output and the residual."""
+and no shape needs to travel: one tensor [2, T, H] a step, the layer output and the residual.
+
+Each send and receive is timed (COMM_STATS, read by the executor's comm_stats call): a send
+blocks until the next stage takes the tensor, so on the first stage it is the transfer; a
+receive also waits for the stages before to compute, so it holds that wait too."""
 from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -10,11 +17,37 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.models.pipeline import IntermediateTensors
 
 
+@dataclass
+class CommStats:
+    """Point-to-point traffic of this rank since it started (or since the last reset)."""
+
+    sends: int = 0
+    send_s: float = 0.0
+    send_bytes: int = 0
+    recvs: int = 0
+    recv_s: float = 0.0
+    recv_bytes: int = 0
+
+    def snapshot(self, reset: bool = False) -> dict:
+        """The counters as a dict; reset=True starts them again from zero."""
+        out = asdict(self)
+        if reset:
+            self.__init__()
+        return out
+
+
+COMM_STATS = CommStats()
+
+
 def send_to_next(stage: PipelineStage, stream: IntermediateTensors) -> None:
     """Send a stage's output to the next stage (blocks until it is taken)."""
     # float32 holds a bf16/fp16 layer output exactly, so one tensor carries both
-    packed = torch.stack([stream.hidden.float(), stream.residual.float()])  # [2, T, H]
-    dist.send(packed.cpu(), dst=stage.rank + 1)
+    packed = torch.stack([stream.hidden.float(), stream.residual.float()]).cpu()  # [2, T, H]
+    started = time.perf_counter()
+    dist.send(packed, dst=stage.rank + 1)
+    COMM_STATS.send_s += time.perf_counter() - started
+    COMM_STATS.sends += 1
+    COMM_STATS.send_bytes += packed.numel() * 4
 
 
 def recv_from_prev(stage: PipelineStage, num_tokens: int, hidden_size: int,
@@ -22,6 +55,10 @@ def recv_from_prev(stage: PipelineStage, num_tokens: int, hidden_size: int,
     """The previous stage's output for a step of num_tokens tokens; the layer output back in
     the model's dtype, the residual in float32 (as the layer loop keeps them)."""
     packed = torch.empty(2, num_tokens, hidden_size, dtype=torch.float32)
+    started = time.perf_counter()
     dist.recv(packed, src=stage.rank - 1)
+    COMM_STATS.recv_s += time.perf_counter() - started
+    COMM_STATS.recvs += 1
+    COMM_STATS.recv_bytes += packed.numel() * 4
     packed = packed.to(device)
     return IntermediateTensors(packed[0].to(dtype), packed[1])

@@ -49,6 +49,24 @@ def test_latency_at_the_smallest_counts_reports_no_decode_rate(tmp_path, smollm_
     assert "decode_tok_per_s" not in result  # one token: nothing after the first to time
 
 
+def test_pipeline_parallel_reports_the_stage_communication(tmp_path, smollm_gguf):
+    result = _run(["latency", "--model", MODEL, "--input-len", "8", "--output-len", "4",
+                   "--num-iters", "1", "-pp", "2"], tmp_path / "r.json")
+    # the timed request only (the warm-up's steps are reset): a prefill and three decode steps
+    assert result["pp_steps"] == 4
+    assert result["pp_rank0_send_ms_per_step"] > 0 and result["pp_rank1_recv_ms_per_step"] > 0
+    hidden = 576  # SmolLM2-135M: the residual and the layer output, float32, 8 + 3 tokens
+    assert result["pp_bytes_per_step"] == 2 * hidden * 4 * (8 + 3) / 4
+    assert "pp_rank1_send_ms_per_step" not in result and "pp_rank0_recv_ms_per_step" not in result
+
+
+def test_tensor_parallel_is_refused_as_llm_refuses_it():
+    proc = subprocess.run(CLI + ["latency", "--model", MODEL, "-tp", "2"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "tensor_parallel_size=2 is not implemented yet" in proc.stderr
+
+
 @pytest.mark.parametrize("flag,value,least", [("--input-len", "0", 1), ("--output-len", "0", 1),
                                               ("--num-prompts", "0", 1), ("--num-iters", "0", 1),
                                               ("--num-iters-warmup", "-1", 0)])

@@ -87,6 +87,7 @@ def test_qwen7b_is_refused_fast_with_advice(small_machine, tmp_path):
     assert float(seconds) < 2.0
     assert "does not fit in memory" in text and "cgroup v1 limit 3.50 GiB" in text
     assert "4-bit GGUF" in text and "smaller model of the same family" in text
+    assert "machines like this one" in text and "pipeline_parallel_size=" in text
 
 
 def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
@@ -98,6 +99,12 @@ def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
     assert report["memory"]["source"].startswith("cgroup v1 limit 3.50 GiB")
     assert report["model_report"]["fits"] is False
     assert report["seconds"] < 3.0
+    # the way out of a split: how many machines like this one (bfloat16 7B: ~14 GiB of weights)
+    machines = report["model_report"]["machines_needed"]
+    assert 5 <= machines["tensor_parallel_size"] <= machines["pipeline_parallel_size"]
+    assert ("machines like this one (" in report["model_report"]["reason"]
+            and f"pipeline_parallel_size={machines['pipeline_parallel_size']}"
+            in report["model_report"]["reason"])
 
 
 # The seed user's VM: 3.49 GiB, and a Qwen2-7B-shaped Q2_K GGUF (random blocks, ~2.8 GB)
@@ -175,3 +182,131 @@ def test_qwen7b_q2_k_generates_in_3_49_gib(load, qwen7b_q2_k, tmp_path):
     print(f"\n{load}: load {result['load_s']:.1f} s, 8 tokens in "
           f"{', '.join(f'{s:.1f}' for s, _ in result['runs'])} s, peak {peak / 2**30:.2f} GiB, "
           f"VmHWM {result['VmHWM']}")
+
+
+# The seed user's way out: two such VMs, pipeline_parallel_size=2, each rank in its own 3.49 GiB
+# cgroup, serving a Qwen2-7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random)
+@pytest.fixture(scope="module")
+def qwen7b_q4_k(tmp_path_factory) -> Iterator[Path]:
+    """The GGUF in a temporary directory; it and its regrouped copies are removed after."""
+    from big_gguf import write_qwen7b_gguf
+    from gguf import GGMLQuantizationType as T
+    from pagedllm.worker.x8_weight_file import cache_path
+
+    path = tmp_path_factory.mktemp("qwen7b-q4") / "qwen2-7b-random-q4_k.gguf"
+    write_qwen7b_gguf(path, qtype=T.Q4_K, head_type=T.Q6_K)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@pytest.fixture
+def seed_cgroups() -> Iterator[list[Path]]:
+    """Three fresh cgroups of the seed VM's limit: one for the single process, one per rank."""
+    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    tag = uuid.uuid4().hex[:8]
+    cgs = [CGROUP_V1_MEMORY / f"pagedllm-seed-{tag}-{name}" for name in ("one", "0", "1")]
+    for cg in cgs:
+        cg.mkdir()
+        (cg / "memory.limit_in_bytes").write_text(str(SEED_VM_LIMIT))
+    try:
+        yield cgs
+    finally:
+        for cg in cgs:
+            for _ in range(50):  # a rank's process may still be exiting
+                try:
+                    cg.rmdir()
+                    break
+                except OSError:
+                    import time
+                    time.sleep(0.2)
+
+
+SINGLE_JOB = """
+import json, sys, time
+from pagedllm import LLM
+from pagedllm.worker.memory import InsufficientMemoryError
+started = time.monotonic()
+try:
+    LLM(model=sys.argv[1])
+except InsufficientMemoryError as err:
+    print(json.dumps({"refused": str(err), "machines": err.machines,
+                      "seconds": time.monotonic() - started}))
+else:
+    print(json.dumps({"refused": None}))
+"""
+
+PP_JOB = """
+import json, sys, time
+from pagedllm import LLM, SamplingParams
+started = time.monotonic()
+llm = LLM(model=sys.argv[1], pipeline_parallel_size=2, max_model_len=2048)
+loaded = time.monotonic()
+prompt = "The weather today is"
+t = time.monotonic()
+first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                     use_tqdm=False)[0]
+prefill = time.monotonic() - t
+t = time.monotonic()
+out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=17, ignore_eos=True),
+                   use_tqdm=False)[0]
+total = time.monotonic() - t
+cfg = llm.llm_engine.config
+ranks = []  # what each rank's process holds: peak RSS, anonymous and file-backed (mapped) now
+for pid in llm.llm_engine.engine_core.executor.worker_pids:
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    ranks.append({k: status[k].strip() for k in ("VmHWM", "RssAnon", "RssFile")})
+print(json.dumps({"ranks": ranks, "load_s": loaded - started, "prefill_s": prefill, "total_s": total,
+                  "tokens": len(out.outputs[0].token_ids),
+                  "same_first": out.outputs[0].token_ids[0] == first.outputs[0].token_ids[0],
+                  "decode_tok_s": 16 / max(1e-9, total - prefill),
+                  "mmap": cfg.mmap_weights, "num_blocks": cfg.cache.num_blocks,
+                  "max_model_len": cfg.scheduler.max_model_len}))
+"""
+
+
+def test_qwen7b_q4_k_pp2_runs_in_two_3_49_gib_cgroups(qwen7b_q4_k, seed_cgroups, tmp_path):
+    one, rank0, rank1 = seed_cgroups
+    # (a) one process in one such cgroup: the planner refuses it, even mapped from a file
+    proc = run_inside(one, SINGLE_JOB.replace("sys.argv[1]", repr(str(qwen7b_q4_k))), tmp_path,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert single["refused"] is not None, "a 4.4 GB GGUF was planned into 3.49 GiB"
+    text = single["refused"]
+    assert "does not fit in memory" in text and "the page cache could hold only" in text
+    assert single["machines"]["pipeline_parallel_size"] == 2
+    assert "split over 2+ machines like this one" in text and "pipeline_parallel_size=2" in text
+    assert single["seconds"] < 5.0
+    # (b) two ranks, each in its own cgroup; the engine process (tokenizer, scheduler) outside
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1")  # page cache charged elsewhere: none
+    script = tmp_path / "pp.py"
+    script.write_text(PP_JOB)
+    template = str(rank0).replace("-0", "-{rank}")
+    env = dict(os.environ, PAGEDLLM_RANK_CGROUP=template)
+    proc = subprocess.run([sys.executable, str(script), str(qwen7b_q4_k)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    ooms = [(cg / "memory.oom_control").read_text() for cg in (rank0, rank1)]
+    # max_usage counts the page cache that holds the mapped blocks (the kernel fills the
+    # cgroup to its limit and reclaims); rss is what the ranks hold themselves
+    peaks = [int((cg / "memory.max_usage_in_bytes").read_text()) for cg in (rank0, rank1)]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all("oom_kill 0" in oom for oom in ooms), ooms
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 17 and result["same_first"]
+    # each rank's 2.0-2.1 GiB of blocks would fit in anonymous memory, but not their load
+    # (read, then regrouped): the planner maps each stage's blocks from its own file
+    assert result["mmap"] is True and result["max_model_len"] == 2048
+    assert all(0 < p <= SEED_VM_LIMIT for p in peaks)
+    # each rank joined its cgroup and planned its share against it
+    assert "pipeline rank 1 of 2: layers 14-27, head" in proc.stderr
+    assert f"{rank1}: cgroup v1 limit 3.49 GiB" in proc.stderr
+    print(f"\nPP=2 Qwen2-7B Q4_K, a 3.49 GiB cgroup per rank: load {result['load_s']:.1f} s, "
+          f"prefill {result['prefill_s']:.2f} s, decode {result['decode_tok_s']:.2f} tok/s, "
+          f"peak rank 0 {peaks[0] / 2**30:.2f} GiB, rank 1 {peaks[1] / 2**30:.2f} GiB, "
+          f"mmap_weights {result['mmap']}, {result['num_blocks']} KV blocks; ranks' own "
+          f"memory: {result['ranks']}")

@@ -134,3 +134,5 @@ def test_pipeline_stages_map_their_own_parts(qwen_gguf, weight_cache, monkeypatc
     finally:
         for p in parts:
             shutil.rmtree(p, ignore_errors=True)
+        if parts[0].parent.is_dir() and not any(parts[0].parent.iterdir()):
+            parts[0].parent.rmdir()

@@ -217,7 +217,8 @@ class ParallelConfig:
     """How many ranks run the model and how the engine reaches them (vLLM's option names).
 
     Pipeline parallelism splits the layers into contiguous stages, one process per stage;
-    tensor parallelism is not implemented yet and is refused rather than ignored."""
+    tensor parallelism splits every layer (heads, intermediate rows, vocabulary), one process
+    per rank. The two are not combined yet: asking for both is refused, not ignored."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -229,10 +230,10 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not "
-                             "implemented yet; pipeline_parallel_size works (it splits the "
-                             "layers over processes)")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                             "implemented yet; use one of them")
         backend = self.distributed_executor_backend
         if backend == "ray":
             raise ValueError("distributed_executor_backend='ray' is not implemented yet; use "
@@ -243,7 +244,7 @@ class ParallelConfig:
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's "
                              f"process; pipeline_parallel_size={self.pipeline_parallel_size} "
-                             "needs 'mp'")
+                             f"with tensor_parallel_size={self.tensor_parallel_size} needs 'mp'")
 
     @property
     def world_size(self) -> int:

@@ -94,6 +94,20 @@ def test_tp2_equals_one_process(request, family, checkpoint):
     _check_tp_against_single(got, want)
 
 
+def test_tp2_with_file_backed_blocks_equals_one_process(qwen2_one_kv_head):
+    """mmap_weights: each rank maps its own regrouped blocks from a cache file of its part."""
+    ckpts = qwen2_one_kv_head
+    engine = dict(model=str(ckpts.q8_0_gguf), tokenizer=str(ckpts.hf_dir), dtype="float32",
+                  mmap_weights=True)
+    want = _greedy(LLM(**engine), ckpts.prompts)
+    llm = LLM(**engine, tensor_parallel_size=2)
+    try:
+        got = _greedy(llm, ckpts.prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    _check_tp_against_single(got, want)
+
+
 def _load_rank(path, rank: int):
     ckpt = resolve_checkpoint(path)
     platform = CpuPlatform()

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Collection, Iterator, Mapping, NamedTuple, Optional
+from typing import BinaryIO, Callable, Collection, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
@@ -22,6 +22,7 @@ from pagedllm.loader.gguf_arch import arch_from_header
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
 from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf_shards import Columns, shard_piece
 from pagedllm.loader.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
 
@@ -161,19 +162,8 @@ def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
     return rows.reshape(n_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
-class _Columns(NamedTuple):
-    """The part of every row a tensor-parallel piece reads: bytes [start, start + size) of
-    each row of row_stride bytes, of whose dequantized values `values` are the rank's (all of
-    them when the part is whole blocks; else whole rows are read and cut after decoding)."""
-
-    start: int
-    size: int
-    row_stride: int
-    values: slice
-
-
 def _read_rows(fh: BinaryIO, info: GGUFTensorInfo, r0: int, n: int, row_bytes: int,
-               columns: Optional[_Columns]) -> np.ndarray:
+               columns: Optional[Columns]) -> np.ndarray:
     """Rows [r0, r0 + n) of a piece as uint8 [n, row_bytes]; with columns, each row's part
     read on its own (the others' bytes are never read)."""
     if columns is None:
@@ -185,7 +175,7 @@ def _read_rows(fh: BinaryIO, info: GGUFTensorInfo, r0: int, n: int, row_bytes: i
 
 
 def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
-                 head_dim: Optional[int], columns: Optional[_Columns] = None) -> None:
+                 head_dim: Optional[int], columns: Optional[Columns] = None) -> None:
     """Dequantize one tensor into dest in row chunks (a uint8 dest takes the blocks as they are);
     head_dim set means un-permute Q/K rows; columns: a part of every row only."""
     # 1-D norms and biases are small: one row.
@@ -211,43 +201,6 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
             chunk = _unpermute(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk, head_dim)
             chunk = chunk.reshape(n, cols)
         flat[r0:r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
-
-
-def _shard_piece(info: GGUFTensorInfo, name: str, shard: Shard, dest: torch.Tensor
-                 ) -> tuple[GGUFTensorInfo, Optional[_Columns]]:
-    """A tensor-parallel rank's part of a GGUF tensor: whole rows (axis 0: any format, a GGML
-    block never crosses a row), or a range of every row (axis 1: whole blocks for a block
-    destination; a float destination reads whole rows when the range cuts blocks)."""
-    if info.shape[shard.axis] != shard.full:
-        raise ValueError(f"{name!r} is split over tensor-parallel ranks as {shard.full} along "
-                         f"axis {shard.axis} but GGUF tensor {info.name!r} has shape {info.shape}")
-    rows = 1 if len(info.shape) == 1 else info.shape[0]
-    row_bytes = info.nbytes // rows
-    if shard.axis == 0:
-        unit = row_bytes if len(info.shape) > 1 else row_bytes // info.shape[0]
-        piece = dataclasses.replace(info, shape=(shard.size, *info.shape[1:]),
-                                    offset=info.offset + shard.start * unit,
-                                    nbytes=shard.size * unit)
-        _check_shape(name, dest, piece)
-        return piece, None
-    block, block_bytes = GGML_QUANT_SIZES[info.qtype]
-    if shard.start % block == 0 and shard.size % block == 0:
-        columns = _Columns(shard.start // block * block_bytes, shard.size // block * block_bytes,
-                           row_bytes, slice(None))
-    elif dest.dtype == torch.uint8:
-        raise ValueError(f"{name!r} keeps GGUF tensor {info.name!r}'s {info.qtype.name} blocks "
-                         f"of {block} values, and its rank's values [{shard.start}, "
-                         f"{shard.stop}) of each row are not whole blocks")
-    else:
-        columns = _Columns(0, row_bytes, row_bytes, slice(shard.start, shard.stop))
-    piece = dataclasses.replace(info, shape=(rows, shard.size), offset=info.offset + columns.start,
-                                nbytes=rows * columns.size)
-    if dest.dtype == torch.uint8:
-        _check_shape(name, dest, piece)
-    elif tuple(dest.shape) != piece.shape:
-        raise ValueError(f"{name!r} has shape {tuple(dest.shape)} but its part of GGUF tensor "
-                         f"{info.name!r} has shape {piece.shape}")
-    return piece, columns
 
 
 def _check_shape(name: str, dest: torch.Tensor, info: GGUFTensorInfo) -> None:
@@ -293,12 +246,12 @@ Plan = list[tuple[GGUFTensorInfo, str]]
 
 def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
           skip: Optional[Callable[[str], bool]] = None,
-          shards: Optional[Mapping[str, Shard]] = None) -> tuple[Plan, dict[str, _Columns]]:
+          shards: Optional[Mapping[str, Shard]] = None) -> tuple[Plan, dict[str, Columns]]:
     """(source tensor, destination name) pairs covering every param exactly once, and the
     row parts read of the params a tensor-parallel rank holds columns of; tensors whose HF
     name `skip` accepts are left out, params in `shards` get their part of their tensor."""
     plan: Plan = []
-    columns: dict[str, _Columns] = {}
+    columns: dict[str, Columns] = {}
     shards = shards or {}
     embed: Optional[GGUFTensorInfo] = None
 
@@ -307,7 +260,8 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
             _check_shape(name, params[name], info)
             plan.append((info, name))
             return
-        piece, cols = _shard_piece(info, name, shards[name], params[name])
+        piece, cols = shard_piece(info, name, shards[name], params[name].dtype == torch.uint8)
+        _check_shape(name, params[name], piece)
         plan.append((piece, name))
         if cols is not None:
             columns[name] = cols

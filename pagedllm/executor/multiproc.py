@@ -281,6 +281,12 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError):
             self._died(rank)
         if reply.error is not None:
+            # a rank whose peer was killed fails in its collective: the death is the cause to
+            # report (a rank that failed itself answers first, then exits with code 0)
+            dead = next((r for r in self._ranks
+                         if r is not rank and r.process.poll() not in (None, 0)), None)
+            if dead is not None:
+                self._died(dead)
             self._fail(WorkerError(f"{rank.place.name} failed: {reply.error}"))
         return reply.value
 

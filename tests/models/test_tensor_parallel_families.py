@@ -94,6 +94,21 @@ def test_tp2_equals_one_process(request, family, checkpoint):
     _check_tp_against_single(got, want)
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tp2_quantized_at_load_equals_one_process(qwen2_one_kv_head, quantization):
+    """A float checkpoint quantized at load: each rank quantizes its own part (int4: Q4_1
+    blocks of 32 values, o_proj's 32 and down_proj's 64 values per rank whole blocks)."""
+    ckpts = qwen2_one_kv_head
+    engine = dict(model=str(ckpts.hf_dir), dtype="float32", quantization=quantization)
+    want = _greedy(LLM(**engine), ckpts.prompts)
+    llm = LLM(**engine, tensor_parallel_size=2)
+    try:
+        got = _greedy(llm, ckpts.prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    _check_tp_against_single(got, want)
+
+
 def test_tp2_with_file_backed_blocks_equals_one_process(qwen2_one_kv_head):
     """mmap_weights: each rank maps its own regrouped blocks from a cache file of its part."""
     ckpts = qwen2_one_kv_head

@@ -51,10 +51,6 @@ class ModelRunner:
         self.config = config
         self.stage = stage
         self.tp = tp
-        # this rank's KV heads (tensor parallel: its share, or the one its query heads use)
-        arch = config.arch
-        self.num_kv_heads = arch.num_key_value_heads if tp is None else len(
-            tp.kv_heads(arch.num_key_value_heads, "the model"))
         self.platform = config.platform
         self.device = self.platform.device()
         self.block_size = config.cache.block_size
@@ -87,6 +83,13 @@ class ModelRunner:
         """Whether this runner samples (and returns) the step's tokens: rank 0 of a tensor
         parallel group; a pipeline stage before the last never gets that far."""
         return self.tp is None or self.tp.is_driver
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this runner caches: all, or a tensor parallel rank's share (or the one
+        its query heads use; the model's split has checked they divide)."""
+        kv = self.config.arch.num_key_value_heads
+        return kv if self.tp is None else len(self.tp.kv_heads(kv, "the model"))
 
     @property
     def num_layers(self) -> int:

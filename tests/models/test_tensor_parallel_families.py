@@ -1,9 +1,11 @@
 """Tensor parallelism across the decoder families, on tiny random models whose shapes split over
 two ranks: with tensor_parallel_size=2, greedy tokens equal one process's and the first
 position's log-probabilities agree within 1e-3 (TP's all-reduce changes the summation order of
-o_proj and down_proj), from the HF directory (safetensors read by slices) and the Q8_0 GGUF
+o_proj and down_proj), from the HF directory (safetensors read by slices); from the Q8_0 GGUF
 (kept blocks: q/k/v and gate/up by block rows, o_proj and down_proj by whole blocks of every
-row), prompts in chunks with the prefix cache on.
+row) and with int8/int4 at load, whose 8-bit activations turn the order's last bits into a
+rounding step, within 0.02 and the same tokens but at the one process's near-ties. Prompts in
+chunks with the prefix cache on.
 
 - a tiny Qwen2 with one KV head (replicated on both ranks, as vLLM does) and q/k/v biases
   (sharded with their rows);
@@ -31,6 +33,9 @@ from tiny_models import (CHUNKED, NUM_TOKENS, VOCAB, base_fields, prompts, rando
                          save_checkpoints)
 
 LOGPROB_TOL = 1e-3
+# Block weights run with 8-bit activations: an activation on a rounding boundary may round the
+# other way after TP's other summation order, one quantization step (measured: 1.7e-3, int8)
+BLOCKS_LOGPROB_TOL = 0.02
 # how close the one process's two best choices must be where TP=2 picks the other one (Q8_0)
 NEAR_TIE = 0.05
 
@@ -59,15 +64,16 @@ def _greedy(llm: LLM, token_prompts: list[list[int]]) -> list[tuple[list[int], l
             for o in outs]
 
 
-def _check_tp_against_single(got: list, want: list) -> None:
-    """The first position's log-probabilities within 1e-3; the same greedy tokens, but where
-    the one process was at a near-tie (its two choices within NEAR_TIE of each other): Q8_0
-    blocks run with 8-bit activations, and an activation on a rounding boundary may round
-    the other way after TP's other summation order, moving logits by far more than 1e-3."""
+def _check_tp_against_single(got: list, want: list, tol: float = BLOCKS_LOGPROB_TOL) -> None:
+    """The first position's log-probabilities within tol; the same greedy tokens, but where
+    the one process was at a near-tie (its two choices within NEAR_TIE of each other): block
+    weights run with 8-bit activations, and an activation on a rounding boundary may round
+    the other way after TP's other summation order, moving logits by more than float32's
+    1e-3."""
     for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
         first, want_first = lps[0], want_lps[0]
         assert max(abs(first[t] - want_first[t]) for t in first.keys() & want_first.keys()
-                   ) <= LOGPROB_TOL
+                   ) <= tol
         if tokens == want_tokens:
             continue
         i = next(i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b)
@@ -89,9 +95,10 @@ def test_tp2_equals_one_process(request, family, checkpoint):
         got = _greedy(llm, ckpts.prompts)
     finally:
         llm.llm_engine.shutdown()
-    if checkpoint == "hf_dir":  # float32 throughout: the same tokens
+    if checkpoint == "hf_dir":  # float32 throughout: the same tokens, logprobs within 1e-3
         assert [g[0] for g in got] == [w[0] for w in want]
-    _check_tp_against_single(got, want)
+    _check_tp_against_single(got, want, LOGPROB_TOL if checkpoint == "hf_dir" else
+                             BLOCKS_LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -223,8 +223,9 @@ class ParallelConfig:
     """How many ranks run the model and how the engine reaches them (vLLM's option names).
 
     Pipeline parallelism splits the layers into contiguous stages, one process per stage (a
-    local process with "mp", a Ray actor with "ray"); tensor parallelism is not implemented
-    yet and is refused rather than ignored."""
+    local process with "mp", a Ray actor with "ray"); tensor parallelism splits every layer
+    (heads, intermediate rows, vocabulary), one local process per rank ("mp"). The two are not
+    combined yet, nor tensor parallelism with "ray": asking for either is refused, not ignored."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -236,10 +237,10 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not "
-                             "implemented yet; pipeline_parallel_size works (it splits the "
-                             "layers over processes)")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                             "implemented yet; use one of them")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
@@ -247,7 +248,12 @@ class ParallelConfig:
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's "
                              f"process; pipeline_parallel_size={self.pipeline_parallel_size} "
-                             "needs 'mp' or 'ray'")
+                             f"with tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or "
+                             "'ray'")
+        if backend == "ray" and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
+                             "distributed_executor_backend='ray' is not implemented yet; use 'mp' "
+                             "(or pipeline_parallel_size with 'ray')")
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError(RAY_MISSING)
 

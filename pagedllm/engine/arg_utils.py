@@ -116,7 +116,8 @@ class EngineArgs:
     # memory: None maps them only when they do not fit in memory; True always; False never
     mmap_weights: Optional[bool] = None
     # ranks: the layers split into pipeline_parallel_size stages, one process each ("mp") or
-    # one Ray actor each ("ray"); tensor_parallel_size > 1 is refused (not implemented yet)
+    # one Ray actor each ("ray"); or every layer split over tensor_parallel_size ranks, one
+    # process each ("mp"); both at once, and tensor parallelism on "ray", are refused
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None  # None: "mp" with several ranks

@@ -1,4 +1,5 @@
-"""The multiprocess executor: one worker process per pipeline rank on this machine.
+"""The multiprocess executor: one worker process per rank (pipeline stage or tensor parallel
+rank) on this machine.
 
     engine process                      rank 0 (layers 0..k-1)     rank 1 (layers k..n-1)
     MultiprocExecutor --pipe: call -->  Worker                     Worker
@@ -10,6 +11,10 @@ Control (each step's SchedulerOutput, the KV sizing calls) goes to every rank ov
 pipe, so all ranks keep the same request state; activations go stage to stage over a gloo
 process group; the last rank's reply is the step's output. A rank that dies is seen by its
 pipe or its process, and the executor then fails with the rank named, instead of waiting.
+
+With tensor_parallel_size=N instead, every rank runs every step on its share of each layer,
+the collectives (all-reduce, all-gather) joining them over the same gloo group; rank 0's reply
+is the step's output, and the others are given its tokens with their next step.
 
 A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
 this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
@@ -48,6 +53,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -127,6 +133,41 @@ class WorkerError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class RankPlace:
+    """A worker process's place: its rank in the process group, and its pipeline stage or
+    its tensor parallel rank (the two are not combined yet)."""
+
+    rank: int
+    world_size: int
+    stage: Optional[PipelineStage] = None
+    tp: Optional[TensorParallelRank] = None
+
+    @property
+    def name(self) -> str:
+        """How messages name it: "pipeline rank 1", "tensor parallel rank 1"."""
+        return f"{'pipeline' if self.tp is None else 'tensor parallel'} rank {self.rank}"
+
+    @property
+    def layers(self) -> str:
+        """" layers a-b" for a pipeline stage, else nothing (for the start-up log)."""
+        if self.stage is None:
+            return ""
+        return f" layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
+
+
+def rank_places(config: EngineConfig) -> list[RankPlace]:
+    """The places of the ranks the parallel config asks for, in rank order."""
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        world = parallel.tensor_parallel_size
+        return [RankPlace(r, world, tp=TensorParallelRank(r, world)) for r in range(world)]
+    world = parallel.pipeline_parallel_size
+    layers = config.arch.num_hidden_layers
+    return [RankPlace(r, world, stage=PipelineStage.of_rank(layers, r, world))
+            for r in range(world)]
+
+
+@dataclass(frozen=True)
 class WorkerCall:
     """A Worker method to run on a rank, with its arguments."""
 
@@ -152,39 +193,43 @@ def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def start_worker(config: EngineConfig, stage: PipelineStage, init_method: str,
-                 num_threads: Optional[int] = None) -> Any:
+def start_worker(config: EngineConfig, stage: Optional[PipelineStage], init_method: str,
+                 num_threads: Optional[int] = None, tp: Optional[TensorParallelRank] = None) -> Any:
     """A rank's Worker (the mp and the Ray executors both start theirs here): join the gloo
-    process group at init_method, set up the device, load the stage's layers.
+    process group at init_method, set up the device, load its share of the model (a pipeline
+    stage's layers, or a tensor parallel rank's part of every layer).
     num_threads: torch threads for the rank; None: this machine's share."""
     import torch.distributed as dist
 
     from pagedllm.worker.worker import Worker
 
-    dist.init_process_group("gloo", init_method=init_method, rank=stage.rank,
-                            world_size=stage.world_size, timeout=COMM_TIMEOUT)
-    worker = Worker(config, stage, num_threads)
+    place = stage or tp
+    dist.init_process_group("gloo", init_method=init_method, rank=place.rank,
+                            world_size=place.world_size, timeout=COMM_TIMEOUT)
+    worker = Worker(config, stage, tp, num_threads)
     worker.init_device()
     worker.load_model()
     return worker
 
 
 def worker_main(conn: Connection) -> None:
-    """A rank's process: take its config and stage, join the process group, load the stage,
-    then serve calls until told to stop or until the engine's end of the pipe closes."""
+    """A rank's process: take its config and place, join the process group, load its share of
+    the model, then serve calls until told to stop or until the engine's end of the pipe
+    closes."""
     import torch.distributed as dist
 
     from pagedllm.logger import configure_logging
 
     configure_logging()
     try:
-        config, stage, init_method = recv(conn)
-        if rank_cgroup(stage.rank) is not None:  # its own memory: its share must fit there
+        config, place, init_method = recv(conn)
+        if place.stage is not None and rank_cgroup(place.rank) is not None:
+            # its own memory: its share must fit there
             from pagedllm.worker.memory import plan_rank_memory
 
-            plan = plan_rank_memory(config, stage, own_memory(config.platform.memory()))
+            plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()))
             logging.getLogger("pagedllm").info("%s", plan.summary())
-        worker = start_worker(config, stage, init_method)
+        worker = start_worker(config, place.stage, init_method, tp=place.tp)
         send(conn, WorkerReply(worker.model_runner.decode_path))
         _serve(worker, conn)
     except (EOFError, KeyboardInterrupt):
@@ -227,7 +272,7 @@ def _send_error(conn: Connection, err: BaseException) -> None:
 class _Rank:
     """A worker process and the engine's end of its pipe."""
 
-    stage: PipelineStage
+    place: RankPlace
     process: subprocess.Popen
     conn: Connection
 
@@ -236,8 +281,8 @@ class _Rank:
         return self.process.poll() is None
 
 
-def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) -> _Rank:
-    """A rank's process with its end of a socket pair, given its config and stage."""
+def _start_rank(config: EngineConfig, place: RankPlace, init_method: str) -> _Rank:
+    """A rank's process with its end of a socket pair, given its config and place."""
     ours, theirs = socket.socketpair()
     # the child imports with this process's sys.path, in its order: `python -m` would put the
     # working directory first, where another checkout's pagedllm may shadow this one
@@ -251,11 +296,11 @@ def _start_rank(config: EngineConfig, stage: PipelineStage, init_method: str) ->
     try:
         proc = subprocess.Popen(
             [sys.executable, "-c", bootstrap, str(theirs.fileno()), json.dumps(sys.path),
-             rank_cgroup(stage.rank) or ""], pass_fds=(theirs.fileno(),))
+             rank_cgroup(place.rank) or ""], pass_fds=(theirs.fileno(),))
     finally:
         theirs.close()  # the child holds its end: its death closes the pipe here
-    rank = _Rank(stage, proc, Connection(ours.detach()))
-    send(rank.conn, (config, stage, init_method))
+    rank = _Rank(place, proc, Connection(ours.detach()))
+    send(rank.conn, (config, place, init_method))
     return rank
 
 
@@ -282,11 +327,12 @@ def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """One Worker process per pipeline rank, joined by a gloo process group."""
+    """One Worker process per rank, joined by a gloo process group."""
 
     def _init_executor(self) -> None:
-        parallel = self.config.parallel
-        world = parallel.pipeline_parallel_size
+        places = rank_places(self.config)
+        # the rank that samples: the last pipeline stage, or tensor parallel rank 0
+        self._driver = 0 if places[0].tp is not None else len(places) - 1
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
         # a file store: no port to find free and no port race between two engines
@@ -295,16 +341,15 @@ class MultiprocExecutor(Executor):
         self._ranks: list[_Rank] = []
         self._finalizer = weakref.finalize(self, _stop_ranks, self._ranks, self._store_dir)
         try:
-            for rank in range(world):
-                stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
-                self._ranks.append(_start_rank(self.config, stage, init_method))
+            for place in places:
+                self._ranks.append(_start_rank(self.config, place, init_method))
             self._decode_paths = self._gather()
         except BaseException:
             self.shutdown()
             raise
-        logger.info("pipeline parallel: %s", ", ".join(
-            f"rank {r.stage.rank} (pid {r.process.pid}) layers {r.stage.start_layer}-"
-            f"{r.stage.end_layer - 1}" for r in self._ranks))
+        logger.info("%s parallel: %s", "pipeline" if places[0].tp is None else "tensor",
+                    ", ".join(f"rank {r.place.rank} (pid {r.process.pid}){r.place.layers}"
+                              for r in self._ranks))
 
     # ---- calls --------------------------------------------------------------
     def _send(self, rank: _Rank, call: WorkerCall) -> None:
@@ -321,11 +366,11 @@ class MultiprocExecutor(Executor):
         while pending:
             for conn in wait(list(pending), timeout=POLL_S):
                 rank = pending.pop(conn)
-                values[rank.stage.rank] = self._read(rank)
+                values[rank.place.rank] = self._read(rank)
             for rank in pending.values():
                 if not rank.alive():
                     self._died(rank)
-        return [values[r.stage.rank] for r in self._ranks]
+        return [values[r.place.rank] for r in self._ranks]
 
     def _read(self, rank: _Rank) -> Any:
         """A rank's ready reply; a rank that failed fails the executor (the ranks' request
@@ -335,7 +380,13 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError):
             self._died(rank)
         if reply.error is not None:
-            self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: {reply.error}"))
+            # a rank whose peer was killed fails in its collective: the death is the cause to
+            # report (a rank that failed itself answers first, then exits with code 0)
+            dead = next((r for r in self._ranks
+                         if r is not rank and r.process.poll() not in (None, 0)), None)
+            if dead is not None:
+                self._died(dead)
+            self._fail(WorkerError(f"{rank.place.name} failed: {reply.error}"))
         return reply.value
 
     def _died(self, rank: _Rank) -> None:
@@ -346,7 +397,7 @@ class MultiprocExecutor(Executor):
             code = None
         how = "is still running but closed its pipe" if code is None else (
             f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-        self._fail(WorkerDiedError(f"worker process of pipeline rank {rank.stage.rank} (pid "
+        self._fail(WorkerDiedError(f"worker process of {rank.place.name} (pid "
                                    f"{rank.process.pid}) {how}; the engine cannot continue"))
 
     def _fail(self, err: RuntimeError) -> None:
@@ -387,16 +438,15 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        last = len(self._ranks) - 1
         for rank in self._ranks:
-            sampled = None if rank.stage.rank == last else self._sampled
+            sampled = None if rank.place.rank == self._driver else self._sampled
             self._send(rank, WorkerCall("execute_model", (sched, sampled)))
-        out: ModelRunnerOutput = self._gather()[last]
+        out: ModelRunnerOutput = self._gather()[self._driver]
         self._sampled = dict(out.sampled)
         return out
 
     def decode_path(self) -> str:
-        return self._decode_paths[-1]
+        return self._decode_paths[self._driver]
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
         """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats), in

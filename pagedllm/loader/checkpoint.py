@@ -8,6 +8,7 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import torch
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import read_json_object
 from pagedllm.loader.gguf_loader import arch_from_gguf, load_gguf_weights
 from pagedllm.loader.hf_config import arch_from_hf_config
@@ -74,13 +75,15 @@ def resolve_checkpoint(model: str | Path) -> Checkpoint:
 
 
 def load_weights(ckpt: Checkpoint, params: Mapping[str, torch.Tensor],
-                 skip: Optional[Callable[[str], bool]] = None) -> None:
+                 skip: Optional[Callable[[str], bool]] = None,
+                 shards: Optional[Mapping[str, Shard]] = None) -> None:
     """Fill the model's pre-allocated params from the checkpoint; tensors whose HF name `skip`
-    accepts (another pipeline stage's) are neither read nor reported as unexpected."""
+    accepts (another pipeline stage's) are neither read nor reported as unexpected; a param in
+    `shards` (a tensor parallel rank's) reads its part of its tensor only."""
     if ckpt.kind == "gguf":
-        load_gguf_weights(ckpt.path, params, skip)
+        load_gguf_weights(ckpt.path, params, skip, shards)
     else:
-        load_safetensors_weights(ckpt.path, params, skip)
+        load_safetensors_weights(ckpt.path, params, skip, shards)
 
 
 def generation_config(ckpt: Checkpoint) -> dict[str, Any]:

@@ -16,11 +16,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_arch import arch_from_header
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
 from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf_shards import Columns, shard_piece
 from pagedllm.loader.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
 
@@ -160,15 +162,27 @@ def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
     return rows.reshape(n_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
+def _read_rows(fh: BinaryIO, info: GGUFTensorInfo, r0: int, n: int, row_bytes: int,
+               columns: Optional[Columns]) -> np.ndarray:
+    """Rows [r0, r0 + n) of a piece as uint8 [n, row_bytes]; with columns, each row's part
+    read on its own (the others' bytes are never read)."""
+    if columns is None:
+        return _read_bytes(fh, info.offset + r0 * row_bytes, n * row_bytes).reshape(n, row_bytes)
+    buf = np.empty((n, columns.size), dtype=np.uint8)
+    for i in range(n):
+        _read_into(fh, info.offset + (r0 + i) * columns.row_stride, buf[i])
+    return buf
+
+
 def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
-                 head_dim: Optional[int]) -> None:
+                 head_dim: Optional[int], columns: Optional[Columns] = None) -> None:
     """Dequantize one tensor into dest in row chunks (a uint8 dest takes the blocks as they are);
-    head_dim set means un-permute Q/K rows."""
+    head_dim set means un-permute Q/K rows; columns: a part of every row only."""
     # 1-D norms and biases are small: one row.
     rows, cols = (1, info.shape[0]) if len(info.shape) == 1 else info.shape
     row_bytes = info.nbytes // rows
     if dest.dtype == torch.uint8:
-        if head_dim is None:  # blocks as they are: read straight into dest, no staging copy
+        if head_dim is None and columns is None:  # blocks as they are: straight into dest
             _read_into(fh, info.offset, dest.view(-1).numpy())
             return
         cols = row_bytes
@@ -178,13 +192,15 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
     flat = dest.view(rows, cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
-        raw = _read_bytes(fh, info.offset + r0 * row_bytes, n * row_bytes).reshape(n, row_bytes)
+        raw = _read_rows(fh, info, r0, n, row_bytes, columns)  # [n, bytes read per row]
         # [n, cols]: float32 values, or the blocks themselves for a block-format destination
-        chunk = raw if dest.dtype == torch.uint8 else dequantize(raw, info.qtype).reshape(n, cols)
+        chunk = raw if dest.dtype == torch.uint8 else dequantize(raw, info.qtype).reshape(n, -1)
+        if columns is not None and dest.dtype != torch.uint8:
+            chunk = chunk[:, columns.values]
         if head_dim is not None:
             chunk = _unpermute(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk, head_dim)
             chunk = chunk.reshape(n, cols)
-        flat[r0:r0 + n].copy_(torch.from_numpy(chunk))
+        flat[r0:r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 
 
 def _check_shape(name: str, dest: torch.Tensor, info: GGUFTensorInfo) -> None:
@@ -225,12 +241,31 @@ def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
     return piece, part.name
 
 
+Plan = list[tuple[GGUFTensorInfo, str]]
+
+
 def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
-          skip: Optional[Callable[[str], bool]] = None) -> list[tuple[GGUFTensorInfo, str]]:
-    """(source tensor, destination name) pairs covering every param exactly once; tensors
-    whose HF name `skip` accepts are left out."""
-    plan: list[tuple[GGUFTensorInfo, str]] = []
+          skip: Optional[Callable[[str], bool]] = None,
+          shards: Optional[Mapping[str, Shard]] = None) -> tuple[Plan, dict[str, Columns]]:
+    """(source tensor, destination name) pairs covering every param exactly once, and the
+    row parts read of the params a tensor-parallel rank holds columns of; tensors whose HF
+    name `skip` accepts are left out, params in `shards` get their part of their tensor."""
+    plan: Plan = []
+    columns: dict[str, Columns] = {}
+    shards = shards or {}
     embed: Optional[GGUFTensorInfo] = None
+
+    def add(info: GGUFTensorInfo, name: str) -> None:
+        if name not in shards:
+            _check_shape(name, params[name], info)
+            plan.append((info, name))
+            return
+        piece, cols = shard_piece(info, name, shards[name], params[name].dtype == torch.uint8)
+        _check_shape(name, params[name], piece)
+        plan.append((piece, name))
+        if cols is not None:
+            columns[name] = cols
+
     for info in header.tensors:
         name = hf_name(info.name, header.arch.architecture)
         if name is None:
@@ -242,38 +277,43 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
         if skip is not None and skip(name):
             continue
         if (parts := split_fused(name, params) or split_stacked(name, params)) is not None:
+            if any(part.name in shards for part in parts):
+                raise ValueError(f"GGUF tensor {info.name!r} is fused ({parts[0].name!r} is one "
+                                 "of its shards): tensor parallelism does not split fused "
+                                 "tensors yet")
             plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
             continue
         if name not in params:
             raise ValueError(f"unexpected GGUF tensor {info.name!r}: the model has no {name!r}")
-        _check_shape(name, params[name], info)
-        plan.append((info, name))
+        add(info, name)
     filled = {name for _, name in plan}
     if "lm_head.weight" in params and "lm_head.weight" not in filled and embed is not None:
-        _check_shape("lm_head.weight", params["lm_head.weight"], embed)
-        plan.append((embed, "lm_head.weight"))  # untied model, tied checkpoint
+        add(embed, "lm_head.weight")  # untied model, tied checkpoint
         filled.add("lm_head.weight")
     missing = sorted(set(params) - filled)
     if missing:
         raise ValueError(f"GGUF has no tensor for parameters: {', '.join(missing)}")
-    return plan
+    return plan, columns
 
 
 def load_gguf_weights(path: str | Path, params: Mapping[str, torch.Tensor],
-                      skip: Optional[Callable[[str], bool]] = None) -> None:
+                      skip: Optional[Callable[[str], bool]] = None,
+                      shards: Optional[Mapping[str, Shard]] = None) -> None:
     """Fill pre-allocated float tensors (HF names) from a GGUF, streaming one chunk at a time;
-    tensors whose HF name `skip` accepts are not read."""
-    with GGUFWeightReader(path, params, skip) as reader:
+    tensors whose HF name `skip` accepts are not read; params in `shards` (a tensor parallel
+    rank's) read their part of their tensor only."""
+    with GGUFWeightReader(path, params, skip, shards) as reader:
         reader.load(reader.names())
 
 
 class GGUFWeightReader:
     """A GGUF's tensors planned onto a model's params once (but those `skip` accepts, which
-    another pipeline stage holds), then loaded in any subsets (the file-backed weights load one
-    matrix at a time)."""
+    another pipeline stage holds; a tensor-parallel rank's part of those in `shards`), then
+    loaded in any subsets (the file-backed weights load one matrix at a time)."""
 
     def __init__(self, path: str | Path, params: Mapping[str, torch.Tensor],
-                 skip: Optional[Callable[[str], bool]] = None) -> None:
+                 skip: Optional[Callable[[str], bool]] = None,
+                 shards: Optional[Mapping[str, Shard]] = None) -> None:
         self.path, self.params = path, params
         self.header = _read_header(path)
         for name, tensor in params.items():
@@ -282,7 +322,7 @@ class GGUFWeightReader:
                 raise ValueError(f"destination {name!r} must be a contiguous float or uint8 "
                                  f"(block format) tensor (dtype {tensor.dtype}, "
                                  f"contiguous={tensor.is_contiguous()})")
-        self.plan = _plan(self.header, params, skip)
+        self.plan, self.columns = _plan(self.header, params, skip, shards)
         self._fh = open(path, "rb", buffering=0)
 
     def names(self) -> list[str]:
@@ -294,7 +334,8 @@ class GGUFWeightReader:
         wanted = set(names)
         todo = [(info, name) for info, name in self.plan if name in wanted]
         for info, name in load_progress(todo, self.path) if progress else todo:
-            _copy_tensor(self._fh, info, self.params[name], _unpermute_head_dim(self.header, info))
+            _copy_tensor(self._fh, info, self.params[name], _unpermute_head_dim(self.header, info),
+                         self.columns.get(name))
             _undo_norm_offset(self.header, name, self.params[name])
 
     def close(self) -> None:

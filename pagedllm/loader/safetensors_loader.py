@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
+from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import ModelFileError, read_json_object
 from pagedllm.loader.fused import RowSlice, split_fused
 from pagedllm.loader.progress import load_progress
@@ -88,31 +89,47 @@ def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor],
     return plan
 
 
-def _copy(f, src: str, dst: str, dest: torch.Tensor, part: Optional[RowSlice]) -> None:
-    """Copy one tensor (or, for a fused one, the part's rows) from an open file into dest in
-    row slices, casting to dest's dtype."""
+def _copy(f, src: str, dst: str, dest: torch.Tensor, part: Optional[RowSlice],
+          shard: Optional[Shard] = None) -> None:
+    """Copy one tensor (or, for a fused one, the part's rows; for a tensor-parallel rank, its
+    shard's rows or columns) from an open file into dest in row slices, casting to dest's
+    dtype. Only the slices wanted are read (safetensors' get_slice)."""
     sl = f.get_slice(src)
     shape = tuple(sl.get_shape())
+    want = tuple(dest.shape)
+    if shard is not None:
+        if part is not None:
+            raise ValueError(f"checkpoint tensor {src!r} is fused ({dst!r} is one of its shards): "
+                             "tensor parallelism does not split fused tensors yet")
+        want = want[:shard.axis] + (shard.full,) + want[shard.axis + 1:]
     if part is not None and shape != (part.total, *dest.shape[1:]):
         raise ValueError(f"checkpoint tensor {src!r} has shape {shape} but its shards "
                          f"({dst!r} among them) take {(part.total, *dest.shape[1:])}")
-    if part is None and shape != tuple(dest.shape):
-        raise ValueError(f"{dst!r} has shape {tuple(dest.shape)} but checkpoint tensor {src!r} "
+    if part is None and shape != want:
+        raise ValueError(f"{dst!r} has shape {want} but checkpoint tensor {src!r} "
                          f"has shape {shape}")
-    if part is None and (len(shape) < 2 or dest.numel() <= CHUNK_ELEMENTS):
+    if part is None and shard is None and (len(shape) < 2 or dest.numel() <= CHUNK_ELEMENTS):
         dest.copy_(sl[:])
         return
-    start, rows = (0, shape[0]) if part is None else (part.start, part.rows)
+    start, rows = (0, dest.shape[0]) if part is None else (part.start, part.rows)
+    cols = slice(None)
+    if shard is not None and shard.axis == 0:
+        start = shard.start
+    elif shard is not None:
+        cols = slice(shard.start, shard.stop)
     step = max(1, CHUNK_ELEMENTS // max(1, dest.numel() // rows))
     for r0 in range(0, rows, step):
         n = min(step, rows - r0)
-        dest[r0:r0 + n].copy_(sl[start + r0:start + r0 + n])
+        rows_read = slice(start + r0, start + r0 + n)
+        dest[r0:r0 + n].copy_(sl[rows_read] if len(shape) < 2 else sl[rows_read, cols])
 
 
 def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.Tensor],
-                             skip: Optional[Callable[[str], bool]] = None) -> None:
+                             skip: Optional[Callable[[str], bool]] = None,
+                             shards: Optional[Mapping[str, Shard]] = None) -> None:
     """Fill pre-allocated params (HF names) from an HF checkpoint directory, tensor by tensor;
-    tensors whose name `skip` accepts are not read."""
+    tensors whose name `skip` accepts are not read; a param named in `shards` (a tensor
+    parallel rank's) takes that part of its checkpoint tensor only."""
     sources = _tensor_files(Path(model_dir))
     plan = _plan(sources, params, skip)
     with torch.no_grad():
@@ -121,4 +138,4 @@ def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.T
             # One open per tensor: closing unmaps the file, so touched pages of
             # already-copied tensors stop counting towards resident memory.
             with _open(sources[src]) as f:
-                _copy(f, src, dst, params[dst], part)
+                _copy(f, src, dst, params[dst], part, (shards or {}).get(dst))

@@ -8,6 +8,7 @@ from typing import Optional
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -15,6 +16,7 @@ from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCa
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
                                    SmolLM3ForCausalLM)
 from pagedllm.models.pipeline import keep_stage
+from pagedllm.models.tensor_parallel import shard_model
 
 _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": Gemma2ForCausalLM,
@@ -45,20 +47,25 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
                 device: torch.device, quant_plan: Optional[QuantPlan] = None,
-                stage: Optional[PipelineStage] = None) -> nn.Module:
+                stage: Optional[PipelineStage] = None,
+                tp: Optional[TensorParallelRank] = None) -> nn.Module:
     """The model for cfg with parameters allocated in dtype on device but not initialised;
     modules named in quant_plan hold their weights in a GGML block format instead. With a
-    pipeline stage, only the modules that stage holds (models/pipeline.py)."""
+    pipeline stage, only the modules that stage holds (models/pipeline.py); with a tensor
+    parallel rank, its share of every layer, and model.checkpoint_shards says which part of
+    each checkpoint tensor it loads (models/tensor_parallel.py)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
         if stage is not None:
             keep_stage(model, stage)
+        shards = {} if tp is None else shard_model(model, tp, quant_plan)
         if quant_plan:
             swap_quantized_modules(model, quant_plan, dtype)
     # torch.empty per tensor, as Module.to_empty does, but without its empty_like on meta
     # tensors: that runs through torch._refs in Python and imports sympy (~1 s of start-up)
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.checkpoint_shards = shards
     model.tie_weights()  # after the allocation, which gives each name its own tensor
     for module in model.modules():  # the RoPE tables (Gemma 3 has a second one)
         if isinstance(module, RotaryEmbedding):

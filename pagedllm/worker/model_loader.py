@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
 from pagedllm.layers.quantization import QuantPlan, quantize_float_model
@@ -30,6 +31,7 @@ from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.pipeline import held_elsewhere
 from pagedllm.models.registry import build_model
+from pagedllm.models.tensor_parallel import add_collectives
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.worker.x8_weight_file import cache_path, map_slots
 
@@ -48,7 +50,7 @@ def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantP
 
 
 def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor],
-                      stage: Optional[PipelineStage]) -> None:
+                      stage: Optional[PipelineStage], tp: Optional[TensorParallelRank]) -> None:
     """Read the float tensors; map the kept blocks, regrouped, from their cache file (written
     on the first load one matrix at a time; one file per pipeline stage). The blocks' own params
     are never filled: their storage is released, so they take no memory."""
@@ -60,7 +62,9 @@ def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torc
     slot_names = {id(slot): name_of[id(slot.source)] for slot in slots}
     skip = None if stage is None else held_elsewhere(stage)
     part = "all" if stage is None else f"pp{stage.rank}-of-{stage.world_size}"
-    with GGUFWeightReader(ckpt.path, params, skip) as reader:  # planned on the params' shapes
+    part = part if tp is None else f"tp{tp.rank}-of-{tp.world_size}"
+    # planned on the params' shapes
+    with GGUFWeightReader(ckpt.path, params, skip, model.checkpoint_shards) as reader:
 
         def free(slot: X8Slot) -> None:  # every holder of the param sees it emptied
             slot.source.data = torch.empty((0, slot.shape[1]), dtype=torch.uint8)
@@ -80,13 +84,11 @@ def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torc
                 fmt_bytes(mapped), cache_path(ckpt.path, part))
 
 
-def load_model(config: EngineConfig) -> nn.Module:
-    """The model of config.model_path with its weights, on config.platform, ready to run."""
-
-
-def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None) -> nn.Module:
+def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
+               tp: Optional[TensorParallelRank] = None) -> nn.Module:
     """The model of config.model_path with its weights, on config.platform, ready to run; with
-    a pipeline stage, only the modules and weights that stage holds."""
+    a pipeline stage, only the modules and weights that stage holds; with a tensor parallel
+    rank, its share of each layer, reading only that share of the checkpoint."""
     started = time.monotonic()
     platform, quant = config.platform, config.quantization
     device = platform.device()
@@ -94,18 +96,21 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None) -> n
     plan = _block_plan(ckpt, quant, platform.block_types())
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan,
-                            stage)
+                            stage, tp)
     with torch.no_grad():
         params = model.checkpoint_params()
         if config.mmap_weights:
-            _load_file_backed(ckpt, model, params, stage)
+            _load_file_backed(ckpt, model, params, stage, tp)
         else:
-            load_weights(ckpt, params, None if stage is None else held_elsewhere(stage))
+            load_weights(ckpt, params, None if stage is None else held_elsewhere(stage),
+                         model.checkpoint_shards)
         check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)
     if (quant != "none" or plan) and not config.mmap_weights:
         pack_x8(model)  # the eight-row layout of the CPU kernels
+    if tp is not None:
+        add_collectives(model, tp)  # last: they wrap whatever modules loading left
     details = (f", token embedding kept in {plan['model.embed_tokens'].name} blocks"
                if quant == "none" and plan else "")
     arch = config.arch
@@ -115,6 +120,8 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None) -> n
     if stage is not None:
         details += (f", pipeline stage {stage.rank + 1} of {stage.world_size}: layers "
                     f"{stage.start_layer}-{stage.end_layer - 1}")
+    if tp is not None:
+        details += f", tensor parallel rank {tp.rank + 1} of {tp.world_size}"
     logger.info("loaded %s (%s, %s, quantization %s%s) in %.1f s", ckpt.path,
                 arch.architecture, str(config.dtype).removeprefix("torch."), quant, details,
                 time.monotonic() - started)

@@ -8,6 +8,10 @@ As a pipeline stage (pipeline_parallel_size > 1) it holds its layers and their K
 a stage after the first takes the residual stream from the one before, a stage before the last
 hands it on and returns an empty output: only the last stage samples. Every stage keeps the
 same per-request state, the executor giving the others the tokens the last one sampled.
+
+As a tensor parallel rank it holds its share of every layer and its KV heads' cache; every
+rank runs every step (the collectives join them), the logits are gathered on all of them, and
+rank 0 samples, the others taking its tokens as a pipeline stage does.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput, TokenLogprobs
 from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
 from pagedllm.sample.metadata import SamplingMetadata
@@ -39,10 +44,13 @@ PROMPT_LOGPROBS_ROWS = 32  # prompt positions whose logits exist at once (19 MB 
 class ModelRunner:
     """Keeps per-request state, builds step inputs, runs the model and the sampler."""
 
-    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None) -> None:
-        """stage: this runner's pipeline stage, or None: the whole model."""
+    def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None,
+                 tp: Optional[TensorParallelRank] = None) -> None:
+        """stage: this runner's pipeline stage, or None: the whole model; tp: its tensor
+        parallel rank, or None."""
         self.config = config
         self.stage = stage
+        self.tp = tp
         self.platform = config.platform
         self.device = self.platform.device()
         self.block_size = config.cache.block_size
@@ -62,8 +70,26 @@ class ModelRunner:
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
-        self.model = load_model(self.config, self.stage)
+        self.model = load_model(self.config, self.stage, self.tp)
+        if self.tp is not None:  # the C++ stack has no all-reduce between its layers
+            self.captured_decode, self.decode_path = None, (
+                f"the model's layer loop (tensor parallel rank {self.tp.rank} of "
+                f"{self.tp.world_size}: the C++ decode stack has no all-reduce between layers)")
+            return
         self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this runner samples (and returns) the step's tokens: rank 0 of a tensor
+        parallel group; a pipeline stage before the last never gets that far."""
+        return self.tp is None or self.tp.is_driver
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this runner caches: all, or a tensor parallel rank's share (or the one
+        its query heads use; the model's split has checked they divide)."""
+        kv = self.config.arch.num_key_value_heads
+        return kv if self.tp is None else len(self.tp.kv_heads(kv, "the model"))
 
     @property
     def num_layers(self) -> int:
@@ -72,9 +98,10 @@ class ModelRunner:
         return self.config.arch.num_hidden_layers if stage is None else len(stage.layers)
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block over this runner's layers."""
-        return kv_block_bytes(self.config.arch, self.block_size, self.config.dtype,
-                              self.num_layers)
+        """Bytes of one KV block over this runner's layers and KV heads."""
+        arch = self.config.arch
+        whole = kv_block_bytes(arch, self.block_size, self.config.dtype, self.num_layers)
+        return whole // arch.num_key_value_heads * self.num_kv_heads
 
     def determine_available_memory(self) -> int:
         """Bytes this runner may give the KV cache: the memory plan's figure, made from the
@@ -87,7 +114,7 @@ class ModelRunner:
         """Allocate the paged KV cache and bind each Attention layer to its slice."""
         arch = self.config.arch
         self.kv_cache = allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
-                                          arch.num_key_value_heads, arch.head_dim,
+                                          self.num_kv_heads, arch.head_dim,
                                           self.config.dtype, self.device)
         bind_kv_cache(self.model, self.kv_cache)
 
@@ -163,7 +190,9 @@ class ModelRunner:
         if not seqs:
             return
         rows = torch.tensor([s.start + s.num_tokens - 1 for s in seqs], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [N, V]
+        logits = self.model.compute_logits(hidden[rows])  # [N, V]; every tensor rank gathers
+        if not self.samples:
+            return  # tensor parallel rank > 0: rank 0 samples, its tokens come next step
         states = [s.state for s in seqs]
         generators = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
         meta = SamplingMetadata.from_params(
@@ -209,9 +238,11 @@ class ModelRunner:
                 rows = hidden[row0 + start - first:row0 + end - first]
                 logits = self.model.compute_logits(rows)  # [rows, V]
                 targets = torch.tensor(st.token_ids[start + 1:end + 1], device=self.device)
-                lp = compute_prompt_logprobs(logits, targets, k)
-                entries += [_row_logprobs(lp, i, k) for i in range(end - start)]
-            out.prompt_logprobs[st.req_id] = entries
+                if self.samples:
+                    lp = compute_prompt_logprobs(logits, targets, k)
+                    entries += [_row_logprobs(lp, i, k) for i in range(end - start)]
+            if self.samples:
+                out.prompt_logprobs[st.req_id] = entries
             st.num_prompt_logprobs = last
 
 

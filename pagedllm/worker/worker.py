@@ -10,6 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
@@ -19,12 +20,15 @@ class Worker:
     """Sets up its device, then serves the executor's calls through its model runner."""
 
     def __init__(self, config: EngineConfig, stage: Optional[PipelineStage] = None,
+                 tp: Optional[TensorParallelRank] = None,
                  num_threads: Optional[int] = None) -> None:
-        """stage: this worker's pipeline stage, or None: the whole model in one process.
-        num_threads: torch threads (a Ray rank: its node's cores over the ranks placed there);
-        None: this machine's threads, shared among the pipeline ranks."""
+        """stage: this worker's pipeline stage, or None: the whole model in one process; tp:
+        its tensor parallel rank, or None. num_threads: torch threads (a Ray rank: its node's
+        cores over the ranks placed there); None: this machine's threads, shared among the
+        ranks."""
         self.config = config
         self.stage = stage
+        self.tp = tp
         self.num_threads = num_threads
         self.model_runner: Optional[ModelRunner] = None  # made by init_device
 
@@ -33,17 +37,19 @@ class Worker:
         and the model's layers run depends on the kernels being loaded."""
         platform = self.config.platform
         platform.init_device()
+        place = self.stage or self.tp
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        elif self.stage is not None and self.stage.world_size > 1:
+        elif place is not None and place.world_size > 1:
             # the ranks of one machine share its cores: all of them each would oversubscribe
-            threads = max(1, torch.get_num_threads() // self.stage.world_size)
+            threads = max(1, torch.get_num_threads() // place.world_size)
             torch.set_num_threads(threads)
-            logger.info("pipeline rank %d of %d: %d threads", self.stage.rank,
-                        self.stage.world_size, threads)
+            kind = "pipeline" if self.stage is not None else "tensor parallel"
+            logger.info("%s rank %d of %d: %d threads", kind, place.rank, place.world_size,
+                        threads)
         torch.manual_seed(self.config.seed)
         platform.load_kernels()  # cached: the config builder has usually loaded them already
-        self.model_runner = ModelRunner(self.config, self.stage)
+        self.model_runner = ModelRunner(self.config, self.stage, self.tp)
 
     def load_model(self) -> None:
         """Build the model and load its weights."""
@@ -63,8 +69,9 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput,
                       sampled_before: Optional[dict[str, int]] = None) -> ModelRunnerOutput:
-        """Run one scheduled step; sampled_before: the tokens the last pipeline stage sampled
-        in the step before, for a stage that does not sample."""
+        """Run one scheduled step; sampled_before: the tokens the sampling rank (the last
+        pipeline stage, tensor parallel rank 0) sampled in the step before, for a rank that
+        does not sample."""
         if sampled_before:
             self.model_runner.append_sampled(sampled_before)
         return self.model_runner.execute_model(sched)

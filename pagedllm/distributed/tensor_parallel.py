@@ -1,0 +1,86 @@
+"""Tensor parallelism: which part of each sharded tensor a rank holds, and the two collectives
+the model needs (vLLM's and Megatron's split).
+
+    column-parallel (q/k/v, gate/up, embedding, head): a contiguous range of output rows
+    row-parallel (o_proj, down_proj): a contiguous range of the reduction axis, every row
+
+            x [T, H]                                     rank r of N
+    q/k/v:  W [rows of r's heads, H]       -> local heads: attention runs on them alone
+    o_proj: W [H, columns of r's heads]    -> partial sums [T, H] -> all_reduce -> [T, H]
+
+The ranks form the default torch.distributed group (gloo on the CPU): tensor parallelism is
+not combined with pipeline parallelism yet, so every rank of the world is a tensor rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rank's part of one checkpoint tensor: `size` of its `full` entries along `axis`, from
+    `start` (axis 0: output rows; axis 1: the reduction axis, in every row)."""
+
+    axis: int
+    start: int
+    size: int
+    full: int
+
+    @property
+    def stop(self) -> int:
+        """One past the last entry held."""
+        return self.start + self.size
+
+
+@dataclass(frozen=True)
+class TensorParallelRank:
+    """This process's place among the tensor-parallel ranks."""
+
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
+
+    @property
+    def is_driver(self) -> bool:
+        """Samples the step's tokens (rank 0, as in vLLM); the others get them from it."""
+        return self.rank == 0
+
+    def split(self, total: int, what: str, unit: str = "rows") -> range:
+        """This rank's contiguous range of `total` entries split evenly, or a ValueError naming
+        `what` when they do not divide."""
+        if total % self.world_size:
+            raise ValueError(f"tensor_parallel_size={self.world_size}: {what} has {total} "
+                             f"{unit}, which do not split evenly over {self.world_size} ranks")
+        size = total // self.world_size
+        return range(self.rank * size, (self.rank + 1) * size)
+
+    def kv_heads(self, num_kv_heads: int, what: str) -> range:
+        """The KV heads this rank holds: its share when there are at least as many as ranks,
+        else the one its query heads use (replicated on world_size / num_kv_heads ranks)."""
+        if num_kv_heads >= self.world_size:
+            return self.split(num_kv_heads, what, "key/value heads")
+        if self.world_size % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size={self.world_size}: {what} has "
+                             f"{num_kv_heads} key/value heads, which cannot be replicated "
+                             f"evenly over {self.world_size} ranks")
+        head = self.rank // (self.world_size // num_kv_heads)
+        return range(head, head + 1)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of x, in place (x must be contiguous)."""
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order."""
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

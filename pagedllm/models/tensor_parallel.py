@@ -1,0 +1,136 @@
+"""A tensor-parallel rank's share of a model, in two passes around the loading (gpt-fast's way:
+modules swapped, the model code unchanged).
+
+1. shard_model, on the meta device before any weight is allocated: each attention block keeps
+   its rank's heads (q/k/v rows; KV heads replicated when fewer than ranks, as vLLM does) and
+   the matching o_proj columns; each MLP its range of the intermediate rows (gate/up) and
+   down_proj columns; the embedding and the head their vocabulary range. It returns, per
+   checkpoint tensor, the part this rank loads (distributed/tensor_parallel.Shard), so that
+   the loaders read that part only.
+2. add_collectives, once the weights are loaded (and packed or quantized): the all-reduce
+   after attention and after the MLP, the embedding's all-reduce and the logits' all-gather
+   (layers/tensor_parallel.py).
+
+A split that does not divide (heads by ranks; a GGUF block's values across the reduction
+axis) is a ValueError naming the tensor and the sizes. The tensors' summation order changes:
+each rank sums its part of o_proj's and down_proj's reduction, then the all-reduce adds them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from torch import nn
+
+from pagedllm.distributed.tensor_parallel import Shard, TensorParallelRank
+from pagedllm.layers.linear import MergedLinear
+from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.quantization import QuantPlan
+from pagedllm.layers.tensor_parallel import GatheredLogits, ReducedOutput, VocabParallelEmbedding
+from pagedllm.models.llama import SelfAttention
+
+Shards = dict[str, Shard]  # checkpoint tensor name -> this rank's part of it
+
+
+def _rows(part: range, full: int) -> Shard:
+    """Output rows `part` of `full` (column-parallel)."""
+    return Shard(0, part.start, len(part), full)
+
+
+def _check_blocks(path: str, part: range, plan: Optional[QuantPlan], tp: TensorParallelRank
+                  ) -> None:
+    """A row-parallel matrix kept in GGUF blocks splits its rows only at whole blocks."""
+    qtype = (plan or {}).get(path)
+    if qtype is None:
+        return
+    block = GGML_QUANT_SIZES[qtype][0]
+    if part.start % block or len(part) % block:
+        raise ValueError(
+            f"tensor_parallel_size={tp.world_size}: {path}.weight is kept in {qtype.name} "
+            f"blocks of {block} values, and its rows of {len(part) * tp.world_size} values "
+            f"split into {len(part)} per rank, not whole blocks (load it dequantized with "
+            f"quantization='none', or use pipeline_parallel_size)")
+
+
+def _merged(old: MergedLinear, sizes: tuple[int, ...]) -> MergedLinear:
+    return MergedLinear(old.in_features, sizes, old.shard_names, bias=old.bias is not None)
+
+
+def _shard_attention(path: str, attn: SelfAttention, tp: TensorParallelRank,
+                     plan: Optional[QuantPlan]) -> Shards:
+    d = attn.head_dim
+    heads = tp.split(attn.num_heads, f"{path}.q_proj", "attention heads")
+    kv = tp.kv_heads(attn.num_kv_heads, f"{path}.k_proj")
+    q_rows = range(heads.start * d, heads.stop * d)
+    kv_rows = range(kv.start * d, kv.stop * d)
+    _check_blocks(f"{path}.o_proj", q_rows, plan, tp)
+    old = attn.qkv_proj
+    attn.qkv_proj = _merged(old, (len(q_rows), len(kv_rows), len(kv_rows)))
+    hidden = attn.o_proj.out_features
+    attn.o_proj = nn.Linear(len(q_rows), hidden, bias=attn.o_proj.bias is not None)
+    attn.num_heads, attn.num_kv_heads = len(heads), len(kv)
+    attn.attn.num_heads, attn.attn.num_kv_heads = len(heads), len(kv)  # shown by its repr
+    q_full, kv_full = old.output_sizes[0], old.output_sizes[1]
+    shards = {f"{path}.o_proj.weight": Shard(1, q_rows.start, len(q_rows), q_full)}
+    for name, rows, full in (("q_proj", q_rows, q_full), ("k_proj", kv_rows, kv_full),
+                             ("v_proj", kv_rows, kv_full)):
+        kinds = ("weight", "bias") if old.bias is not None else ("weight",)
+        shards.update({f"{path}.{name}.{kind}": _rows(rows, full) for kind in kinds})
+    return shards
+
+
+def _shard_mlp(path: str, mlp: GatedMLP, tp: TensorParallelRank,
+               plan: Optional[QuantPlan]) -> Shards:
+    full = mlp.down_proj.in_features
+    rows = tp.split(full, f"{path}.gate_proj", "intermediate rows")
+    _check_blocks(f"{path}.down_proj", rows, plan, tp)
+    mlp.gate_up_proj = _merged(mlp.gate_up_proj, (len(rows), len(rows)))
+    hidden = mlp.down_proj.out_features
+    mlp.down_proj = nn.Linear(len(rows), hidden, bias=mlp.down_proj.bias is not None)
+    return {f"{path}.gate_proj.weight": _rows(rows, full),
+            f"{path}.up_proj.weight": _rows(rows, full),
+            f"{path}.down_proj.weight": Shard(1, rows.start, len(rows), full)}
+
+
+def _shard_vocab(model: nn.Module, tp: TensorParallelRank) -> Shards:
+    """The embedding and the head: this rank's vocabulary rows (the same rows, so a tied head
+    still shares the embedding's)."""
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    rows = tp.split(vocab, "model.embed_tokens.weight", "vocabulary rows")
+    n = len(rows)
+    model.model.embed_tokens = nn.Embedding(n, hidden, _weight=torch.empty(n, hidden))
+    model.lm_head = nn.Linear(hidden, n, bias=False)
+    return {"model.embed_tokens.weight": Shard(0, rows.start, n, vocab),
+            "lm_head.weight": Shard(0, rows.start, n, vocab)}
+
+
+def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPlan]) -> Shards:
+    """Shrink a model built on the meta device (before the quantized modules are swapped in) to
+    rank tp's share; plan: the GGUF blocks that will be kept (their reduction axis must split
+    at whole blocks). Returns the part of each checkpoint tensor the rank loads."""
+    if model.config.moe is not None:
+        raise ValueError(f"tensor_parallel_size={tp.world_size}: {model.config.architecture} "
+                         "routes tokens to experts, which are not split over ranks yet; use "
+                         "pipeline_parallel_size")
+    shards = _shard_vocab(model, tp)
+    for path, module in list(model.named_modules()):
+        if isinstance(module, SelfAttention):
+            shards.update(_shard_attention(path, module, tp, plan))
+        elif isinstance(module, GatedMLP):
+            shards.update(_shard_mlp(path, module, tp, plan))
+    return shards
+
+
+def add_collectives(model: nn.Module, tp: TensorParallelRank) -> None:
+    """Wrap the loaded model's row-parallel projections, embedding and head in their
+    collectives (after loading: the wrappers change the modules' parameter names)."""
+    for module in list(model.modules()):
+        if isinstance(module, SelfAttention):
+            module.o_proj = ReducedOutput(module.o_proj)
+        elif isinstance(module, GatedMLP):
+            module.down_proj = ReducedOutput(module.down_proj)
+    rows = model.model.embed_tokens.num_embeddings
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens,
+                                                      tp.rank * rows, rows)
+    model.lm_head = GatheredLogits(model.lm_head, tp.world_size)

@@ -81,8 +81,8 @@ def add_bench_parser(sub) -> None:
                            help="pipeline stages, one process each (reports the stage-to-stage "
                                 "send/recv time per step)")
             p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
-                           help="tensor-parallel ranks (not implemented yet: above 1 refused, as "
-                                "LLM() refuses it)")
+                           help="tensor-parallel ranks, one process each (not together with "
+                                "-pp: refused, as LLM() refuses it)")
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
                            help="json: every request constrained to a JSON array of at least "
                                 "--output-len integers (so it runs to --output-len tokens)")

@@ -60,11 +60,12 @@ def test_pipeline_parallel_reports_the_stage_communication(tmp_path, smollm_gguf
     assert "pp_rank1_send_ms_per_step" not in result and "pp_rank0_recv_ms_per_step" not in result
 
 
-def test_tensor_parallel_is_refused_as_llm_refuses_it():
-    proc = subprocess.run(CLI + ["latency", "--model", MODEL, "-tp", "2"], capture_output=True,
-                          text=True, timeout=120)
+def test_tensor_and_pipeline_parallel_together_are_refused_as_llm_refuses_them():
+    proc = subprocess.run(CLI + ["latency", "--model", MODEL, "-tp", "2", "-pp", "2"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "tensor_parallel_size=2 is not implemented yet" in proc.stderr
+    assert ("tensor_parallel_size=2 with pipeline_parallel_size=2 is not implemented yet"
+            in proc.stderr)
 
 
 @pytest.mark.parametrize("flag,value,least", [("--input-len", "0", 1), ("--output-len", "0", 1),

@@ -15,6 +15,8 @@ Phi-3's fused tensors and Qwen3-MoE's experts are refused with the tensor named.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -25,6 +27,7 @@ from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model
+from pagedllm.worker.x8_weight_file import cache_path
 from test_llama3 import llama3  # noqa: F401  (the module's fixtures: the tiny checkpoints)
 from test_phi3 import phi3  # noqa: F401
 from test_qwen3 import qwen3  # noqa: F401
@@ -121,13 +124,17 @@ def test_tp2_with_file_backed_blocks_equals_one_process(qwen2_one_kv_head):
     ckpts = qwen2_one_kv_head
     engine = dict(model=str(ckpts.q8_0_gguf), tokenizer=str(ckpts.hf_dir), dtype="float32",
                   mmap_weights=True)
-    want = _greedy(LLM(**engine), ckpts.prompts)
-    llm = LLM(**engine, tensor_parallel_size=2)
     try:
-        got = _greedy(llm, ckpts.prompts)
-    finally:
-        llm.llm_engine.shutdown()
+        want = _greedy(LLM(**engine), ckpts.prompts)
+        llm = LLM(**engine, tensor_parallel_size=2)
+        try:
+            got = _greedy(llm, ckpts.prompts)
+        finally:
+            llm.llm_engine.shutdown()
+    finally:  # the ranks wrote to the real cache: a temporary GGUF's copies go with it
+        shutil.rmtree(cache_path(ckpts.q8_0_gguf).parent, ignore_errors=True)
     _check_tp_against_single(got, want)
+    assert not cache_path(ckpts.q8_0_gguf).parent.exists()
 
 
 def _load_rank(path, rank: int):

@@ -186,18 +186,27 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     budget = int(mem.available_bytes * MEMORY_UTILIZATION)
     overhead_bytes *= fp.processes
     base_act = activation_bytes(fp, max_num_batched_tokens, max_num_seqs, 0)
+    # the length a default plan may shrink to: one sequence of this must fit
+    short_len = max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported)
+
+    def refusal(of: ModelFootprint, need_len: int, why: str = "",
+                page_cache: bool = False) -> InsufficientMemoryError:
+        """why (a first line, or none), then the advice for `of` needing need_len tokens and
+        the machines a split would need."""
+        return InsufficientMemoryError(
+            why + _advice(of, mem, budget, overhead_bytes, base_act, need_len, block_size,
+                          max_num_batched_tokens, max_num_seqs),
+            _machines(of, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
+                      max_num_seqs, need_len), page_cache)
+
     load_peak = fp.weight_bytes + fp.load_extra_bytes + overhead_bytes
     if fp.load_extra_bytes and load_peak > budget:
-        need_len = max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported)
-        raise InsufficientMemoryError(
-            f"loading does not fit in memory{_where(fp)}: the GGUF's "
-            f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped for the "
-            f"kernels, and the load peaks near {fmt_bytes(load_peak)} with the runtime; "
-            f"mapped from a file (mmap_weights) they are regrouped into it instead\n"
-            + _advice(fp, mem, budget, overhead_bytes, base_act, need_len, block_size,
-                      max_num_batched_tokens, max_num_seqs),
-            _machines(fp, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
-                      max_num_seqs, need_len))
+        raise refusal(fp, short_len,
+                      f"loading does not fit in memory{_where(fp)}: the GGUF's "
+                      f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped "
+                      f"for the kernels, and the load peaks near {fmt_bytes(load_peak)} with the "
+                      f"runtime; mapped from a file (mmap_weights) they are regrouped into it "
+                      f"instead\n")
     # decode gathers one layer's context: 1/num_layers of the cache on top of the cache itself
     kv_share = 1 + fp.processes / max(1, fp.layers)
     free_for_kv = max(0, int((budget - fp.weight_bytes - overhead_bytes - base_act) / kv_share))
@@ -207,18 +216,13 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
         one_seq = want_len * fp.kv_bytes_per_token  # the cap never cuts one full-length sequence
         default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq), one_seq * max_num_seqs)
         if fp.mapped_bytes:  # leave the page cache room for the mapped weights first
-            short = (max_model_len or min(MIN_MODEL_LEN, want_len)) * fp.kv_bytes_per_token
+            short = short_len * fp.kv_bytes_per_token
             default = min(default, free_for_kv, max(short, free_for_kv - fp.mapped_bytes))
         num_blocks = (kv_cache_bytes if kv_cache_bytes is not None else default) // block_bytes
     cache_tokens = num_blocks * block_size
     min_len = max_model_len or (1 if explicit_cache else min(MIN_MODEL_LEN, want_len))
     if num_blocks * block_bytes > free_for_kv or (not explicit_cache and cache_tokens < min_len):
-        need_len = min_len if not explicit_cache else max(1, cache_tokens)
-        raise InsufficientMemoryError(
-            _advice(fp, mem, budget, overhead_bytes, base_act, need_len, block_size,
-                    max_num_batched_tokens, max_num_seqs),
-            _machines(fp, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
-                      max_num_seqs, need_len))
+        raise refusal(fp, min_len if not explicit_cache else max(1, cache_tokens))
     if cache_tokens < min_len:
         raise ValueError(f"max_model_len={min_len} does not fit the KV cache ({num_blocks} blocks "
                          f"of {block_size} = {cache_tokens} tokens); lower max_model_len or "
@@ -230,18 +234,14 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       overhead_bytes, mem, fp.mapped_bytes, fp.where)
     room = plan.page_cache_room()
     if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes:
-        need_len = max_model_len or min(MIN_MODEL_LEN, want_len)
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
-        raise InsufficientMemoryError(
-            f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a file (mmap_weights) the "
-            f"page cache could hold only ~{fmt_bytes(room)} of their "
-            f"{fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; pagedllm maps them "
-            f"from {MAPPED_MIN_SHARE:.0%}): each decode step would re-read "
-            f"~{fmt_bytes(fp.mapped_bytes - room)} from disk\n"
-            + _advice(anon, mem, budget, overhead_bytes, base_act, need_len, block_size,
-                      max_num_batched_tokens, max_num_seqs),
-            _machines(anon, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
-                      max_num_seqs, need_len), page_cache=True)
+        raise refusal(anon, short_len,
+                      f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
+                      f"file (mmap_weights) the page cache could hold only ~{fmt_bytes(room)} of "
+                      f"their {fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; "
+                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): each decode step would "
+                      f"re-read ~{fmt_bytes(fp.mapped_bytes - room)} from disk\n",
+                      page_cache=True)
     return plan
 
 

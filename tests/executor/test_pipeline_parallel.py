@@ -10,9 +10,7 @@ import math
 import os
 import shutil
 import signal
-import socket
 import struct
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.worker.model_loader import load_model
+from rank_helpers import DEADLINE_S, free_port, gone, kill_mid_generation, wait_healthy
 
 PROMPTS = [
     "The capital of France is",
@@ -40,7 +39,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 ENGINE = dict(dtype="float32", max_model_len=512, max_num_seqs=8)
-DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
 
 
 def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
@@ -62,17 +60,6 @@ def _pp_equals_single(model: str, decode_path: str, **engine) -> None:
         assert _tokens(pp) == want
     finally:
         pp.llm_engine.shutdown()
-
-
-def _gone(pids: list[int]) -> bool:
-    """None of the processes is left (a zombie not reaped yet counts as gone)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            continue
-    return True
 
 
 # ---- options -------------------------------------------------------------------------------
@@ -214,32 +201,15 @@ def test_a_killed_rank_fails_generate_with_its_rank_named_and_leaves_no_process(
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **ENGINE)
     executor = llm.llm_engine.engine_core.executor
     pids = executor.worker_pids
-    assert len(pids) == 2 and not _gone(pids)
-    result: dict = {}
-
-    def generate() -> None:
-        try:
-            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
-                         use_tqdm=False)
-        except BaseException as err:  # what the test checks
-            result["error"] = err
-
-    runner = threading.Thread(target=generate, daemon=True)
-    runner.start()
-    while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
-        time.sleep(0.05)  # until a step has run
-    time.sleep(0.3)
-    os.kill(pids[killed], signal.SIGKILL)
-    runner.join(DEADLINE_S)
-    assert not runner.is_alive(), "generate hung after a rank was killed"
-    err = result.get("error")
+    assert len(pids) == 2 and not gone(pids)
+    err = kill_mid_generation(llm, PROMPTS, pids[killed], max_tokens=400)
     assert isinstance(err, WorkerDiedError), err
     assert f"pipeline rank {killed}" in str(err) and f"pid {pids[killed]}" in str(err)
     assert "killed by signal 9" in str(err)
     deadline = time.monotonic() + 30
-    while not _gone(pids) and time.monotonic() < deadline:
+    while not gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gone(pids), "a rank's process outlived the failure"
+    assert gone(pids), "a rank's process outlived the failure"
     # the engine stays failed, at once, with the same message
     started = time.monotonic()
     with pytest.raises(WorkerDiedError, match=f"pipeline rank {killed}"):
@@ -265,7 +235,7 @@ def test_a_rank_that_fails_to_load_fails_the_start_with_its_rank_named(tmp_path,
                                           r"\.20\.post_attention_layernorm\.weight holds 1 NaN"):
         LLM(model=str(path), pipeline_parallel_size=2, **ENGINE)
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    assert _gone(list(left))
+    assert gone(list(left))
 
 
 def test_deleting_the_llm_stops_its_ranks(smollm_gguf):
@@ -275,9 +245,9 @@ def test_deleting_the_llm_stops_its_ranks(smollm_gguf):
     del llm
     gc.collect()
     deadline = time.monotonic() + 30
-    while not _gone(pids) and time.monotonic() < deadline:
+    while not gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_a_killed_rank_fails_every_open_stream_of_the_server_engine(smollm_gguf):
@@ -314,7 +284,7 @@ def test_a_killed_rank_fails_every_open_stream_of_the_server_engine(smollm_gguf)
     errors = asyncio.run(asyncio.wait_for(main(), DEADLINE_S))
     assert len(errors) == len(PROMPTS)
     assert all("pipeline rank 1" in str(e) for e in errors)
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
@@ -325,9 +295,7 @@ def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
 
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
@@ -335,14 +303,7 @@ def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
                                  "--max-model-len", "512"], stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + DEADLINE_S
-            while time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
+            wait_healthy(proc, url, log)
             ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
             assert len(ranks) == 2, log.read_text()[-3000:]
             body = httpx.post(f"{url}/v1/completions", timeout=60, json={
@@ -352,7 +313,7 @@ def test_serve_with_pp2_answers_and_stops_its_ranks(tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    assert _gone(ranks)
+    assert gone(ranks)
     assert "pipeline parallel: rank 0" in log.read_text()
 
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
-import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from pagedllm.executor import ray_executor
 from pagedllm.executor.multiproc import WorkerDiedError, WorkerError
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.loader.gguf_header import gguf_header
+from rank_helpers import DEADLINE_S, free_port, gone, kill_mid_generation, wait_healthy
 
 PROMPTS = [
     "The capital of France is",
@@ -37,7 +35,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
-DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
 NODE = dict(num_cpus=1, object_store_memory=100 * 2**20)
 
 
@@ -81,22 +78,11 @@ def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def _gone(pids: list[int]) -> bool:
-    """None of the processes is left (a zombie not reaped yet counts as gone)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            continue
-    return True
-
-
 def _wait_gone(pids: list[int], timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
-    while not _gone(pids) and time.monotonic() < deadline:
+    while not gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return _gone(pids)
+    return gone(pids)
 
 
 def _cluster_is_free(address: str) -> None:
@@ -143,25 +129,8 @@ def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_addr
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
               distributed_executor_backend="ray", **ENGINE)
     pids = [p.pid for p in llm.llm_engine.engine_core.executor.worker_places]
-    result: dict = {}
-
-    def generate() -> None:
-        try:
-            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
-                         use_tqdm=False)
-        except BaseException as err:  # what the test checks
-            result["error"] = err
-
-    runner = threading.Thread(target=generate, daemon=True)
     try:
-        runner.start()
-        while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
-            time.sleep(0.05)  # until a step has run
-        time.sleep(0.3)
-        os.kill(pids[killed], signal.SIGKILL)
-        runner.join(DEADLINE_S)
-        assert not runner.is_alive(), "generate hung after an actor was killed"
-        err = result.get("error")
+        err = kill_mid_generation(llm, PROMPTS, pids[killed])
         assert isinstance(err, WorkerDiedError), err
         assert f"Ray actor of pipeline rank {killed} (pid {pids[killed]} on node " in str(err)
         assert "the engine cannot continue" in str(err)
@@ -238,9 +207,7 @@ def test_serve_with_the_ray_backend_answers(ray_address, tmp_path):
     once the server stops."""
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
@@ -249,14 +216,7 @@ def test_serve_with_the_ray_backend_answers(ray_address, tmp_path):
                                  "--max-model-len", "256"], stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + DEADLINE_S
-            while time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
+            wait_healthy(proc, url, log)
             body = httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True}).json()

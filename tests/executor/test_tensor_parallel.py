@@ -14,9 +14,6 @@ blocks: tests/models/test_tensor_parallel_families.py.)
 """
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 
 import psutil
@@ -32,6 +29,7 @@ from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model
+from rank_helpers import gone, kill_mid_generation
 
 PROMPTS = [
     "The capital of France is",
@@ -41,7 +39,6 @@ PROMPTS = [
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=20)
 LOGPROB_TOL = 1e-3  # summation order: see the module docstring
-DEADLINE_S = 120
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[dict[int, float]]]:
@@ -150,29 +147,11 @@ def test_each_rank_reads_only_its_part_of_the_gguf(qwen_gguf, monkeypatch):
 def test_a_killed_tp_rank_fails_generate_with_its_rank_named(qwen_hf_dir):
     llm = LLM(model=str(qwen_hf_dir), tensor_parallel_size=2, **ENGINE)
     pids = llm.llm_engine.engine_core.executor.worker_pids
-    result: dict = {}
-
-    def generate() -> None:
-        try:
-            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
-                         use_tqdm=False)
-        except BaseException as err:  # what the test checks
-            result["error"] = err
-
-    runner = threading.Thread(target=generate, daemon=True)
-    runner.start()
-    while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
-        time.sleep(0.05)  # until a step has run
-    time.sleep(0.3)
-    os.kill(pids[1], signal.SIGKILL)
-    runner.join(DEADLINE_S)
-    assert not runner.is_alive(), "generate hung after a rank was killed"
-    err = result.get("error")
+    err = kill_mid_generation(llm, PROMPTS, pids[1])
     assert isinstance(err, WorkerDiedError), err
     assert "tensor parallel rank 1" in str(err) and "killed by signal 9" in str(err)
     deadline = time.monotonic() + 30
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-              for p in pids) and time.monotonic() < deadline:
+    while not gone(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     with pytest.raises(WorkerDiedError, match="tensor parallel rank 1"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)

@@ -85,6 +85,16 @@ def _check_tp_against_single(got: list, want: list, tol: float = BLOCKS_LOGPROB_
             i, single[want_tokens[i]], single.get(tokens[i]))
 
 
+def _single_and_tp2(engine: dict, prompts: list[list[int]]) -> tuple[list, list]:
+    """_greedy of one process, then of tensor_parallel_size=2, on the same engine arguments."""
+    want = _greedy(LLM(**engine), prompts)
+    llm = LLM(**engine, tensor_parallel_size=2)
+    try:
+        return want, _greedy(llm, prompts)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
 @pytest.mark.parametrize("family", ["qwen2_one_kv_head", "llama3", "qwen3"])
 def test_tp2_equals_one_process(request, family, checkpoint):
@@ -92,12 +102,7 @@ def test_tp2_equals_one_process(request, family, checkpoint):
     # the GGUFs hold no tokenizer: the HF directory's
     engine = dict(model=str(getattr(ckpts, checkpoint)), tokenizer=str(ckpts.hf_dir),
                   dtype="float32", **CHUNKED)
-    want = _greedy(LLM(**engine), ckpts.prompts)
-    llm = LLM(**engine, tensor_parallel_size=2)
-    try:
-        got = _greedy(llm, ckpts.prompts)
-    finally:
-        llm.llm_engine.shutdown()
+    want, got = _single_and_tp2(engine, ckpts.prompts)
     if checkpoint == "hf_dir":  # float32 throughout: the same tokens, logprobs within 1e-3
         assert [g[0] for g in got] == [w[0] for w in want]
     _check_tp_against_single(got, want, LOGPROB_TOL if checkpoint == "hf_dir" else
@@ -110,12 +115,7 @@ def test_tp2_quantized_at_load_equals_one_process(qwen2_one_kv_head, quantizatio
     blocks of 32 values, o_proj's 32 and down_proj's 64 values per rank whole blocks)."""
     ckpts = qwen2_one_kv_head
     engine = dict(model=str(ckpts.hf_dir), dtype="float32", quantization=quantization)
-    want = _greedy(LLM(**engine), ckpts.prompts)
-    llm = LLM(**engine, tensor_parallel_size=2)
-    try:
-        got = _greedy(llm, ckpts.prompts)
-    finally:
-        llm.llm_engine.shutdown()
+    want, got = _single_and_tp2(engine, ckpts.prompts)
     _check_tp_against_single(got, want)
 
 
@@ -125,12 +125,7 @@ def test_tp2_with_file_backed_blocks_equals_one_process(qwen2_one_kv_head):
     engine = dict(model=str(ckpts.q8_0_gguf), tokenizer=str(ckpts.hf_dir), dtype="float32",
                   mmap_weights=True)
     try:
-        want = _greedy(LLM(**engine), ckpts.prompts)
-        llm = LLM(**engine, tensor_parallel_size=2)
-        try:
-            got = _greedy(llm, ckpts.prompts)
-        finally:
-            llm.llm_engine.shutdown()
+        want, got = _single_and_tp2(engine, ckpts.prompts)
     finally:  # the ranks wrote to the real cache: a temporary GGUF's copies go with it
         shutil.rmtree(cache_path(ckpts.q8_0_gguf).parent, ignore_errors=True)
     _check_tp_against_single(got, want)

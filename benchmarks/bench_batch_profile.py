@@ -95,10 +95,10 @@ def instrument(llm: LLM, timer: Timer) -> None:
     runner.model.forward = layers
     if captured is not None:
         class Timed:
-            def __call__(self, input_ids, positions, kv_cache, meta):
+            def __call__(self, input_ids, positions, kv_cache, meta, *rest):
                 timer.decode_step = True
                 with timer.phase("layers"):
-                    out = captured(input_ids, positions, kv_cache, meta)
+                    out = captured(input_ids, positions, kv_cache, meta, *rest)
                 a = attention_seconds(kv_cache, meta, attn.num_heads, attn.head_dim,
                                       attn.attn.scale)
                 timer.step["attention"] += a

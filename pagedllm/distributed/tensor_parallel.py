@@ -60,6 +60,22 @@ class TensorParallelRank:
         size = total // self.world_size
         return range(self.rank * size, (self.rank + 1) * size)
 
+    def split_blocks(self, total: int, block: int, what: str, unit: str = "values") -> range:
+        """This rank's contiguous range of `total` entries, cut only where a `block` of them
+        ends: the even split when its parts are whole blocks, else the blocks dealt out with
+        the first ranks one more (19 blocks of 256 over 2 ranks: 2560 and 2304). A ValueError
+        naming `what` when `total` is not whole blocks or they are fewer than the ranks."""
+        blocks, rest = divmod(total, block)
+        if rest or blocks < self.world_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.world_size}: {what} has {total} {unit}, "
+                f"{total / block:g} blocks of {block}, which cannot be split at block "
+                f"boundaries over {self.world_size} ranks (load it dequantized with "
+                f"quantization='none', or use a smaller tensor_parallel_size)")
+        base, extra = divmod(blocks, self.world_size)
+        start = (self.rank * base + min(self.rank, extra)) * block
+        return range(start, start + (base + (self.rank < extra)) * block)
+
     def kv_heads(self, num_kv_heads: int, what: str) -> range:
         """The KV heads this rank holds: its share when there are at least as many as ranks,
         else the one its query heads use (replicated on world_size / num_kv_heads ranks)."""

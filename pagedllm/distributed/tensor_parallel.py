@@ -13,10 +13,13 @@ not combined with pipeline parallelism yet, so every rank of the world is a tens
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.comm_stats import TP_COMM_STATS
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,17 @@ class TensorParallelRank:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of x, in place (x must be contiguous)."""
+    """The sum over the ranks of x, in place (x must be contiguous); timed (TP_COMM_STATS)."""
+    started = time.perf_counter()
     dist.all_reduce(x)
+    TP_COMM_STATS.add_all_reduce(x.numel() * x.element_size(), started)
     return x
 
 
 def all_gather_last(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order."""
+    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order; timed."""
     parts = [torch.empty_like(x) for _ in range(world_size)]
+    started = time.perf_counter()
     dist.all_gather(parts, x.contiguous())
+    TP_COMM_STATS.add_all_gather(x.numel() * x.element_size(), started)
     return torch.cat(parts, dim=-1)

@@ -13,10 +13,13 @@ not combined with pipeline parallelism yet, so every rank of the world is a tens
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from pagedllm.distributed.comm_stats import TP_COMM_STATS
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,22 @@ class TensorParallelRank:
         size = total // self.world_size
         return range(self.rank * size, (self.rank + 1) * size)
 
+    def split_blocks(self, total: int, block: int, what: str, unit: str = "values") -> range:
+        """This rank's contiguous range of `total` entries, cut only where a `block` of them
+        ends: the even split when its parts are whole blocks, else the blocks dealt out with
+        the first ranks one more (19 blocks of 256 over 2 ranks: 2560 and 2304). A ValueError
+        naming `what` when `total` is not whole blocks or they are fewer than the ranks."""
+        blocks, rest = divmod(total, block)
+        if rest or blocks < self.world_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.world_size}: {what} has {total} {unit}, "
+                f"{total / block:g} blocks of {block}, which cannot be split at block "
+                f"boundaries over {self.world_size} ranks (load it dequantized with "
+                f"quantization='none', or use a smaller tensor_parallel_size)")
+        base, extra = divmod(blocks, self.world_size)
+        start = (self.rank * base + min(self.rank, extra)) * block
+        return range(start, start + (base + (self.rank < extra)) * block)
+
     def kv_heads(self, num_kv_heads: int, what: str) -> range:
         """The KV heads this rank holds: its share when there are at least as many as ranks,
         else the one its query heads use (replicated on world_size / num_kv_heads ranks)."""
@@ -74,13 +93,17 @@ class TensorParallelRank:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of x, in place (x must be contiguous)."""
+    """The sum over the ranks of x, in place (x must be contiguous); timed (TP_COMM_STATS)."""
+    started = time.perf_counter()
     dist.all_reduce(x)
+    TP_COMM_STATS.add_all_reduce(x.numel() * x.element_size(), started)
     return x
 
 
 def all_gather_last(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order."""
+    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order; timed."""
     parts = [torch.empty_like(x) for _ in range(world_size)]
+    started = time.perf_counter()
     dist.all_gather(parts, x.contiguous())
+    TP_COMM_STATS.add_all_gather(x.numel() * x.element_size(), started)
     return torch.cat(parts, dim=-1)

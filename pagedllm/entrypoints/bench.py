@@ -141,17 +141,16 @@ def _llm(args: argparse.Namespace):
 
 
 def _comm_stats(llm, reset: bool = False) -> Optional[list[dict]]:
-    """Each pipeline rank's send/recv counters (worker/stage_comm.py), or None in one process."""
+    """Each rank's send/recv and collective counters (worker/stage_comm.py,
+    distributed/comm_stats.py), or None in one process."""
     stats = getattr(llm.llm_engine.engine_core.executor, "comm_stats", None)
     return None if stats is None else stats(reset)
 
 
-def _comm_report(stats: Optional[list[dict]]) -> dict[str, Any]:
+def _pp_report(stats: list[dict]) -> dict[str, Any]:
     """Per step: the first rank's send (the transfer: the next stage is waiting in its
     receive) and each later rank's receive (the transfer plus the wait for the stages before
     it to compute), in milliseconds; the bytes a step moves."""
-    if not stats:
-        return {}
     steps = max(1, stats[0]["sends"])
     out: dict[str, Any] = {"pp_steps": stats[0]["sends"],
                            "pp_bytes_per_step": stats[0]["send_bytes"] / steps}
@@ -161,6 +160,34 @@ def _comm_report(stats: Optional[list[dict]]) -> dict[str, Any]:
         if s["recvs"]:
             out[f"pp_rank{rank}_recv_ms_per_step"] = 1e3 * s["recv_s"] / s["recvs"]
     return out
+
+
+def _tp_report(stats: list[dict]) -> dict[str, Any]:
+    """Per step, on each rank: the all-reduces' (two a layer and the embedding's) and the
+    logits' all-gather's milliseconds, each the transfer plus the wait for the slowest rank
+    (tp_allreduce_ms_per_step: the least of the ranks'); the all-reduces a step and the bytes
+    each rank gives them."""
+    first = stats[0]
+    steps = max(1, first["forwards"])
+    out: dict[str, Any] = {"tp_steps": first["forwards"],
+                           "tp_allreduces_per_step": first["all_reduces"] / steps,
+                           "tp_allreduce_bytes_per_step": first["all_reduce_bytes"] / steps}
+    for rank, s in enumerate(stats):
+        out[f"tp_rank{rank}_allreduce_ms_per_step"] = 1e3 * s["all_reduce_s"] / steps
+        out[f"tp_rank{rank}_allgather_ms_per_step"] = 1e3 * s["all_gather_s"] / steps
+    # the rank that waited least for the others: nearest the transfer alone
+    out["tp_allreduce_ms_per_step"] = min(out[f"tp_rank{r}_allreduce_ms_per_step"]
+                                          for r in range(len(stats)))
+    return out
+
+
+def _comm_report(stats: Optional[list[dict]]) -> dict[str, Any]:
+    """The pipeline's send/recv (pp_*) or the tensor-parallel collectives (tp_*) per step."""
+    if not stats:
+        return {}
+    if stats[0].get("forwards"):
+        return _tp_report(stats)
+    return _pp_report(stats)
 
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:

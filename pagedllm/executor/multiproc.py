@@ -248,10 +248,12 @@ def _serve(worker: Any, conn: Connection) -> None:
         if call.method == "shutdown":
             send(conn, WorkerReply())
             return
-        if call.method == "comm_stats":  # the stage send/recv timings (worker/stage_comm.py)
+        if call.method == "comm_stats":  # send/recv (worker/stage_comm.py), TP collectives
+            from pagedllm.distributed.comm_stats import TP_COMM_STATS
             from pagedllm.worker.stage_comm import COMM_STATS
 
-            send(conn, WorkerReply(COMM_STATS.snapshot(*call.args)))
+            send(conn, WorkerReply({**COMM_STATS.snapshot(*call.args),
+                                    **TP_COMM_STATS.snapshot(*call.args)}))
             continue
         try:
             reply = WorkerReply(getattr(worker, call.method)(*call.args))
@@ -449,8 +451,9 @@ class MultiprocExecutor(Executor):
         return self._decode_paths[self._driver]
 
     def comm_stats(self, reset: bool = False) -> list[dict]:
-        """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats), in
-        rank order; reset=True starts the counters again."""
+        """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats) and its
+        tensor-parallel collectives' (CollectiveStats), in rank order; reset=True starts the
+        counters again."""
         return self._call_all(WorkerCall("comm_stats", (reset,)))
 
     def shutdown(self) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.distributed.comm_stats import TP_COMM_STATS
 from pagedllm.distributed.tensor_parallel import all_gather_last, all_reduce
 
 
@@ -42,6 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         self.inner, self.start, self.rows = inner, start, rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        TP_COMM_STATS.forwards += 1  # the first collective of every step: counts the steps
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)  # [T]
         out = self.inner(torch.where(inside, local, 0))  # [T, H]

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
@@ -82,6 +82,10 @@ class WeightLayout:
     mapped_embedding: int = 0
     mapped_head: int = 0
     tied: bool = False  # the head shares the embedding: a last stage without it holds a copy
+    mlp: int = 0  # of the layers' bytes, the dense MLPs' (gate, up, down)
+    # a tensor-parallel split of the MLPs' intermediate rows falls on multiples of this: the
+    # least common multiple of the kept down_proj blocks' sizes (models/tensor_parallel.py)
+    mlp_block: int = 1
 
     @property
     def total(self) -> int:
@@ -92,6 +96,16 @@ class WeightLayout:
     def mapped_total(self) -> int:
         """Bytes of the whole model's kept blocks."""
         return sum(self.mapped_layers) + self.mapped_embedding + self.mapped_head
+
+    def tp_rank_bytes(self, world_size: int, intermediate_size: int) -> int:
+        """Bytes of the largest of world_size tensor-parallel ranks: a 1/world_size share of
+        everything but the MLPs, whose intermediate rows split at multiples of mlp_block, the
+        first ranks a block more when the blocks do not divide (19 of 256 over 2: 10 and 9)."""
+        blocks = intermediate_size // self.mlp_block
+        if not self.mlp or blocks < world_size:  # refused by the split: world_size's share
+            return self.total // world_size
+        largest = -(-blocks // world_size) * self.mlp_block
+        return (self.total - self.mlp) // world_size + self.mlp * largest // intermediate_size
 
     def stage_bytes(self, start: int, end: int, first: bool, last: bool) -> tuple[int, int]:
         """(bytes, of which mapped bytes) of a stage holding layers [start, end)."""
@@ -121,8 +135,20 @@ def _group(name: str) -> tuple[str, int]:
     return "other", 0
 
 
-def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool) -> WeightLayout:
+_MLP_NAMES = (".ffn_gate.", ".ffn_up.", ".ffn_down.", ".mlp.gate_proj.", ".mlp.up_proj.",
+              ".mlp.down_proj.")  # a dense MLP's matrices (not experts': ffn_gate_exps, ...)
+
+
+def _kept_down_block(tensors, kept_types: frozenset) -> int:
+    """The least common multiple of the block sizes of a GGUF's kept down_proj matrices."""
+    kept = {t.qtype for t in tensors if ".ffn_down." in t.name and t.qtype in kept_types}
+    return math.lcm(*(GGML_QUANT_SIZES[q][0] for q in kept)) if kept else 1
+
+
+def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool,
+            mlp_block: int = 1) -> WeightLayout:
     """A WeightLayout from (tensor name, bytes, mapped bytes) triples."""
+    mlp = sum(size for name, size, _ in sizes if any(n in name for n in _MLP_NAMES))
     layers, mapped = [0] * num_layers, [0] * num_layers
     groups = {"embedding": [0, 0], "head": [0, 0], "other": [0, 0]}
     for name, size, blocks in sizes:
@@ -135,7 +161,7 @@ def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool) -> W
             groups[kind if kind != "layer" else "other"][1] += blocks
     return WeightLayout(tuple(layers), groups["embedding"][0], groups["head"][0],
                         groups["other"][0], tuple(mapped), groups["embedding"][1],
-                        groups["head"][1], tied)
+                        groups["head"][1], tied, mlp, mlp_block)
 
 
 def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = frozenset(),
@@ -147,14 +173,16 @@ def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = froze
     a = ckpt.arch
     tied = a.tie_word_embeddings
     if ckpt.kind == "gguf":
-        sizes = []
-        for t in gguf_header(ckpt.path)[1]:
+        sizes, tensors = [], gguf_header(ckpt.path)[1]
+        for t in tensors:
             kept = (len(t.shape) in (2, 3) and t.qtype in kept_types
                     and (kept_names is None or t.name in kept_names))
             size = t.nbytes if kept else math.prod(t.shape) * itemsize
             sizes.append((t.name, size, size if kept else 0))
         tied = tied or not any(name == "output.weight" for name, _, _ in sizes)
-        return _layout(a.num_hidden_layers, sizes, tied)
+        block = _kept_down_block([t for t in tensors if kept_names is None or t.name in kept_names],
+                                 kept_types)
+        return _layout(a.num_hidden_layers, sizes, tied, block)
     files = sorted(ckpt.path.glob("*.safetensors"))
     if files:
         sizes = [(name, math.prod(shape) * itemsize, 0)

@@ -11,13 +11,16 @@ modules swapped, the model code unchanged).
    after attention and after the MLP, the embedding's all-reduce and the logits' all-gather
    (layers/tensor_parallel.py).
 
-A split that does not divide (heads by ranks; a GGUF block's values across the reduction
-axis) is a ValueError naming the tensor and the sizes. The tensors' summation order changes:
+The heads split evenly; so do the MLPs' intermediate rows unless a kept down_proj's GGUF
+blocks would be cut, when the rows split at block boundaries instead, unevenly (mlp_split).
+A split that cannot be made (heads by ranks; o_proj's heads cutting its blocks; fewer
+blocks than ranks) is a ValueError naming the tensor and the sizes. The tensors' summation order changes:
 each rank sums its part of o_proj's and down_proj's reduction, then the all-reduce adds them.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -40,7 +43,8 @@ def _rows(part: range, full: int) -> Shard:
 
 def _check_blocks(path: str, part: range, plan: Optional[QuantPlan], tp: TensorParallelRank
                   ) -> None:
-    """A row-parallel matrix kept in GGUF blocks splits its rows only at whole blocks."""
+    """o_proj (row-parallel, split by whole heads) kept in GGUF blocks must split its rows at
+    whole blocks (head_dim 64 or 128 with 32-value blocks does; 256-value K-quants may not)."""
     qtype = (plan or {}).get(path)
     if qtype is None:
         return
@@ -80,11 +84,37 @@ def _shard_attention(path: str, attn: SelfAttention, tp: TensorParallelRank,
     return shards
 
 
-def _shard_mlp(path: str, mlp: GatedMLP, tp: TensorParallelRank,
-               plan: Optional[QuantPlan]) -> Shards:
+class MlpSplit(NamedTuple):
+    """Where the MLPs' intermediate rows may be cut: at multiples of `block` (the least common
+    multiple of the block sizes of every kept down_proj; 1 when none is kept), and the kept
+    types, for messages."""
+
+    block: int
+    types: tuple[str, ...]
+
+
+def mlp_split(plan: Optional[QuantPlan]) -> MlpSplit:
+    """The model-wide unit of the MLPs' split (one split for every layer: the ranks' shares,
+    and the memory they plan, are the same in each)."""
+    kept = {q for path, q in (plan or {}).items() if path.endswith(".mlp.down_proj")}
+    types = tuple(sorted(q.name for q in kept))
+    return MlpSplit(math.lcm(*(GGML_QUANT_SIZES[q][0] for q in kept)) if kept else 1, types)
+
+
+def mlp_rows(path: str, full: int, split: MlpSplit, tp: TensorParallelRank) -> range:
+    """This rank's intermediate rows of the MLP at `path`: the even split when no down_proj
+    keeps blocks (as before), else cut at block boundaries (uneven when the even split would
+    cut a block: gate/up take whole rows, down_proj whole blocks of every row, so the numbers
+    stay the file's)."""
+    if split.block == 1:
+        return tp.split(full, f"{path}.gate_proj", "intermediate rows")
+    return tp.split_blocks(full, split.block, f"{path}.down_proj.weight, kept in "
+                           f"{'/'.join(split.types)} blocks,", "values a row")
+
+
+def _shard_mlp(path: str, mlp: GatedMLP, tp: TensorParallelRank, split: MlpSplit) -> Shards:
     full = mlp.down_proj.in_features
-    rows = tp.split(full, f"{path}.gate_proj", "intermediate rows")
-    _check_blocks(f"{path}.down_proj", rows, plan, tp)
+    rows = mlp_rows(path, full, split, tp)
     mlp.gate_up_proj = _merged(mlp.gate_up_proj, (len(rows), len(rows)))
     hidden = mlp.down_proj.out_features
     mlp.down_proj = nn.Linear(len(rows), hidden, bias=mlp.down_proj.bias is not None)
@@ -114,11 +144,12 @@ def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPl
                          "routes tokens to experts, which are not split over ranks yet; use "
                          "pipeline_parallel_size")
     shards = _shard_vocab(model, tp)
+    split = mlp_split(plan)
     for path, module in list(model.named_modules()):
         if isinstance(module, SelfAttention):
             shards.update(_shard_attention(path, module, tp, plan))
         elif isinstance(module, GatedMLP):
-            shards.update(_shard_mlp(path, module, tp, plan))
+            shards.update(_shard_mlp(path, module, tp, split))
     return shards
 
 

@@ -313,8 +313,9 @@ def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs
               min_len: int) -> dict:
     """How many machines with this budget each would hold the model split: the smallest
     pipeline_parallel_size whose largest stage fits (weights by layer from the layout), and
-    the smallest tensor_parallel_size whose share (weights/N, the KV heads split, replicated
-    below one per rank) fits; None when no split does."""
+    the smallest tensor_parallel_size whose largest rank (weights/N, but the MLPs' uneven
+    where kept blocks split at block boundaries; the KV heads split, replicated below one per
+    rank) fits; None when no split does."""
     a = fp.arch
     total = fp.layout.total if fp.layout is not None else fp.weight_bytes + fp.mapped_bytes
     whole = replace(fp, weight_bytes=total, mapped_bytes=0, processes=1, num_layers=None,
@@ -338,8 +339,9 @@ def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs
     for n in range(2, 65):
         kv_heads = max(1, a.num_key_value_heads // n) if a.num_key_value_heads >= n else 1
         kv = whole.kv_bytes_per_token * kv_heads // max(1, a.num_key_value_heads) * min_len
-        if whole.weight_bytes // n + kv + overhead + activation_bytes(whole, batched, seqs,
-                                                                      kv) // n <= budget:
+        weights = (whole.weight_bytes // n if whole.layout is None else
+                   whole.layout.tp_rank_bytes(n, a.intermediate_size))
+        if weights + kv + overhead + activation_bytes(whole, batched, seqs, kv) // n <= budget:
             tp = n
             break
     return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp}

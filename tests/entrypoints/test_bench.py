@@ -60,6 +60,24 @@ def test_pipeline_parallel_reports_the_stage_communication(tmp_path, smollm_gguf
     assert "pp_rank1_send_ms_per_step" not in result and "pp_rank0_recv_ms_per_step" not in result
 
 
+def test_tensor_parallel_reports_the_collectives(tmp_path, qwen_gguf):
+    """Qwen2.5-0.5B at -tp 2 with its K-quant blocks kept (split 10/9 blocks): per step, one
+    all-reduce for the embedding and two for each of the 24 layers, of the step's hidden
+    states; no pipeline keys."""
+    result = _run(["latency", "--model", str(qwen_gguf), "--input-len", "8", "--output-len",
+                   "4", "--num-iters", "1", "-tp", "2"], tmp_path / "r.json")
+    assert result["tp_steps"] == 4  # the timed request's prefill and three decode steps
+    assert result["tp_allreduces_per_step"] == 1 + 2 * 24
+    hidden = 896
+    assert result["tp_allreduce_bytes_per_step"] == 49 * hidden * 4 * (8 + 3) / 4
+    for rank in (0, 1):
+        assert result[f"tp_rank{rank}_allreduce_ms_per_step"] > 0
+        assert result[f"tp_rank{rank}_allgather_ms_per_step"] > 0
+    assert result["tp_allreduce_ms_per_step"] == min(result["tp_rank0_allreduce_ms_per_step"],
+                                                     result["tp_rank1_allreduce_ms_per_step"])
+    assert not any(key.startswith("pp_") for key in result)
+
+
 def test_tensor_and_pipeline_parallel_together_are_refused_as_llm_refuses_them():
     proc = subprocess.run(CLI + ["latency", "--model", MODEL, "-tp", "2", "-pp", "2"],
                           capture_output=True, text=True, timeout=120)

@@ -159,3 +159,21 @@ def test_a_rank_holds_its_part_of_the_blocks_and_the_replicated_kv_head(qwen2_on
 def test_what_does_not_split_is_refused_by_name(request, family, message):
     with pytest.raises(ValueError, match=message):
         _load_rank(request.getfixturevalue(family).q8_0_gguf, 0)
+
+
+def test_a_down_proj_of_fewer_blocks_than_ranks_is_refused_by_name(tmp_path):
+    """intermediate_size 32: one Q8_0 block a down_proj row, which two ranks cannot share at a
+    block boundary; the float32 GGUF of the same model splits it 16/16."""
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen2ForCausalLM(cfg).eval()
+    random_init(model, seed=0)
+    ckpts = save_checkpoints(model, tmp_path, "qwen2", lambda w: base_fields(w, cfg),
+                             prompts((5,), seed=1))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: model\.layers\.0\.mlp\."
+                                         r"down_proj\.weight, kept in Q8_0 blocks, has 32 "
+                                         r"values a row, 1 blocks of 32, which cannot be split"):
+        _load_rank(ckpts.q8_0_gguf, 0)
+    assert _load_rank(ckpts.f32_gguf, 1).model.layers[0].mlp.down_proj.inner.in_features == 16

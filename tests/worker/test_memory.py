@@ -6,12 +6,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo
+from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.memory import (InsufficientMemoryError, footprint,
                                     kv_bytes_per_token, plan_memory)
 
@@ -117,3 +121,23 @@ def test_a_sliding_window_does_not_cap_max_model_len():
                          max_num_batched_tokens=2048) for f in (fp, windowed)]
     assert plans[0] == plans[1]
     assert plans[1].max_model_len == fp.arch.max_position_embeddings == 32768
+
+
+def test_tp_plans_the_largest_rank_of_an_uneven_block_split(qwen_gguf):
+    """Qwen Q4_K_M with its blocks kept at tensor_parallel_size=2: rank 0 holds 10 of each
+    down_proj row's 19 K-quant blocks (and the matching gate/up rows), rank 1 nine; the plan's
+    largest rank is rank 0's loaded bytes (within the replicated norms and biases), above half
+    the model by half the ranks' difference."""
+    platform = CpuPlatform()
+    platform.load_kernels()  # the x8 packing's
+    ckpt = resolve_checkpoint(qwen_gguf)
+    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
+    assert layout.mlp_block == 256
+    planned = layout.tp_rank_bytes(2, ckpt.arch.intermediate_size)
+    config = EngineConfig(model_path=str(qwen_gguf), arch=ckpt.arch, dtype=torch.float32,
+                          platform=platform, quantization="gguf")
+    held = [sum(p.nbytes for p in load_model(config, tp=TensorParallelRank(r, 2)).parameters())
+            for r in range(2)]
+    assert abs(planned - held[0]) <= 0.005 * held[0]
+    excess = (held[0] - held[1]) / 2  # 5.7 MB
+    assert abs(planned - layout.total // 2 - excess) <= 0.05 * excess

@@ -250,10 +250,6 @@ class ParallelConfig:
                              f"process; pipeline_parallel_size={self.pipeline_parallel_size} "
                              f"with tensor_parallel_size={self.tensor_parallel_size} needs 'mp' or "
                              "'ray'")
-        if backend == "ray" and self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
-                             "distributed_executor_backend='ray' is not implemented yet; use 'mp' "
-                             "(or pipeline_parallel_size with 'ray')")
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError(RAY_MISSING)
 

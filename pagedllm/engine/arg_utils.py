@@ -115,9 +115,9 @@ class EngineArgs:
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never
     mmap_weights: Optional[bool] = None
-    # ranks: the layers split into pipeline_parallel_size stages, one process each ("mp") or
-    # one Ray actor each ("ray"); or every layer split over tensor_parallel_size ranks, one
-    # process each ("mp"); both at once, and tensor parallelism on "ray", are refused
+    # ranks: the layers split into pipeline_parallel_size stages, or every layer split over
+    # tensor_parallel_size ranks; one process each ("mp") or one Ray actor each ("ray"); both
+    # at once are refused
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None  # None: "mp" with several ranks

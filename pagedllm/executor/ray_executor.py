@@ -1,9 +1,10 @@
-"""The Ray executor: one Ray actor per pipeline rank, on the machines of a Ray cluster (vLLM's
-`--distributed-executor-backend ray`).
+"""The Ray executor: one Ray actor per rank (pipeline stage or tensor parallel rank), on the
+machines of a Ray cluster (vLLM's `--distributed-executor-backend ray`).
 
     head:   ray start --head --port=6379
     others: ray start --address=HEAD_IP:6379
     head:   RAY_ADDRESS=HEAD_IP:6379 pagedllm serve MODEL -pp 2 --distributed-executor-backend ray
+            (or -tp 2)
 
     engine process (Ray driver)       node A: actor, rank 0      node B: actor, rank 1
     RayExecutor --actor call ------>  Worker (layers 0..k-1)
@@ -11,10 +12,15 @@
                                       --- torch.distributed send/recv (gloo, TCP) --->
                 <-- ray.get -------------------------------------  ModelRunnerOutput
 
+With tensor_parallel_size=N instead, the ranks are the mp executor's (executor/multiproc.py's
+rank_places): every actor runs every step on its share of each layer, joined by the
+collectives; tensor parallel rank 0's answer is the step's output and it samples, the others
+are given its tokens with their next step.
+
 Ray places the ranks (a placement group, one bundle per rank: STRICT_SPREAD when the cluster
-has a node for each, else PACK) and carries the control calls; the activations go over the
-same gloo process group and the same stage code as the mp executor's, the group's address being
-rank 0's node IP and a free port found there. With RAY_ADDRESS set the engine joins that
+has a node for each, else PACK) and carries the control calls; the activations (stage to
+stage, or the collectives) go over the same gloo process group and the same code as the mp
+executor's, the group's address being rank 0's node IP and a free port found there. With RAY_ADDRESS set the engine joins that
 cluster; else it starts a small local one, which shutdown stops. An actor that dies fails the
 engine with its rank named, as a dead process does under mp.
 
@@ -41,15 +47,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.distributed.stage import PipelineStage
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc import WorkerDiedError, WorkerError, start_worker
+from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError, rank_places,
+                                         start_worker)
 
 logger = logging.getLogger("pagedllm")
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for every rank
-# after a rank raised, how long to look for a peer that died (the likelier cause: a stage whose
-# peer is gone fails its send or receive)
+# after a rank raised, how long to look for a peer that died (the likelier cause: a rank whose
+# peer is gone fails its send, receive or collective)
 DEATH_GRACE_S = 5.0
 # a local cluster's object store: the calls carry only small messages (activations go by gloo)
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
@@ -57,7 +63,7 @@ ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the tracebacks it carr
 
 
 @dataclass(frozen=True)
-class RankPlace:
+class ActorPlace:
     """Where a rank's actor runs."""
 
     pid: int
@@ -70,14 +76,15 @@ class RankPlace:
 
 @ray.remote
 class RankActor:
-    """A pipeline rank in a Ray actor: its Worker, once start() has run."""
+    """A rank (pipeline stage or tensor parallel rank) in a Ray actor: its Worker, once
+    start() has run."""
 
     def __init__(self) -> None:
         self.worker: Any = None
 
-    def where(self) -> RankPlace:
+    def where(self) -> ActorPlace:
         """This actor's process, node and pagedllm."""
-        return RankPlace(os.getpid(), ray.util.get_node_ip_address(),
+        return ActorPlace(os.getpid(), ray.util.get_node_ip_address(),
                          str(Path(__file__).parents[1]))
 
     def free_address(self) -> str:
@@ -87,14 +94,22 @@ class RankActor:
             port = sock.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def start(self, config: EngineConfig, stage: PipelineStage, init_method: str,
+    def start(self, config: EngineConfig, place: RankPlace, init_method: str,
               num_threads: int) -> str:
-        """Join the process group and load the stage; what runs its decode steps."""
+        """Join the process group and load the rank's share of the model; what runs its decode
+        steps."""
         from pagedllm.logger import configure_logging
 
         configure_logging()
-        self.worker = start_worker(config, stage, init_method, num_threads)
+        self.worker = start_worker(config, place.stage, init_method, num_threads, tp=place.tp)
         return self.worker.model_runner.decode_path
+
+    def comm_stats(self, reset: bool) -> dict:
+        """This rank's stage send/recv and tensor-parallel collective counters."""
+        from pagedllm.distributed.comm_stats import TP_COMM_STATS
+        from pagedllm.worker.stage_comm import COMM_STATS
+
+        return {**COMM_STATS.snapshot(reset), **TP_COMM_STATS.snapshot(reset)}
 
     def call(self, method: str, *args: Any) -> Any:
         """Run one of the Worker's methods."""
@@ -103,11 +118,11 @@ class RankActor:
 
 @dataclass
 class _Rank:
-    """A rank's actor and where it runs."""
+    """A rank's place in the process group, its actor, and where the actor runs."""
 
-    stage: PipelineStage
+    place: RankPlace
     actor: Any  # ray.actor.ActorHandle
-    place: Optional[RankPlace] = None
+    where: Optional[ActorPlace] = None
 
 
 @dataclass
@@ -162,7 +177,7 @@ def _bundle(config: EngineConfig) -> dict[str, float]:
     return {"CPU": 1.0, "GPU": 1.0} if config.device.type == "cuda" else {"CPU": 1.0}
 
 
-def _place(world: int, bundle: dict[str, float]) -> PlacementGroup:
+def _place(world: int, bundle: dict[str, float], kind: str) -> PlacementGroup:
     """A placement group of one bundle per rank, once the cluster has found room for all."""
     nodes = [n for n in ray.nodes() if n["Alive"]
              and all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
@@ -173,7 +188,7 @@ def _place(world: int, bundle: dict[str, float]) -> PlacementGroup:
     except GetTimeoutError:
         remove_placement_group(group)
         raise RuntimeError(
-            f"the Ray cluster found no room for {world} pipeline ranks of {bundle} each "
+            f"the Ray cluster found no room for {world} {kind} ranks of {bundle} each "
             f"({strategy} over {len(nodes)} nodes that could hold one) in "
             f"{PLACEMENT_TIMEOUT_S:.0f} s; free now: {ray.available_resources()}") from None
     logger.info("Ray placement group: %d bundles of %s, %s", world, bundle, strategy)
@@ -196,41 +211,46 @@ def _reason(err: RayError, limit: int = 400) -> str:
 
 
 class RayExecutor(Executor):
-    """One Ray actor per pipeline rank, joined by a gloo process group."""
+    """One Ray actor per rank (pipeline stage or tensor parallel rank), joined by a gloo
+    process group."""
 
     def _init_executor(self) -> None:
-        world = self.config.parallel.pipeline_parallel_size
+        places = rank_places(self.config)
+        world = len(places)
+        kind = "pipeline" if places[0].tp is None else "tensor parallel"  # "... ranks"
+        # the rank that samples: the last pipeline stage, or tensor parallel rank 0
+        self._driver = 0 if places[0].tp is not None else world - 1
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        self._sampled: dict[str, int] = {}  # the driver's tokens of the step before
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
         try:
             self._cluster.owns_ray = _connect(world)
             bundle = _bundle(self.config)
-            self._cluster.group = group = _place(world, bundle)
+            self._cluster.group = group = _place(world, bundle, kind)
             threads = _threads(group, world)
-            for rank in range(world):
-                stage = PipelineStage.of_rank(self.config.arch.num_hidden_layers, rank, world)
+            for place in places:
                 actor = RankActor.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=rank)).remote()
-                self._ranks.append(_Rank(stage, actor))
-            for rank, place in zip(self._ranks, self._gather(
+                        group, placement_group_bundle_index=place.rank)).remote()
+                self._ranks.append(_Rank(place, actor))
+            for rank, where in zip(self._ranks, self._gather(
                     [r.actor.where.remote() for r in self._ranks])):
-                rank.place = place
+                rank.where = where
             init_method = self._gather([self._ranks[0].actor.free_address.remote()],
                                        self._ranks[:1])[0]
             self._decode_paths = self._gather([
-                r.actor.start.remote(self.config, r.stage, init_method, threads[i])
+                r.actor.start.remote(self.config, r.place, init_method, threads[i])
                 for i, r in enumerate(self._ranks)])
         except BaseException:
             self.shutdown()
             raise
-        logger.info("pipeline parallel on Ray (%s): %s", init_method, ", ".join(
-            f"rank {r.stage.rank} ({r.place}, {threads[i]} threads) layers "
-            f"{r.stage.start_layer}-{r.stage.end_layer - 1}" for i, r in enumerate(self._ranks)))
+        logger.info("%s on Ray (%s): %s", "pipeline parallel" if places[0].tp is None
+                    else "tensor parallel", init_method, ", ".join(
+            f"rank {r.place.rank} ({r.where}, {threads[i]} threads){r.place.layers}"
+            for i, r in enumerate(self._ranks)))
 
     # ---- calls --------------------------------------------------------------
     def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None) -> list[Any]:
@@ -242,8 +262,8 @@ class RayExecutor(Executor):
             ready, _ = ray.wait(list(pending), num_returns=1)
             for ref in ready:
                 rank = pending.pop(ref)
-                values[rank.stage.rank] = self._get(ref, rank, pending)
-        return [values[r.stage.rank] for r in (ranks or self._ranks)]
+                values[rank.place.rank] = self._get(ref, rank, pending)
+        return [values[r.place.rank] for r in (ranks or self._ranks)]
 
     def _get(self, ref: Any, rank: _Rank, pending: dict) -> Any:
         """A ready answer; a rank that raised or died fails the executor."""
@@ -255,7 +275,7 @@ class RayExecutor(Executor):
             self._find_dead(pending)  # a peer's death is the better answer, when there is one
             # err is also an instance of the cause's type; its text is the rank's traceback
             cause = err.cause
-            self._fail(WorkerError(f"pipeline rank {rank.stage.rank} failed: "
+            self._fail(WorkerError(f"{rank.place.name} failed: "
                                    f"{type(cause).__name__}: {cause}\n"
                                    f"{ANSI_COLOR.sub('', str(err))}"))
         except RayError as err:  # the node, the object or the owner lost
@@ -276,8 +296,8 @@ class RayExecutor(Executor):
 
     def _died(self, rank: _Rank, err: RayError) -> None:
         """Fail the executor for a rank whose actor is gone."""
-        where = f" ({rank.place})" if rank.place is not None else ""
-        self._fail(WorkerDiedError(f"Ray actor of pipeline rank {rank.stage.rank}{where} died "
+        where = f" ({rank.where})" if rank.where is not None else ""
+        self._fail(WorkerDiedError(f"Ray actor of {rank.place.name}{where} died "
                                    f"({type(err).__name__}: {_reason(err)}); the engine cannot "
                                    "continue"))
 
@@ -314,16 +334,21 @@ class RayExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
-        last = len(self._ranks) - 1
         out: ModelRunnerOutput = self._gather([
             r.actor.call.remote("execute_model", sched,
-                                None if r.stage.rank == last else self._sampled)
-            for r in self._ranks])[last]
+                                None if r.place.rank == self._driver else self._sampled)
+            for r in self._ranks])[self._driver]
         self._sampled = dict(out.sampled)
         return out
 
     def decode_path(self) -> str:
-        return self._decode_paths[-1]
+        return self._decode_paths[self._driver]
+
+    def comm_stats(self, reset: bool = False) -> list[dict]:
+        """Each rank's stage-to-stage send/recv counters and its tensor-parallel collectives',
+        in rank order (as MultiprocExecutor.comm_stats); reset=True starts them again."""
+        self._check_alive()
+        return self._gather([r.actor.comm_stats.remote(reset) for r in self._ranks])
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, and leave Ray if this executor
@@ -331,6 +356,6 @@ class RayExecutor(Executor):
         self._finalizer()
 
     @property
-    def worker_places(self) -> list[RankPlace]:
+    def worker_places(self) -> list[ActorPlace]:
         """Where each rank's actor runs, in rank order."""
-        return [r.place for r in self._ranks]
+        return [r.where for r in self._ranks]

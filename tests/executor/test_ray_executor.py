@@ -1,9 +1,12 @@
 """The Ray executor (distributed_executor_backend="ray") on a local Ray cluster of two nodes
 (ray.cluster_utils.Cluster, one CPU each) that the engine joins through RAY_ADDRESS: greedy
-tokens with pipeline_parallel_size=2 equal one process's, one rank on each node; a killed actor
-fails generate with its rank named, and the engine leaves nothing behind in the cluster; a
-cluster without room is refused by name; without Ray the option is one line saying how to
-install it."""
+tokens with pipeline_parallel_size=2 equal one process's, and with tensor_parallel_size=2 equal
+the mp executor's and one process's, one rank on each node; a killed actor fails generate with
+its rank named, and the engine leaves nothing behind in the cluster; a cluster without room is
+refused by name; without Ray the option is one line saying how to install it.
+
+TP runs on Qwen2.5-Coder-0.5B's HF directory in float32, as tests/executor/test_tensor_parallel.py
+does (SmolLM2's 9 heads do not split over 2 ranks)."""
 from __future__ import annotations
 
 import math
@@ -23,7 +26,7 @@ from ray.cluster_utils import Cluster
 import pagedllm
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor import ray_executor
-from pagedllm.executor.multiproc import WorkerDiedError, WorkerError
+from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerError
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.loader.gguf_header import gguf_header
 from rank_helpers import DEADLINE_S, free_port, gone, kill_mid_generation, wait_healthy
@@ -34,6 +37,10 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
+TP_GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=20)
+# TP's all-reduce sums o_proj's and down_proj's reduction in another order than one process
+# (see test_tensor_parallel.py): the first position's log-probabilities agree within this
+LOGPROB_TOL = 1e-3
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
 NODE = dict(num_cpus=1, object_store_memory=100 * 2**20)
 
@@ -141,6 +148,79 @@ def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_addr
         assert time.monotonic() - started < 5
     finally:
         llm.llm_engine.shutdown()  # a second stop is harmless
+    assert _wait_gone(pids), "an actor's process outlived the failure"
+    _cluster_is_free(ray_address)
+
+
+def _tp_run(llm: LLM) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """Greedy tokens of each prompt, and the top-20 log-probabilities of its first position."""
+    outs = llm.generate(PROMPTS, TP_GREEDY, use_tqdm=False)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs])
+
+
+def _tp2_mp(model: str) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """_tp_run of tensor_parallel_size=2 on the mp executor."""
+    llm = LLM(model=model, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert isinstance(llm.llm_engine.engine_core.executor, MultiprocExecutor)
+        return _tp_run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_on_two_ray_nodes_equals_mp_and_one_process(qwen_hf_dir, ray_address, caplog):
+    """Qwen HF directory in float32, one tensor parallel rank on each node: the same greedy
+    tokens as the mp executor's TP=2 and as one process, the log-probabilities within the
+    all-reduce's summation order of one process's; rank 0 samples; shutdown frees the
+    cluster."""
+    single = LLM(model=str(qwen_hf_dir), **ENGINE)
+    want_tokens, want_lps = _tp_run(single)
+    single.llm_engine.shutdown()
+    del single
+    mp_tokens, _ = _tp2_mp(str(qwen_hf_dir))
+    caplog.set_level("INFO", logger="pagedllm")
+    llm = LLM(model=str(qwen_hf_dir), tensor_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert isinstance(executor, RayExecutor)
+        places = executor.worker_places
+        node_of = ray.util.placement_group_table(executor._cluster.group)["bundles_to_node_id"]
+        assert len(set(node_of.values())) == 2, "STRICT_SPREAD: one rank on each node"
+        assert len({p.node_ip + str(p.pid) for p in places}) == 2
+        assert "tensor parallel rank 0 of 2" in executor.decode_path()
+        tokens, lps = _tp_run(llm)
+    finally:
+        llm.llm_engine.shutdown()
+    assert "tensor parallel on Ray" in caplog.text
+    assert tokens == mp_tokens
+    assert tokens == want_tokens
+    for got, want in zip(lps, want_lps):
+        common = got.keys() & want.keys()
+        assert len(common) >= 15  # the top 20 may swap members at their tail's near-ties
+        assert max(abs(got[t] - want[t]) for t in common) <= LOGPROB_TOL
+    assert not ray.is_initialized()
+    assert _wait_gone([p.pid for p in places])
+    _cluster_is_free(ray_address)
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_tp_actor_fails_generate_with_its_rank_named(qwen_hf_dir, ray_address, killed):
+    """Rank 0 samples and holds the process group's store; rank 1 only computes: either one's
+    death fails generate with that rank named, without a hang."""
+    llm = LLM(model=str(qwen_hf_dir), tensor_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    pids = [p.pid for p in llm.llm_engine.engine_core.executor.worker_places]
+    try:
+        err = kill_mid_generation(llm, PROMPTS, pids[killed])
+        assert isinstance(err, WorkerDiedError), err
+        assert f"Ray actor of tensor parallel rank {killed} (pid {pids[killed]} on node " \
+            in str(err)
+        with pytest.raises(WorkerDiedError, match=f"tensor parallel rank {killed}"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
     assert _wait_gone(pids), "an actor's process outlived the failure"
     _cluster_is_free(ray_address)
 

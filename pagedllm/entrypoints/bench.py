@@ -83,6 +83,11 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
                            help="tensor-parallel ranks, one process each (not together with "
                                 "-pp: refused, as LLM() refuses it)")
+            p.add_argument("--distributed-executor-backend", default=None,
+                           choices=("mp", "ray", "uni"),
+                           help="mp: one process per rank; ray: one Ray actor per rank, on the "
+                                "cluster at RAY_ADDRESS (else a local one) (default: mp with "
+                                "several ranks)")
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
                            help="json: every request constrained to a JSON array of at least "
                                 "--output-len integers (so it runs to --output-len tokens)")
@@ -137,7 +142,8 @@ def _llm(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, quantization=args.quantization,
                mmap_weights=args.mmap_weights,
                pipeline_parallel_size=args.pipeline_parallel_size,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend)
 
 
 def _comm_stats(llm, reset: bool = False) -> Optional[list[dict]]:

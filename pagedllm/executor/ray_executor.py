@@ -12,17 +12,19 @@ machines of a Ray cluster (vLLM's `--distributed-executor-backend ray`).
                                       --- torch.distributed send/recv (gloo, TCP) --->
                 <-- ray.get -------------------------------------  ModelRunnerOutput
 
-With tensor_parallel_size=N instead, the ranks are the mp executor's (executor/multiproc.py's
-rank_places): every actor runs every step on its share of each layer, joined by the
-collectives; tensor parallel rank 0's answer is the step's output and it samples, the others
-are given its tokens with their next step.
+The ranks are the mp executor's (executor/multiproc.py's rank_places): pipeline stages as
+above, the last one's answer the step's output; or, with tensor_parallel_size=N, N ranks that
+each run every step on their share of every layer, joined by the collectives (all-reduce,
+all-gather), tensor parallel rank 0's answer the step's output. The rank that samples is the
+driver; the others are given its tokens with their next step.
 
 Ray places the ranks (a placement group, one bundle per rank: STRICT_SPREAD when the cluster
 has a node for each, else PACK) and carries the control calls; the activations (stage to
 stage, or the collectives) go over the same gloo process group and the same code as the mp
-executor's, the group's address being rank 0's node IP and a free port found there. With RAY_ADDRESS set the engine joins that
-cluster; else it starts a small local one, which shutdown stops. An actor that dies fails the
-engine with its rank named, as a dead process does under mp.
+executor's, the group's address being rank 0's node IP and a free port found there. With
+RAY_ADDRESS set the engine joins that cluster; else it starts a small local one, which shutdown
+stops. An actor that dies fails the engine with its rank named ("tensor parallel rank 1",
+"pipeline rank 0"), as a dead process does under mp.
 
 pagedllm must be importable on every node (installed there, as vLLM needs too).
 """

@@ -172,8 +172,8 @@ def _tp2_mp(model: str) -> tuple[list[list[int]], list[dict[int, float]]]:
 def test_tp2_on_two_ray_nodes_equals_mp_and_one_process(qwen_hf_dir, ray_address, caplog):
     """Qwen HF directory in float32, one tensor parallel rank on each node: the same greedy
     tokens as the mp executor's TP=2 and as one process, the log-probabilities within the
-    all-reduce's summation order of one process's; rank 0 samples; shutdown frees the
-    cluster."""
+    all-reduce's summation order of one process's; rank 0 samples; each rank's collectives
+    are counted; shutdown frees the cluster."""
     single = LLM(model=str(qwen_hf_dir), **ENGINE)
     want_tokens, want_lps = _tp_run(single)
     single.llm_engine.shutdown()
@@ -191,6 +191,11 @@ def test_tp2_on_two_ray_nodes_equals_mp_and_one_process(qwen_hf_dir, ray_address
         assert len({p.node_ip + str(p.pid) for p in places}) == 2
         assert "tensor parallel rank 0 of 2" in executor.decode_path()
         tokens, lps = _tp_run(llm)
+        # comm_stats, as bench -tp reads it: both ranks ran every step, each with the
+        # embedding's all-reduce and two a layer (Qwen's 24)
+        stats = executor.comm_stats()
+        assert stats[0]["forwards"] == stats[1]["forwards"] > 0
+        assert [s["all_reduces"] for s in stats] == [49 * stats[0]["forwards"]] * 2
     finally:
         llm.llm_engine.shutdown()
     assert "tensor parallel on Ray" in caplog.text

@@ -18,6 +18,10 @@ rank 0's node IP and a free port found there. With RAY_ADDRESS set the engine jo
 cluster; else it starts a small local one, which shutdown stops. An actor that dies fails the
 engine with its rank named, as a dead process does under mp.
 
+Up to pipeline_parallel_size steps are in flight, as under mp: an actor runs its calls in the
+order this process submits them, so rank 0 computes step k+1 while rank 1 still computes step
+k; each step's answers are Ray object refs, taken oldest step first.
+
 pagedllm must be importable on every node (installed there, as vLLM needs too).
 """
 from __future__ import annotations
@@ -27,7 +31,7 @@ import os
 import re
 import socket
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -195,13 +199,27 @@ def _reason(err: RayError, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+class _PendingStep:
+    """A step submitted to every actor: its answers' refs, then its output once taken."""
+
+    def __init__(self, executor: "RayExecutor", refs: list) -> None:
+        self._executor = executor
+        self.refs = refs
+        self.output: Optional[ModelRunnerOutput] = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's answers (and those of the steps submitted before it)."""
+        return self._executor._wait(self)
+
+
 class RayExecutor(Executor):
     """One Ray actor per pipeline rank, joined by a gloo process group."""
 
     def _init_executor(self) -> None:
         world = self.config.parallel.pipeline_parallel_size
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first
+        self._unsent: dict[str, int] = {}  # tokens sampled since the last step submitted
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -289,8 +307,11 @@ class RayExecutor(Executor):
         raise err
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """Run a Worker method on every rank; the answers in rank order."""
+        """Run a Worker method on every rank (after the steps in flight); the answers in rank
+        order."""
         self._check_alive()
+        if self._in_flight:
+            self._wait(self._in_flight[-1])
         return self._gather([r.actor.call.remote(method, *args) for r in self._ranks])
 
     def _check_alive(self) -> None:
@@ -312,15 +333,33 @@ class RayExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("initialize_kv_cache", num_blocks)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return len(self._ranks)
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
         self._check_alive()
         last = len(self._ranks) - 1
-        out: ModelRunnerOutput = self._gather([
-            r.actor.call.remote("execute_model", sched,
-                                None if r.stage.rank == last else self._sampled)
-            for r in self._ranks])[last]
-        self._sampled = dict(out.sampled)
-        return out
+        sampled, self._unsent = self._unsent, {}
+        step = _PendingStep(self, [
+            r.actor.call.remote("execute_model", sched, None if r.stage.rank == last else sampled)
+            for r in self._ranks])
+        self._in_flight.append(step)
+        return step
+
+    def _wait(self, step: _PendingStep) -> ModelRunnerOutput:
+        """Take the answers of the steps in flight, oldest first, until `step` has its output;
+        an actor that died fails the executor (and so every step in flight)."""
+        while step.output is None:
+            self._check_alive()
+            oldest = self._in_flight[0]
+            out: ModelRunnerOutput = self._gather(oldest.refs)[-1]
+            self._in_flight.popleft().output = out
+            self._unsent.update(out.sampled)
+        return step.output
 
     def decode_path(self) -> str:
         return self._decode_paths[-1]

@@ -2,9 +2,9 @@
 
 With an executor that runs several steps at once (pipeline stages in their own processes:
 max_concurrent_batches > 1), a step keeps up to that many scheduled batches in flight (vLLM's
-batch queue): while there is room and schedulable work it submits a batch and returns; when
-the queue is full or nothing more can be scheduled it waits for the oldest batch and returns
-its progress. Stage 0 then computes batch k+1 while stage 1 computes batch k.
+batch queue): while there is room and schedulable work it submits a batch and returns with no
+outputs; when the queue is full or nothing more can be scheduled it waits for the oldest batch
+and returns its progress. Stage 0 then computes batch k+1 while stage 1 computes batch k.
 """
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ class EngineCore:
 
     def _step_with_batch_queue(
             self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> list[EngineCoreOutput]:
-        """Submit a new batch while the queue has room and the scheduler has work (returning
-        at once while room is left); otherwise wait for the oldest batch and update from it."""
+        """Submit a new batch if the queue has room and the scheduler has work, and return at
+        once (as vLLM's step_with_batch_queue); otherwise wait for the oldest batch and update
+        from it."""
         capacity = self.executor.max_concurrent_batches
         if len(queue) < capacity:
             sched = self.scheduler.schedule(capacity)
@@ -86,7 +87,7 @@ class EngineCore:
             if not sched.is_empty or sched.finished_req_ids:
                 queue.append((sched, self.executor.execute_model_async(sched)))
                 self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
-                if not sched.is_empty and len(queue) < capacity:
+                if not sched.is_empty:
                     return []
         if not queue:
             return []

@@ -77,7 +77,8 @@ class Scheduler:
         """Pick this step's work: running requests first, then waiting ones while room remains.
 
         num_micro_batches > 1 (pipeline stages with that many batches in flight): the batch
-        takes at most its share of the requests that may run, so that every stage gets one."""
+        takes at most its share of the requests that may run, so that every stage gets one;
+        an empty one (not run) leaves the finished ids for the next."""
         budget = self.config.max_num_batched_tokens
         max_seqs = self._micro_batch_seqs(num_micro_batches)
         num_scheduled: dict[str, int] = {}
@@ -134,7 +135,10 @@ class Scheduler:
 
         for req_id in num_scheduled:
             self._in_flight[req_id] = self.requests[req_id]
-        finished, self._finished_ids = self._finished_ids, set()
+        if not num_scheduled and num_micro_batches > 1:
+            finished = set()  # an empty micro-batch is not run: the next one tells the runner
+        else:
+            finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
                                self._grammar_bitmask(num_scheduled))
 

@@ -3,8 +3,9 @@
 With an executor that runs several steps at once (pipeline stages in their own processes:
 max_concurrent_batches > 1), a step keeps up to that many scheduled batches in flight (vLLM's
 batch queue): while there is room and schedulable work it submits a batch and returns with no
-outputs; when the queue is full or nothing more can be scheduled it waits for the oldest batch
-and returns its progress. Stage 0 then computes batch k+1 while stage 1 computes batch k.
+outputs; when the queue is full or nothing more can be scheduled it waits for the oldest batch,
+updates from it and submits the next before returning its progress (the caller detokenizes
+while the stages compute). Stage 0 then computes batch k+1 while stage 1 computes batch k.
 """
 from __future__ import annotations
 
@@ -78,21 +79,26 @@ class EngineCore:
     def _step_with_batch_queue(
             self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> list[EngineCoreOutput]:
         """Submit a new batch if the queue has room and the scheduler has work, and return at
-        once (as vLLM's step_with_batch_queue); otherwise wait for the oldest batch and update
-        from it."""
-        capacity = self.executor.max_concurrent_batches
-        if len(queue) < capacity:
-            sched = self.scheduler.schedule(capacity)
-            # an empty batch still tells the runners which requests finished
-            if not sched.is_empty or sched.finished_req_ids:
-                queue.append((sched, self.executor.execute_model_async(sched)))
-                self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
-                if not sched.is_empty:
-                    return []
+        once; otherwise wait for the oldest batch, update from it, and submit the next batch
+        before returning its progress, so the stages compute while the caller handles it."""
+        if len(queue) < self.executor.max_concurrent_batches and self._submit(queue):
+            return []
         if not queue:
             return []
         sched, future = queue.popleft()
-        return self.scheduler.update_from_output(sched, future.result())
+        outputs = self.scheduler.update_from_output(sched, future.result())
+        self._submit(queue)
+        return outputs
+
+    def _submit(self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> bool:
+        """Schedule a batch and submit it if it has work (the scheduler keeps the finished
+        ids of an empty one for the next); whether it did."""
+        sched = self.scheduler.schedule(self.executor.max_concurrent_batches)
+        if sched.is_empty:
+            return False
+        queue.append((sched, self.executor.execute_model_async(sched)))
+        self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
+        return True
 
     def shutdown(self) -> None:
         """Stop the executor's workers."""

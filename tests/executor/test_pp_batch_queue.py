@@ -18,14 +18,18 @@ from pagedllm.executor.multiproc import WorkerDiedError
 from pagedllm.executor.uniproc import UniProcExecutor
 from rank_helpers import DEADLINE_S, gone
 
-# 8 prompts of 5 to 54 tokens; max_tokens 6 to 27, one seeded sample: they finish apart
-PROMPTS = [("word " * (3 + 7 * i)) + f"number {i} is" for i in range(8)]
+# 8 prompts of 8 to 57 tokens; max_tokens 6 to 27, one seeded sample: they finish apart. They
+# differ in their first block: no prompt finds another's blocks in the prefix cache while that
+# one computes them (a hit in the same step reads KV not written yet, on main too: reported)
+PROMPTS = [f"Story {i}: " + "word " * (3 + 7 * i) + "and then" for i in range(8)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
 PARAMS[2] = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=8)
 # no block in common with PROMPTS or each other: no prefix cache hit
 ABORT_PROMPTS = [f"Item {i}: " + "apple " * (2 + 5 * i) + "and then" for i in range(4)]
 ABORT_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# for the drained run: prompts the engine has not seen (a cache hit changes the last bits)
+DRAIN_PROMPTS = [f"Note {i}: " + "pear " * (2 + 4 * i) + "so" for i in range(4)]
 
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
@@ -34,11 +38,13 @@ def _tokens(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single_tokens(smollm_gguf) -> dict[str, list[list[int]]]:
-    """One process's tokens (one step at a time, as before): PROMPTS, then ABORT_PROMPTS."""
+    """One process's tokens (one step at a time, as before): PROMPTS, ABORT_PROMPTS,
+    DRAIN_PROMPTS."""
     llm = LLM(model=str(smollm_gguf), **ENGINE)
     assert isinstance(llm.llm_engine.engine_core.executor, UniProcExecutor)
     assert llm.llm_engine.engine_core.batch_queue is None
-    return {"many": _tokens(llm), "abort": _tokens(llm, ABORT_PROMPTS, ABORT_PARAMS)}
+    return {"many": _tokens(llm), "abort": _tokens(llm, ABORT_PROMPTS, ABORT_PARAMS),
+            "drain": _tokens(llm, DRAIN_PROMPTS, ABORT_PARAMS)}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +84,22 @@ def test_an_abort_in_flight_yields_nothing_more_and_frees_its_blocks(pp_llm, sin
     del want[victim]
     assert outputs == want  # nothing more for the victim; the others as one process
     assert core.kv_manager.usage == 0
+
+
+def test_a_big_call_waits_for_the_replies_before_it(pp_llm, single_tokens, monkeypatch):
+    """Every call counted big: each step is sent only once the ranks answered the steps before
+    (what keeps a large SchedulerOutput and a large reply from blocking each other's pipe);
+    the tokens stay the same."""
+    from pagedllm.executor import multiproc
+
+    monkeypatch.setattr(multiproc, "BIG_CALL_BYTES", 0)
+    executor = pp_llm.llm_engine.engine_core.executor
+    waits = []
+    drain = executor._drain
+    monkeypatch.setattr(executor, "_drain", lambda: waits.append(len(executor._in_flight))
+                        or drain())
+    assert _tokens(pp_llm, DRAIN_PROMPTS, ABORT_PARAMS) == single_tokens["drain"]
+    assert max(waits) == 1  # a step was in flight when the next was sent: it was read first
 
 
 @pytest.mark.parametrize("killed", [0, 1])

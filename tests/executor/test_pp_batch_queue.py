@@ -19,8 +19,9 @@ from pagedllm.executor.uniproc import UniProcExecutor
 from rank_helpers import DEADLINE_S, gone
 
 # 8 prompts of 8 to 57 tokens; max_tokens 6 to 27, one seeded sample: they finish apart. They
-# differ in their first block: no prompt finds another's blocks in the prefix cache while that
-# one computes them (a hit in the same step reads KV not written yet, on main too: reported)
+# differ in their first block, so no prompt takes another's blocks from the prefix cache: KV
+# computed in another chunk differs in the last bits, and with these repetitive prompts that
+# flips near-ties (a 0.02 logprob gap) between one process's schedule and PP=2's, on main too
 PROMPTS = [f"Story {i}: " + "word " * (3 + 7 * i) + "and then" for i in range(8)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
 PARAMS[2] = SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)

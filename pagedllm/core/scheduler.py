@@ -5,6 +5,14 @@ with num_tokens, and every step gives each running request (then waiting ones) a
 as the budget allows. A long prompt is therefore prefilled in chunks, and new requests join a
 running batch at any step. When blocks run out, the most recently admitted running request is
 preempted: its blocks are freed and it is recomputed from scratch later.
+
+With pipeline parallelism several steps are in flight at once (EngineCore's batch queue): a
+request scheduled in a step stays "in flight" until that step's update, and until then it is
+not scheduled again (not even its next prompt chunk) nor chosen for preemption, so its sampled
+token is never lost and its state on the runner never runs ahead. Aborting or finishing a
+request in flight frees its blocks at once: every rank runs the steps in the order they were
+scheduled, so a later step that reuses the blocks writes them after the in-flight step has;
+the in-flight step's output for it is dropped when it comes.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._known_to_runner: set[str] = set()
+        self._in_flight: dict[str, Request] = {}  # scheduled in a step not updated yet
         self._finished_ids: set[str] = set()  # to tell the runner next step
         self._errors: dict[str, str] = {}  # request id -> why it fails at this step's update
         self.num_preemptions = 0  # total since start, for stats and tests
@@ -64,21 +73,30 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running requests first, then waiting ones while room remains."""
+    def schedule(self, num_micro_batches: int = 1) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then waiting ones while room remains.
+
+        num_micro_batches > 1 (pipeline stages with that many batches in flight): the batch
+        takes at most its share of the requests that may run, so that every stage gets one;
+        an empty one (not run) leaves the finished ids for the next."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = self._micro_batch_seqs(num_micro_batches)
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_seqs:
             request = self.running[i]
+            if request.request_id in self._in_flight:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             old_num_blocks = len(self.kv.block_ids(request.request_id))
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -92,8 +110,11 @@ class Scheduler:
                 i += 1
 
         while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < max_seqs):
             request = self.waiting[0]
+            if request.request_id in self._in_flight:
+                break  # an id reused while the aborted request of that id is still in flight
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if not self.kv.allocate_slots(request, num_new, hit.blocks):
@@ -112,9 +133,23 @@ class Scheduler:
                 request.num_computed_tokens))
             self._known_to_runner.add(request.request_id)
 
-        finished, self._finished_ids = self._finished_ids, set()
+        for req_id in num_scheduled:
+            self._in_flight[req_id] = self.requests[req_id]
+        if not num_scheduled and num_micro_batches > 1:
+            finished = set()  # an empty micro-batch is not run: the next one tells the runner
+        else:
+            finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
                                self._grammar_bitmask(num_scheduled))
+
+    def _micro_batch_seqs(self, num_micro_batches: int) -> int:
+        """The most requests one batch takes: all that may run, or, with several batches in
+        flight, an even share of them (8 running over 2 batches: 4 each)."""
+        limit = self.config.max_num_seqs
+        if num_micro_batches == 1:
+            return limit
+        num_requests = min(len(self.running) + len(self.waiting), limit)
+        return max(1, -(-num_requests // num_micro_batches))
 
     def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> Optional[GrammarBitmask]:
         """The allowed ids of each constrained request that samples this step (its grammar has
@@ -137,11 +172,13 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish requests that stopped.
 
         An exception while updating one request (its grammar, its stop checks) fails that
-        request alone, with finish_reason "error"; the others go on."""
+        request alone, with finish_reason "error"; the others go on. The output of a request
+        finished (aborted) while its step was in flight is dropped."""
         outputs = []
         for req_id, n in sched.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = self._in_flight.pop(req_id, None)
+            if (request is None or self.requests.get(req_id) is not request
+                    or request.status != RequestStatus.RUNNING):
                 continue
             error = self._errors.pop(req_id, None) or out.errors.get(req_id)
             if error is None:
@@ -203,6 +240,11 @@ class Scheduler:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None
+
+    def _preemption_victim(self) -> Request:
+        """The most recently admitted running request without a step in flight (the one being
+        scheduled at worst, so there always is one)."""
+        return next(r for r in reversed(self.running) if r.request_id not in self._in_flight)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

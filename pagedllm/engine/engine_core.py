@@ -1,15 +1,26 @@
-"""EngineCore: the step loop (schedule, execute, update) over an executor."""
+"""EngineCore: the step loop (schedule, execute, update) over an executor.
+
+With an executor that runs several steps at once (pipeline stages in their own processes:
+max_concurrent_batches > 1), a step keeps up to that many scheduled batches in flight (vLLM's
+batch queue): while there is room and schedulable work it submits a batch and returns with no
+outputs; when the queue is full or nothing more can be scheduled it waits for the oldest batch,
+updates from it and submits the next before returning its progress (the caller detokenizes
+while the stages compute). Stage 0 then computes batch k+1 while stage 1 computes batch k.
+"""
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor import Executor, executor_class as default_executor_class
+from pagedllm.executor.abstract import StepFuture
 
 logger = logging.getLogger("pagedllm")
 
@@ -30,6 +41,10 @@ class EngineCore:
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size)
+        # batches submitted and not updated yet, oldest first; None: one step at a time
+        self.batch_queue: Optional[deque[tuple[SchedulerOutput, StepFuture]]] = (
+            deque() if self.executor.max_concurrent_batches > 1 else None)
+        self.max_batches_in_flight = 0  # the most batches seen in flight at once
 
     def _initialize_kv_cache(self) -> int:
         """Size the KV cache from what the workers may hold, allocate it; the number of blocks."""
@@ -49,14 +64,41 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        """Anything waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        """Anything waiting or running, or a batch in flight."""
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, and report each request's progress."""
+        """Schedule, run the model once, and report each request's progress. With a batch
+        queue: submit a batch or take the oldest one's progress (possibly none)."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         sched = self.scheduler.schedule()
         out = self.executor.execute_model(sched)
         return self.scheduler.update_from_output(sched, out)
+
+    def _step_with_batch_queue(
+            self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> list[EngineCoreOutput]:
+        """Submit a new batch if the queue has room and the scheduler has work, and return at
+        once; otherwise wait for the oldest batch, update from it, and submit the next batch
+        before returning its progress, so the stages compute while the caller handles it."""
+        if len(queue) < self.executor.max_concurrent_batches and self._submit(queue):
+            return []
+        if not queue:
+            return []
+        sched, future = queue.popleft()
+        outputs = self.scheduler.update_from_output(sched, future.result())
+        self._submit(queue)
+        return outputs
+
+    def _submit(self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> bool:
+        """Schedule a batch and submit it if it has work (the scheduler keeps the finished
+        ids of an empty one for the next); whether it did."""
+        sched = self.scheduler.schedule(self.executor.max_concurrent_batches)
+        if sched.is_empty:
+            return False
+        queue.append((sched, self.executor.execute_model_async(sched)))
+        self.max_batches_in_flight = max(self.max_batches_in_flight, len(queue))
+        return True
 
     def shutdown(self) -> None:
         """Stop the executor's workers."""

@@ -241,6 +241,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
             "system_cpu_s": after.ru_stime - before.ru_stime,
             "minor_page_faults": after.ru_minflt - before.ru_minflt,
+            # pipeline stages: how many batches were in flight at once (1: one step at a time)
+            "max_batches_in_flight": max(1, llm.llm_engine.engine_core.max_batches_in_flight),
             **_comm_report(_comm_stats(llm))}
 
 

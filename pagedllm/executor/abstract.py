@@ -2,10 +2,29 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
+
+
+class StepFuture(Protocol):
+    """A step submitted to the workers; result() waits for its ModelRunnerOutput."""
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output (raises the executor's failure if a worker died)."""
+
+
+class DoneStep:
+    """A step that ran before it was handed back (an executor with one batch in flight)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output."""
+        return self._output
 
 
 class Executor(ABC):
@@ -36,6 +55,18 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps may be in flight at once: pipeline_parallel_size where the stages run
+        in their own processes (stage 0 computes batch k+1 while stage 1 computes batch k);
+        1 otherwise."""
+        return 1
+
+    def execute_model_async(self, sched: SchedulerOutput) -> StepFuture:
+        """Submit one scheduled step; its output comes from the future's result(). Steps
+        complete in the order they were submitted. Here: it runs now."""
+        return DoneStep(self.execute_model(sched))
 
     @abstractmethod
     def decode_path(self) -> str:

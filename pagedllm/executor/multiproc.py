@@ -12,6 +12,13 @@ pipe, so all ranks keep the same request state; activations go stage to stage ov
 process group; the last rank's reply is the step's output. A rank that dies is seen by its
 pipe or its process, and the executor then fails with the rank named, instead of waiting.
 
+Up to pipeline_parallel_size steps are in flight (execute_model_async): each rank serves its
+calls in order, so rank 0 computes step k+1 while rank 1 still computes step k, and the
+replies of each pipe come back in step order, read oldest step first. The ranks that do not
+sample are given, with the next step sent, every token sampled since the last send: the
+scheduler never puts a request in two steps in flight, so a request's token is known before
+the request is scheduled again.
+
 With tensor_parallel_size=N instead, every rank runs every step on its share of each layer,
 the collectives (all-reduce, all-gather) joining them over the same gloo group; rank 0's reply
 is the step's output, and the others are given its tokens with their next step.
@@ -43,6 +50,7 @@ import sys
 import tempfile
 import traceback
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -61,6 +69,9 @@ logger = logging.getLogger("pagedllm")
 
 POLL_S = 0.5  # how often a wait on a rank's reply checks that the rank is still alive
 STOP_S = 10.0  # how long shutdown waits for a rank to exit before it is killed
+# a step call larger than this is sent only once every reply before it is read: a rank busy
+# writing a large reply to a full pipe would never read a large call the engine is blocked on
+BIG_CALL_BYTES = 64 * 2**10
 # gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
 COMM_TIMEOUT = timedelta(minutes=10)
 
@@ -328,6 +339,18 @@ def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
     shutil.rmtree(store_dir, ignore_errors=True)
 
 
+class _PendingStep:
+    """A step sent to every rank; its output once the ranks' replies to it are read."""
+
+    def __init__(self, executor: "MultiprocExecutor") -> None:
+        self._executor = executor
+        self.output: Optional[ModelRunnerOutput] = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's replies (and those of the steps sent before it)."""
+        return self._executor._wait(self)
+
+
 class MultiprocExecutor(Executor):
     """One Worker process per rank, joined by a gloo process group."""
 
@@ -336,7 +359,8 @@ class MultiprocExecutor(Executor):
         # the rank that samples: the last pipeline stage, or tensor parallel rank 0
         self._driver = 0 if places[0].tp is not None else len(places) - 1
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._sampled: dict[str, int] = {}  # the last rank's tokens of the step before
+        self._in_flight: deque[_PendingStep] = deque()  # steps sent, replies unread, oldest first
+        self._unsent: dict[str, int] = {}  # tokens sampled since the last step sent
         # a file store: no port to find free and no port race between two engines
         self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
         init_method = Path(self._store_dir, "store").as_uri()
@@ -355,8 +379,11 @@ class MultiprocExecutor(Executor):
 
     # ---- calls --------------------------------------------------------------
     def _send(self, rank: _Rank, call: WorkerCall) -> None:
+        self._send_bytes(rank, pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, rank: _Rank, payload: bytes) -> None:
         try:
-            send(rank.conn, call)
+            rank.conn.send_bytes(payload)
         except OSError:
             self._died(rank)
 
@@ -413,8 +440,9 @@ class MultiprocExecutor(Executor):
         raise err
 
     def _call_all(self, call: WorkerCall) -> list[Any]:
-        """Run a call on every rank; their answers in rank order."""
+        """Run a call on every rank (after the steps in flight); their answers in rank order."""
         self._check_alive()
+        self._drain()
         for rank in self._ranks:
             self._send(rank, call)
         return self._gather()
@@ -438,14 +466,42 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all(WorkerCall("initialize_kv_cache", (num_blocks,)))
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        # one step per pipeline stage; tensor parallel ranks all run every step together
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
         self._check_alive()
+        sampled, self._unsent = self._unsent, {}
+        payloads = {driver: pickle.dumps(WorkerCall("execute_model", (sched, sampled_before)),
+                                         protocol=pickle.HIGHEST_PROTOCOL)
+                    for driver, sampled_before in ((True, None), (False, sampled))}
+        if max(map(len, payloads.values())) > BIG_CALL_BYTES:
+            self._drain()
         for rank in self._ranks:
-            sampled = None if rank.place.rank == self._driver else self._sampled
-            self._send(rank, WorkerCall("execute_model", (sched, sampled)))
-        out: ModelRunnerOutput = self._gather()[self._driver]
-        self._sampled = dict(out.sampled)
-        return out
+            self._send_bytes(rank, payloads[rank.place.rank == self._driver])
+        step = _PendingStep(self)
+        self._in_flight.append(step)
+        return step
+
+    def _wait(self, step: _PendingStep) -> ModelRunnerOutput:
+        """Read the replies of the steps in flight, oldest first, until `step` has its output;
+        a rank that died fails the executor (and so every step in flight)."""
+        while step.output is None:
+            self._check_alive()
+            out: ModelRunnerOutput = self._gather()[self._driver]
+            self._in_flight.popleft().output = out
+            self._unsent.update(out.sampled)
+        return step.output
+
+    def _drain(self) -> None:
+        """Read the replies of every step in flight."""
+        if self._in_flight:
+            self._wait(self._in_flight[-1])
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]

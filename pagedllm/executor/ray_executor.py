@@ -26,6 +26,10 @@ RAY_ADDRESS set the engine joins that cluster; else it starts a small local one,
 stops. An actor that dies fails the engine with its rank named ("tensor parallel rank 1",
 "pipeline rank 0"), as a dead process does under mp.
 
+Up to pipeline_parallel_size steps are in flight, as under mp: an actor runs its calls in the
+order this process submits them, so rank 0 computes step k+1 while rank 1 still computes step
+k; each step's answers are Ray object refs, taken oldest step first.
+
 pagedllm must be importable on every node (installed there, as vLLM needs too).
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ import os
 import re
 import socket
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -212,6 +216,19 @@ def _reason(err: RayError, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+class _PendingStep:
+    """A step submitted to every actor: its answers' refs, then its output once taken."""
+
+    def __init__(self, executor: "RayExecutor", refs: list) -> None:
+        self._executor = executor
+        self.refs = refs
+        self.output: Optional[ModelRunnerOutput] = None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's answers (and those of the steps submitted before it)."""
+        return self._executor._wait(self)
+
+
 class RayExecutor(Executor):
     """One Ray actor per rank (pipeline stage or tensor parallel rank), joined by a gloo
     process group."""
@@ -223,7 +240,8 @@ class RayExecutor(Executor):
         # the rank that samples: the last pipeline stage, or tensor parallel rank 0
         self._driver = 0 if places[0].tp is not None else world - 1
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._sampled: dict[str, int] = {}  # the driver's tokens of the step before
+        self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first
+        self._unsent: dict[str, int] = {}  # the driver's tokens since the last step submitted
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -311,8 +329,11 @@ class RayExecutor(Executor):
         raise err
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """Run a Worker method on every rank; the answers in rank order."""
+        """Run a Worker method on every rank (after the steps in flight); the answers in rank
+        order."""
         self._check_alive()
+        if self._in_flight:
+            self._wait(self._in_flight[-1])
         return self._gather([r.actor.call.remote(method, *args) for r in self._ranks])
 
     def _check_alive(self) -> None:
@@ -334,14 +355,33 @@ class RayExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._call_all("initialize_kv_cache", num_blocks)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        # one step per pipeline stage; tensor parallel ranks all run every step
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
         self._check_alive()
-        out: ModelRunnerOutput = self._gather([
-            r.actor.call.remote("execute_model", sched,
-                                None if r.place.rank == self._driver else self._sampled)
-            for r in self._ranks])[self._driver]
-        self._sampled = dict(out.sampled)
-        return out
+        sampled, self._unsent = self._unsent, {}
+        step = _PendingStep(self, [
+            r.actor.call.remote("execute_model", sched, None if r.place.rank == self._driver else sampled)
+            for r in self._ranks])
+        self._in_flight.append(step)
+        return step
+
+    def _wait(self, step: _PendingStep) -> ModelRunnerOutput:
+        """Take the answers of the steps in flight, oldest first, until `step` has its output;
+        an actor that died fails the executor (and so every step in flight)."""
+        while step.output is None:
+            self._check_alive()
+            oldest = self._in_flight[0]
+            out: ModelRunnerOutput = self._gather(oldest.refs)[self._driver]
+            self._in_flight.popleft().output = out
+            self._unsent.update(out.sampled)
+        return step.output
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]

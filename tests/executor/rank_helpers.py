@@ -1,5 +1,5 @@
 """What the executor tests share: generate with a rank killed under it, processes gone, a
-server brought up."""
+server brought up, one process that schedules as pipeline parallelism does."""
 from __future__ import annotations
 
 import os
@@ -8,13 +8,16 @@ import socket
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 import psutil
+import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.executor.uniproc import UniProcExecutor
 
 DEADLINE_S = 120  # a hang fails the test instead of blocking the suite
 
@@ -71,3 +74,32 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
                 return
         except httpx.HTTPError:
             time.sleep(0.5)
+
+
+class TwoBatchesInProcess(UniProcExecutor):
+    """The whole model in this process, with the engine core keeping two batches in flight as
+    it does for pipeline_parallel_size=2: the schedule depends only on the batch queue, not on
+    timing, so this process runs exactly PP=2's schedule (each batch computed when submitted).
+    The reference where tokens depend on the schedule (quantized kernels near a tie, logprobs
+    compared exactly)."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2
+
+
+@contextmanager
+def one_process_scheduled_as_pp2(monkeypatch, **llm_kwargs) -> Iterator[LLM]:
+    """An LLM over TwoBatchesInProcess, run with the torch threads each PP=2 rank has (half of
+    this process's): a few ops round in the last bits by thread count, which a quantized
+    activation can turn into a visible logprob difference."""
+    threads = torch.get_num_threads()
+    with monkeypatch.context() as patch:
+        patch.setattr("pagedllm.engine.engine_core.default_executor_class",
+                      lambda parallel: TwoBatchesInProcess)
+        llm = LLM(**llm_kwargs)
+    torch.set_num_threads(max(1, threads // 2))
+    try:
+        yield llm
+    finally:
+        torch.set_num_threads(threads)

@@ -107,8 +107,9 @@ def _cluster_is_free(address: str) -> None:
 
 
 def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
-    """SmolLM2 GGUF in float32, one stage per node: the same greedy tokens as one process; the
-    actors import this checkout's pagedllm; shutdown frees the cluster."""
+    """SmolLM2 GGUF in float32, one stage per node: the same greedy tokens as one process, with
+    two batches in flight; the actors import this checkout's pagedllm; shutdown frees the
+    cluster."""
     single = LLM(model=str(smollm_gguf), **ENGINE)
     want = _tokens(single)
     del single
@@ -124,6 +125,8 @@ def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
         assert len(set(node_of.values())) == 2, "STRICT_SPREAD: one rank on each node"
         assert executor.decode_path().startswith("the C++ decode stack")
         assert _tokens(llm) == want
+        # the three prompts went as micro-batches of two and one, both in flight at once
+        assert llm.llm_engine.engine_core.max_batches_in_flight == 2
     finally:
         llm.llm_engine.shutdown()
     assert not ray.is_initialized(), "the engine joined the cluster: it leaves it"

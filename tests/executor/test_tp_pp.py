@@ -124,3 +124,11 @@ def test_a_killed_rank_of_tp2_pp2_fails_generate_with_its_rank_named(qwen_hf_dir
             llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_qwen_gguf_kept_blocks_tp2_pp2_equals_tp2(qwen_gguf):
+    """The default quantization, K-quant blocks kept: down_proj's 19 blocks a row split 10/9
+    on every stage's layers as TP=2 splits them; the same parts and all-reduces give TP=2's
+    greedy tokens exactly (TP=2 against one process: tests/executor/test_tensor_parallel.py)."""
+    tp2 = _run(str(qwen_gguf), tensor_parallel_size=2)
+    assert _run(str(qwen_gguf), tensor_parallel_size=2, pipeline_parallel_size=2) == tp2

@@ -222,10 +222,11 @@ RAY_MISSING = ("distributed_executor_backend='ray' needs Ray, which is not insta
 class ParallelConfig:
     """How many ranks run the model and how the engine reaches them (vLLM's option names).
 
-    Pipeline parallelism splits the layers into contiguous stages, one process per stage (a
-    local process with "mp", a Ray actor with "ray"); tensor parallelism splits every layer
-    (heads, intermediate rows, vocabulary), one local process per rank ("mp"). The two are not
-    combined yet, nor tensor parallelism with "ray": asking for either is refused, not ignored."""
+    Pipeline parallelism splits the layers into contiguous stages; tensor parallelism splits
+    every layer (heads, intermediate rows, vocabulary); both together run
+    tensor_parallel_size x pipeline_parallel_size ranks, each its TP share of its stage's
+    layers (vLLM's layout). One process per rank: a local process with "mp", a Ray actor with
+    "ray"."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -237,10 +238,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} with "
-                             f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
-                             "implemented yet; use one of them")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "

@@ -8,8 +8,9 @@ the model needs (vLLM's and Megatron's split).
     q/k/v:  W [rows of r's heads, H]       -> local heads: attention runs on them alone
     o_proj: W [H, columns of r's heads]    -> partial sums [T, H] -> all_reduce -> [T, H]
 
-The ranks form the default torch.distributed group (gloo on the CPU): tensor parallelism is
-not combined with pipeline parallelism yet, so every rank of the world is a tensor rank.
+The collectives run over this rank's TP group (distributed/parallel_groups.py): the default
+torch.distributed group (gloo on the CPU) when every rank is a tensor rank, else its pipeline
+stage's TP ranks.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pagedllm.distributed.comm_stats import TP_COMM_STATS
+from pagedllm.distributed.parallel_groups import tp_group
 
 
 @dataclass(frozen=True)
@@ -93,17 +95,19 @@ class TensorParallelRank:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over the ranks of x, in place (x must be contiguous); timed (TP_COMM_STATS)."""
+    """The sum over the TP group's ranks of x, in place (x must be contiguous); timed
+    (TP_COMM_STATS)."""
     started = time.perf_counter()
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=tp_group())
     TP_COMM_STATS.add_all_reduce(x.numel() * x.element_size(), started)
     return x
 
 
 def all_gather_last(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """[..., n] on each rank -> [..., world_size * n], the ranks' parts in rank order; timed."""
+    """[..., n] on each TP rank -> [..., world_size * n], the ranks' parts in TP rank order;
+    timed."""
     parts = [torch.empty_like(x) for _ in range(world_size)]
     started = time.perf_counter()
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=tp_group())
     TP_COMM_STATS.add_all_gather(x.numel() * x.element_size(), started)
     return torch.cat(parts, dim=-1)

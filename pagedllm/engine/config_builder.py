@@ -111,11 +111,15 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     With pipeline_parallel_size N, each rank's share is planned (its layers' weights, KV cache
     and workspace, and a runtime): ranks that share this machine's memory for their sum, ranks
     that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
-    which the rank checks again where it runs before it loads anything."""
+    which the rank checks again where it runs before it loads anything. With
+    tensor_parallel_size M too, a rank's share is its stage's over M (worker/memory.py's
+    tp_share)."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
-    world = args.pipeline_parallel_size
-    rank_mems = rank_memories(world) if world > 1 and platform.name == "cpu" else None
+    world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
+    # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
+    rank_mems = (rank_memories(world * tp_size) if world > 1 and platform.name == "cpu"
+                 else None)
     batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
@@ -137,7 +141,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                      kv_cache_bytes=args.kv_cache_memory_bytes,
                      num_blocks=args.num_gpu_blocks_override)
         if world > 1:
-            return plan_pipeline_memory(fp, world, mem, rank_mems, **sizes)
+            return plan_pipeline_memory(fp, world, mem, rank_mems, tp_size, **sizes)
         return plan_memory(fp, mem, **sizes)
 
     can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"

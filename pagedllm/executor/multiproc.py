@@ -21,7 +21,10 @@ the request is scheduled again.
 
 With tensor_parallel_size=N instead, every rank runs every step on its share of each layer,
 the collectives (all-reduce, all-gather) joining them over the same gloo group; rank 0's reply
-is the step's output, and the others are given its tokens with their next step.
+is the step's output, and the others are given its tokens with their next step. With both,
+tensor_parallel_size x pipeline_parallel_size ranks: each stage's TP ranks join in a TP group
+of their own, each sends to the same TP rank of the next stage, and TP rank 0 of the last
+stage replies (distributed/parallel_groups.py has the layout).
 
 A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
 this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
@@ -60,6 +63,7 @@ from typing import Any, Optional
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed.parallel_groups import driver_rank, global_rank, init_tp_group
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
@@ -145,8 +149,9 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class RankPlace:
-    """A worker process's place: its rank in the process group, and its pipeline stage or
-    its tensor parallel rank (the two are not combined yet)."""
+    """A worker process's place: its rank in the world group, and its pipeline stage, its
+    tensor parallel rank, or both (global rank = stage * tensor_parallel_size + TP rank;
+    distributed/parallel_groups.py)."""
 
     rank: int
     world_size: int
@@ -155,8 +160,14 @@ class RankPlace:
 
     @property
     def name(self) -> str:
-        """How messages name it: "pipeline rank 1", "tensor parallel rank 1"."""
-        return f"{'pipeline' if self.tp is None else 'tensor parallel'} rank {self.rank}"
+        """How messages name it: "pipeline rank 1", "tensor parallel rank 1", "pipeline stage
+        1, tensor parallel rank 0 (rank 2)"."""
+        if self.tp is None:
+            return f"pipeline rank {self.rank}"
+        if self.stage is None:
+            return f"tensor parallel rank {self.rank}"
+        return (f"pipeline stage {self.stage.rank}, tensor parallel rank {self.tp.rank} "
+                f"(rank {self.rank})")
 
     @property
     def layers(self) -> str:
@@ -167,15 +178,34 @@ class RankPlace:
 
 
 def rank_places(config: EngineConfig) -> list[RankPlace]:
-    """The places of the ranks the parallel config asks for, in rank order."""
+    """The places of the ranks the parallel config asks for, in global rank order: stage by
+    stage, each stage's TP ranks in order (vLLM's layout)."""
     parallel = config.parallel
-    if parallel.tensor_parallel_size > 1:
-        world = parallel.tensor_parallel_size
-        return [RankPlace(r, world, tp=TensorParallelRank(r, world)) for r in range(world)]
-    world = parallel.pipeline_parallel_size
+    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    world = tp_size * pp_size
     layers = config.arch.num_hidden_layers
-    return [RankPlace(r, world, stage=PipelineStage.of_rank(layers, r, world))
-            for r in range(world)]
+    places = []
+    for pp_rank in range(pp_size):
+        stage = PipelineStage.of_rank(layers, pp_rank, pp_size) if pp_size > 1 else None
+        for tp_rank in range(tp_size):
+            tp = TensorParallelRank(tp_rank, tp_size) if tp_size > 1 else None
+            places.append(RankPlace(global_rank(pp_rank, tp_rank, tp_size), world, stage, tp))
+    return places
+
+
+def parallel_kind(places: list[RankPlace]) -> str:
+    """What the ranks split, for the start-up log: "pipeline", "tensor" or "tensor x pipeline"."""
+    first = places[0]
+    if first.tp is None:
+        return "pipeline"
+    return "tensor" if first.stage is None else "tensor x pipeline"
+
+
+def places_driver(places: list[RankPlace]) -> int:
+    """The rank that samples and whose output is the step's: TP rank 0 of the last stage."""
+    last = places[-1]
+    return driver_rank(1 if last.tp is None else last.tp.world_size,
+                       1 if last.stage is None else last.stage.world_size)
 
 
 @dataclass(frozen=True)
@@ -204,20 +234,22 @@ def recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def start_worker(config: EngineConfig, stage: Optional[PipelineStage], init_method: str,
-                 num_threads: Optional[int] = None, tp: Optional[TensorParallelRank] = None) -> Any:
+def start_worker(config: EngineConfig, place: RankPlace, init_method: str,
+                 num_threads: Optional[int] = None) -> Any:
     """A rank's Worker (the mp and the Ray executors both start theirs here): join the gloo
-    process group at init_method, set up the device, load its share of the model (a pipeline
-    stage's layers, or a tensor parallel rank's part of every layer).
-    num_threads: torch threads for the rank; None: this machine's share."""
+    process group at init_method and make the TP groups, set up the device, load its share of
+    the model (a pipeline stage's layers, a tensor parallel rank's part of every layer, or its
+    part of its stage's layers). num_threads: torch threads for the rank; None: this machine's
+    share."""
     import torch.distributed as dist
 
     from pagedllm.worker.worker import Worker
 
-    place = stage or tp
     dist.init_process_group("gloo", init_method=init_method, rank=place.rank,
                             world_size=place.world_size, timeout=COMM_TIMEOUT)
-    worker = Worker(config, stage, tp, num_threads)
+    parallel = config.parallel
+    init_tp_group(place.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    worker = Worker(config, place.stage, place.tp, num_threads)
     worker.init_device()
     worker.load_model()
     return worker
@@ -238,9 +270,10 @@ def worker_main(conn: Connection) -> None:
             # its own memory: its share must fit there
             from pagedllm.worker.memory import plan_rank_memory
 
-            plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()))
+            plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
+                                    config.parallel.tensor_parallel_size)
             logging.getLogger("pagedllm").info("%s", plan.summary())
-        worker = start_worker(config, place.stage, init_method, tp=place.tp)
+        worker = start_worker(config, place, init_method)
         send(conn, WorkerReply(worker.model_runner.decode_path))
         _serve(worker, conn)
     except (EOFError, KeyboardInterrupt):
@@ -356,8 +389,7 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         places = rank_places(self.config)
-        # the rank that samples: the last pipeline stage, or tensor parallel rank 0
-        self._driver = 0 if places[0].tp is not None else len(places) - 1
+        self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._in_flight: deque[_PendingStep] = deque()  # steps sent, replies unread, oldest first
         self._unsent: dict[str, int] = {}  # tokens sampled since the last step sent
@@ -373,7 +405,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%s parallel: %s", "pipeline" if places[0].tp is None else "tensor",
+        logger.info("%s parallel: %s", parallel_kind(places),
                     ", ".join(f"rank {r.place.rank} (pid {r.process.pid}){r.place.layers}"
                               for r in self._ranks))
 

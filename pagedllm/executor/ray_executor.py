@@ -15,8 +15,9 @@ machines of a Ray cluster (vLLM's `--distributed-executor-backend ray`).
 The ranks are the mp executor's (executor/multiproc.py's rank_places): pipeline stages as
 above, the last one's answer the step's output; or, with tensor_parallel_size=N, N ranks that
 each run every step on their share of every layer, joined by the collectives (all-reduce,
-all-gather), tensor parallel rank 0's answer the step's output. The rank that samples is the
-driver; the others are given its tokens with their next step.
+all-gather), tensor parallel rank 0's answer the step's output; or both, tp x pp ranks, each
+stage's TP ranks in a TP group of their own, TP rank 0 of the last stage answering. The rank
+that samples is the driver; the others are given its tokens with their next step.
 
 Ray places the ranks (a placement group, one bundle per rank: STRICT_SPREAD when the cluster
 has a node for each, else PACK) and carries the control calls; the activations (stage to
@@ -54,8 +55,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError, rank_places,
-                                         start_worker)
+from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
+                                         parallel_kind, places_driver, rank_places, start_worker)
 
 logger = logging.getLogger("pagedllm")
 
@@ -107,7 +108,7 @@ class RankActor:
         from pagedllm.logger import configure_logging
 
         configure_logging()
-        self.worker = start_worker(config, place.stage, init_method, num_threads, tp=place.tp)
+        self.worker = start_worker(config, place, init_method, num_threads)
         return self.worker.model_runner.decode_path
 
     def comm_stats(self, reset: bool) -> dict:
@@ -236,9 +237,8 @@ class RayExecutor(Executor):
     def _init_executor(self) -> None:
         places = rank_places(self.config)
         world = len(places)
-        kind = "pipeline" if places[0].tp is None else "tensor parallel"  # "... ranks"
-        # the rank that samples: the last pipeline stage, or tensor parallel rank 0
-        self._driver = 0 if places[0].tp is not None else world - 1
+        kind = parallel_kind(places) + " parallel"  # "... ranks"
+        self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first
         self._unsent: dict[str, int] = {}  # the driver's tokens since the last step submitted
@@ -267,8 +267,7 @@ class RayExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%s on Ray (%s): %s", "pipeline parallel" if places[0].tp is None
-                    else "tensor parallel", init_method, ", ".join(
+        logger.info("%s on Ray (%s): %s", kind, init_method, ", ".join(
             f"rank {r.place.rank} ({r.where}, {threads[i]} threads){r.place.layers}"
             for i, r in enumerate(self._ranks)))
 

@@ -14,7 +14,9 @@ modules swapped, the model code unchanged).
 The heads split evenly; so do the MLPs' intermediate rows unless a kept down_proj's GGUF
 blocks would be cut, when the rows split at block boundaries instead, unevenly (mlp_split).
 A split that cannot be made (heads by ranks; o_proj's heads cutting its blocks; fewer
-blocks than ranks) is a ValueError naming the tensor and the sizes. The tensors' summation order changes:
+blocks than ranks) is a ValueError naming the tensor and the sizes. On a pipeline stage
+(models/pipeline.py's keep_stage, which runs first) only the modules the stage holds are split:
+the other stages' placeholders stay as they are. The tensors' summation order changes:
 each rank sums its part of o_proj's and down_proj's reduction, then the all-reduce adds them.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.quantization import QuantPlan
 from pagedllm.layers.tensor_parallel import GatheredLogits, ReducedOutput, VocabParallelEmbedding
 from pagedllm.models.llama import SelfAttention
+from pagedllm.models.pipeline import holds_module
 
 Shards = dict[str, Shard]  # checkpoint tensor name -> this rank's part of it
 
@@ -124,15 +127,19 @@ def _shard_mlp(path: str, mlp: GatedMLP, tp: TensorParallelRank, split: MlpSplit
 
 
 def _shard_vocab(model: nn.Module, tp: TensorParallelRank) -> Shards:
-    """The embedding and the head: this rank's vocabulary rows (the same rows, so a tied head
-    still shares the embedding's)."""
+    """The embedding and the head, where this rank's pipeline stage holds them: this rank's
+    vocabulary rows (the same rows, so a tied head still shares the embedding's)."""
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     rows = tp.split(vocab, "model.embed_tokens.weight", "vocabulary rows")
     n = len(rows)
-    model.model.embed_tokens = nn.Embedding(n, hidden, _weight=torch.empty(n, hidden))
-    model.lm_head = nn.Linear(hidden, n, bias=False)
-    return {"model.embed_tokens.weight": Shard(0, rows.start, n, vocab),
-            "lm_head.weight": Shard(0, rows.start, n, vocab)}
+    shards = {}
+    if holds_module(model.model.embed_tokens):
+        model.model.embed_tokens = nn.Embedding(n, hidden, _weight=torch.empty(n, hidden))
+        shards["model.embed_tokens.weight"] = Shard(0, rows.start, n, vocab)
+    if holds_module(model.lm_head):
+        model.lm_head = nn.Linear(hidden, n, bias=False)
+        shards["lm_head.weight"] = Shard(0, rows.start, n, vocab)
+    return shards
 
 
 def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPlan]) -> Shards:
@@ -161,7 +168,9 @@ def add_collectives(model: nn.Module, tp: TensorParallelRank) -> None:
             module.o_proj = ReducedOutput(module.o_proj)
         elif isinstance(module, GatedMLP):
             module.down_proj = ReducedOutput(module.down_proj)
-    rows = model.model.embed_tokens.num_embeddings
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens,
-                                                      tp.rank * rows, rows)
-    model.lm_head = GatheredLogits(model.lm_head, tp.world_size)
+    if holds_module(model.model.embed_tokens):  # a pipeline stage's placeholder stays
+        rows = model.model.embed_tokens.num_embeddings
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens,
+                                                          tp.rank * rows, rows)
+    if holds_module(model.lm_head):
+        model.lm_head = GatheredLogits(model.lm_head, tp.world_size)

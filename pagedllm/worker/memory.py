@@ -265,33 +265,58 @@ def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
                          + (", head" if stage.is_last else ""))
 
 
-def shared_footprint(fp: ModelFootprint, world_size: int) -> ModelFootprint:
-    """The footprint of world_size pipeline ranks that share one memory (processes on one
-    machine): the sum of their shares, with a runtime and a workspace per rank."""
+def tp_share(fp: ModelFootprint, tp_size: int) -> ModelFootprint:
+    """The largest tensor parallel rank's share of a footprint (a pipeline stage's, with TP x
+    PP): its weights in the proportion the largest rank holds of the whole model (the layout's
+    tp_rank_bytes: a 1/tp_size share, but the MLPs' uneven where kept blocks split at block
+    boundaries), and its KV heads' cache (one head where they are fewer than the ranks)."""
+    if tp_size == 1:
+        return fp
+    layout, kv = fp.layout, fp.arch.num_key_value_heads
+    num, den = ((layout.tp_rank_bytes(tp_size, fp.arch.intermediate_size), layout.total)
+                if layout is not None and layout.total else (1, tp_size))
+    heads = kv // tp_size if kv >= tp_size else 1
+    return replace(fp, weight_bytes=-(-fp.weight_bytes * num // den),
+                   mapped_bytes=-(-fp.mapped_bytes * num // den),
+                   load_extra_bytes=-(-fp.load_extra_bytes * num // den),
+                   kv_bytes_per_token=fp.kv_bytes_per_token * heads // kv,
+                   where=f"{fp.where}, tensor parallel share of {tp_size}" if fp.where
+                   else f"tensor parallel share of {tp_size}")
+
+
+def shared_footprint(fp: ModelFootprint, world_size: int, tp_size: int = 1) -> ModelFootprint:
+    """The footprint of world_size pipeline stages (of tp_size TP ranks each) that share one
+    memory (processes on one machine): the sum of their stages' shares (a stage's TP ranks
+    together hold the stage), with a runtime and a workspace per rank."""
     stages = [stage_footprint(fp, PipelineStage.of_rank(fp.arch.num_hidden_layers, r,
                                                        world_size)) for r in range(world_size)]
+    ranks = world_size * tp_size
     return replace(fp, weight_bytes=sum(s.weight_bytes for s in stages),
                    mapped_bytes=sum(s.mapped_bytes for s in stages),
                    load_extra_bytes=sum(s.load_extra_bytes for s in stages),
                    kv_bytes_per_token=sum(s.kv_bytes_per_token for s in stages),
-                   num_layers=fp.layers, has_head=True, processes=world_size,
-                   where=f"{world_size} pipeline ranks on this machine, sharing its memory")
+                   num_layers=fp.layers, has_head=True, processes=ranks,
+                   where=f"{ranks} {'pipeline ' if tp_size == 1 else ''}ranks on this "
+                         "machine, sharing its memory")
 
 
 def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
                          rank_mems: Optional[Sequence[MemoryInfo]] = None,
-                         **kwargs) -> MemoryPlan:
-    """plan_memory for world_size pipeline ranks. Ranks that share this machine's memory
-    (rank_mems None) are planned as the sum of their shares against `mem`; ranks that each
-    have their own memory (a cgroup or a machine each: rank_mems[r]) each plan their own
-    share, and all then take the fewest KV blocks and the shortest max_model_len any rank
-    fits (every rank holds the same block ids)."""
+                         tp_size: int = 1, **kwargs) -> MemoryPlan:
+    """plan_memory for world_size pipeline stages of tp_size tensor parallel ranks each. Ranks
+    that share this machine's memory (rank_mems None) are planned as the sum of their shares
+    against `mem`; ranks that each have their own memory (a cgroup or a machine each:
+    rank_mems[r], r the global rank) each plan their own share (their stage's, over tp_size),
+    and all then take the fewest KV blocks and the shortest max_model_len any rank fits (every
+    rank holds the same block ids)."""
     if rank_mems is None:
-        return plan_memory(shared_footprint(fp, world_size), mem, **kwargs)
+        return plan_memory(shared_footprint(fp, world_size, tp_size), mem, **kwargs)
     plans = []
     for r, rank_mem in enumerate(rank_mems):
-        share = stage_footprint(fp, PipelineStage.of_rank(fp.arch.num_hidden_layers, r,
-                                                         world_size))
+        share = tp_share(stage_footprint(fp, PipelineStage.of_rank(
+            fp.arch.num_hidden_layers, r // tp_size, world_size)), tp_size)
+        if tp_size > 1:  # the refusal names the rank, as its process's messages do
+            share = replace(share, where=f"rank {r}, {share.where}")
         plans.append(plan_memory(share, rank_mem, **kwargs))  # a refusal names the rank
     tightest = min(plans, key=lambda p: p.num_blocks * p.block_size)
     max_len = min(p.max_model_len for p in plans)
@@ -301,7 +326,7 @@ def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
     return replace(plans[0], ranks=tuple(plans), max_model_len=max_len,
                    num_blocks=tightest.num_blocks,
                    weight_bytes=max(p.weight_bytes for p in plans),
-                   where=f"{world_size} pipeline ranks, each in its own memory")
+                   where=f"{len(rank_mems)} ranks, each in its own memory")
 
 
 def _where(fp: ModelFootprint) -> str:
@@ -406,10 +431,12 @@ def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act
     return "\n".join(lines)
 
 
-def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo) -> MemoryPlan:
+def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo,
+                     tp_size: int = 1) -> MemoryPlan:
     """Check, in a pipeline rank's own process and before it loads anything, that its share
-    (config's planned KV blocks, max_model_len and mmap_weights) fits the memory it reads
-    where it runs (its own cgroup or machine); InsufficientMemoryError names the rank."""
+    (its stage's, over tp_size tensor parallel ranks; config's planned KV blocks,
+    max_model_len and mmap_weights) fits the memory it reads where it runs (its own cgroup or
+    machine); InsufficientMemoryError names the rank."""
     import torch
 
     from pagedllm.loader.checkpoint import resolve_checkpoint
@@ -426,7 +453,8 @@ def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo) -> MemoryPla
     if not config.mmap_weights:
         fp = replace(fp, load_extra_bytes=layout.mapped_total)
     sched = config.scheduler
-    return plan_memory(stage_footprint(fp, stage), mem, block_size=config.cache.block_size,
+    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,
+                       block_size=config.cache.block_size,
                        max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
                        max_num_batched_tokens=sched.max_num_batched_tokens,
                        num_blocks=config.cache.num_blocks)

@@ -52,8 +52,8 @@ def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantP
 def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor],
                       stage: Optional[PipelineStage], tp: Optional[TensorParallelRank]) -> None:
     """Read the float tensors; map the kept blocks, regrouped, from their cache file (written
-    on the first load one matrix at a time; one file per pipeline stage). The blocks' own params
-    are never filled: their storage is released, so they take no memory."""
+    on the first load one matrix at a time; one file per pipeline stage and TP rank). The
+    blocks' own params are never filled: their storage is released, so they take no memory."""
     if ckpt.kind != "gguf":
         raise ValueError("mmap_weights needs a GGUF checkpoint (its kept blocks are what is "
                          f"mapped); {ckpt.path} is a {ckpt.kind} checkpoint")
@@ -61,8 +61,9 @@ def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torc
     name_of = {id(t): name for name, t in params.items()}
     slot_names = {id(slot): name_of[id(slot.source)] for slot in slots}
     skip = None if stage is None else held_elsewhere(stage)
-    part = "all" if stage is None else f"pp{stage.rank}-of-{stage.world_size}"
-    part = part if tp is None else f"tp{tp.rank}-of-{tp.world_size}"
+    parts = ([] if stage is None else [f"pp{stage.rank}-of-{stage.world_size}"]) + (
+        [] if tp is None else [f"tp{tp.rank}-of-{tp.world_size}"])
+    part = "-".join(parts) or "all"  # a stage's TP rank: "pp1-of-2-tp0-of-2"
     # planned on the params' shapes
     with GGUFWeightReader(ckpt.path, params, skip, model.checkpoint_shards) as reader:
 

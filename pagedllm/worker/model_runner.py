@@ -12,6 +12,10 @@ same per-request state, the executor giving the others the tokens the last one s
 As a tensor parallel rank it holds its share of every layer and its KV heads' cache; every
 rank runs every step (the collectives join them), the logits are gathered on all of them, and
 rank 0 samples, the others taking its tokens as a pipeline stage does.
+
+Both at once (tensor_parallel_size x pipeline_parallel_size ranks), it holds its TP share of
+its stage's layers; the last stage's TP ranks gather the logits over their TP group, and its
+TP rank 0 samples.
 """
 from __future__ import annotations
 
@@ -144,7 +148,7 @@ class ModelRunner:
         stage = self.stage
         incoming = None if stage is None or stage.is_first else recv_from_prev(
             stage, step.input_ids.shape[0], self.config.arch.hidden_size, self.config.dtype,
-            self.device)
+            self.device, self.tp)
         if self.captured_decode is not None and meta.decode_only:
             result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
                                           incoming)
@@ -152,7 +156,7 @@ class ModelRunner:
             result = self.model(step.input_ids, step.positions, incoming)
         if stage is None or stage.is_last:
             return result
-        send_to_next(stage, result)
+        send_to_next(stage, result, self.tp)
         return None
 
     def append_sampled(self, sampled: dict[str, int]) -> None:

@@ -37,16 +37,16 @@ class Worker:
         and the model's layers run depends on the kernels being loaded."""
         platform = self.config.platform
         platform.init_device()
-        place = self.stage or self.tp
+        world = self.config.parallel.world_size
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        elif place is not None and place.world_size > 1:
+        elif world > 1:
             # the ranks of one machine share its cores: all of them each would oversubscribe
-            threads = max(1, torch.get_num_threads() // place.world_size)
+            threads = max(1, torch.get_num_threads() // world)
             torch.set_num_threads(threads)
-            kind = "pipeline" if self.stage is not None else "tensor parallel"
-            logger.info("%s rank %d of %d: %d threads", kind, place.rank, place.world_size,
-                        threads)
+            where = ([] if self.stage is None else [f"pipeline rank {self.stage.rank}"]) + (
+                [] if self.tp is None else [f"tensor parallel rank {self.tp.rank}"])
+            logger.info("%s of %d ranks: %d threads", ", ".join(where), world, threads)
         torch.manual_seed(self.config.seed)
         platform.load_kernels()  # cached: the config builder has usually loaded them already
         self.model_runner = ModelRunner(self.config, self.stage, self.tp)

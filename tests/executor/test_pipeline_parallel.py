@@ -69,8 +69,6 @@ def _pp_equals_single(model: str, decode_path: str, monkeypatch=None, **engine) 
 
 # ---- options -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tensor_parallel_size=2, pipeline_parallel_size=2),
-     "tensor_parallel_size=2 with pipeline_parallel_size=2 is not implemented yet"),
     (dict(distributed_executor_backend="threads"), "distributed_executor_backend must be one "
                                                    "of mp, ray, uni"),
     (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"),

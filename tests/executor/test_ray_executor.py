@@ -3,7 +3,9 @@
 tokens with pipeline_parallel_size=2 equal one process's, and with tensor_parallel_size=2 equal
 the mp executor's and one process's, one rank on each node; a killed actor fails generate with
 its rank named, and the engine leaves nothing behind in the cluster; a cluster without room is
-refused by name; without Ray the option is one line saying how to install it.
+refused by name; without Ray the option is one line saying how to install it. Four ranks
+(tensor_parallel_size=2 x pipeline_parallel_size=2) run on the engine's own local Ray instead:
+the two-node cluster has a CPU bundle for two.
 
 TP runs on Qwen2.5-Coder-0.5B's HF directory in float32, as tests/executor/test_tensor_parallel.py
 does (SmolLM2's 9 heads do not split over 2 ranks)."""
@@ -332,3 +334,28 @@ def test_the_ray_backend_without_ray_says_how_to_install_it():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == repr("distributed_executor_backend='ray' needs Ray, which is "
                                        "not installed: pip install 'pagedllm[ray]'")
+
+
+def test_tp2_pp2_on_a_local_ray_equals_mp(qwen_hf_dir, monkeypatch):
+    """tensor_parallel_size=2 x pipeline_parallel_size=2: four actors on the engine's own
+    local Ray (the two-node cluster has two CPUs, one bundle each too few), laid out as the mp
+    executor lays its processes out; the same greedy tokens as mp's four ranks."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    prompts, params = PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8)
+    engine = dict(ENGINE, tensor_parallel_size=2, pipeline_parallel_size=2)
+
+    def run(llm: LLM) -> list[list[int]]:
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+
+    want = run(LLM(model=str(qwen_hf_dir), **engine))
+    llm = LLM(model=str(qwen_hf_dir), distributed_executor_backend="ray", **engine)
+    executor = llm.llm_engine.engine_core.executor
+    assert isinstance(executor, RayExecutor)
+    assert [r.place.name for r in executor._ranks][1:3] == [
+        "pipeline stage 0, tensor parallel rank 1 (rank 1)",
+        "pipeline stage 1, tensor parallel rank 0 (rank 2)"]
+    assert run(llm) == want
+    assert not ray.is_initialized()

@@ -100,10 +100,10 @@ def _tp_near_single(model: str, **engine) -> None:
 
 
 # ---- options -------------------------------------------------------------------------------
-def test_tp_with_pp_is_refused_by_name():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with pipeline_parallel_size=2 "
-                                         "is not implemented yet; use one of them"):
-        EngineArgs(model="m", tensor_parallel_size=2, pipeline_parallel_size=2)
+def test_tp_with_pp_picks_the_mp_executor_over_four_ranks():
+    parallel = EngineArgs(model="m", tensor_parallel_size=2,
+                          pipeline_parallel_size=2).parallel_config()
+    assert (parallel.backend, parallel.world_size) == ("mp", 4)
 
 
 def test_tp_picks_the_mp_executor():

@@ -16,8 +16,10 @@ from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layou
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo
 from pagedllm.worker.model_loader import load_model
-from pagedllm.worker.memory import (InsufficientMemoryError, footprint,
-                                    kv_bytes_per_token, plan_memory)
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.worker.memory import (MEMORY_UTILIZATION, InsufficientMemoryError, footprint,
+                                    kv_bytes_per_token, plan_memory, plan_pipeline_memory,
+                                    stage_footprint, tp_share)
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -141,3 +143,42 @@ def test_tp_plans_the_largest_rank_of_an_uneven_block_split(qwen_gguf):
     assert abs(planned - held[0]) <= 0.005 * held[0]
     excess = (held[0] - held[1]) / 2  # 5.7 MB
     assert abs(planned - layout.total // 2 - excess) <= 0.05 * excess
+
+
+def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
+    """Qwen Q4_K_M, blocks kept, tensor_parallel_size=2 x pipeline_parallel_size=2: each of
+    the four ranks is planned about what it loads (its TP share of its stage's layers, the
+    first stage's embedding and the last's head split too), not its whole stage; with each
+    rank in a memory a little above its share, the plan fits where a whole stage would not."""
+    platform = CpuPlatform()
+    platform.load_kernels()
+    ckpt = resolve_checkpoint(qwen_gguf)
+    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
+    n, source = checkpoint_num_params(ckpt)
+    fp = footprint(ckpt.arch, n, 4, "float32 with GGUF blocks kept", source, layout.total, 0,
+                   layout)
+    config = EngineConfig(model_path=str(qwen_gguf), arch=ckpt.arch, dtype=torch.float32,
+                          platform=platform, quantization="gguf")
+    shares = []
+    for s in range(2):
+        stage = PipelineStage.of_rank(ckpt.arch.num_hidden_layers, s, 2)
+        share = tp_share(stage_footprint(fp, stage), 2)  # the stage's larger TP rank (10 blocks)
+        held = max(sum(p.nbytes for p in load_model(config, stage, TensorParallelRank(t, 2))
+                       .parameters()) for t in range(2))
+        assert abs(share.weight_bytes - held) <= 0.03 * held, (s, share.weight_bytes, held)
+        assert share.kv_bytes_per_token == fp.kv_bytes_per_token // 4  # 12 layers, 1 KV head
+        shares.append(share)
+    sizes = dict(block_size=16, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256,
+                 kv_cache_bytes=16 * 2**20)
+    big = MemoryInfo(64 * GiB, 64 * GiB, "plenty")
+    needs = [plan_memory(s, big, **sizes) for s in shares]
+    need = max(p.weight_bytes + p.kv_cache_bytes + p.activation_bytes + p.overhead_bytes
+               for p in needs)
+    room = int(need / MEMORY_UTILIZATION) + 2**20  # each rank's cgroup: its share just fits
+    mems = [MemoryInfo(room, room, f"rank {r}'s cgroup") for r in range(4)]
+    plan = plan_pipeline_memory(fp, 2, mems[0], mems, tp_size=2, **sizes)
+    assert len(plan.ranks) == 4 and plan.max_model_len == 256
+    assert plan.weight_bytes == max(s.weight_bytes for s in shares)
+    stage0 = stage_footprint(fp, PipelineStage.of_rank(ckpt.arch.num_hidden_layers, 0, 2))
+    with pytest.raises(InsufficientMemoryError):  # a whole stage, as planned before TP x PP
+        plan_memory(stage0, mems[0], **sizes)

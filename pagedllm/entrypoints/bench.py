@@ -188,12 +188,16 @@ def _tp_report(stats: list[dict]) -> dict[str, Any]:
 
 
 def _comm_report(stats: Optional[list[dict]]) -> dict[str, Any]:
-    """The pipeline's send/recv (pp_*) or the tensor-parallel collectives (tp_*) per step."""
+    """The tensor-parallel collectives (tp_*) and the pipeline's send/recv (pp_*) per step,
+    whichever the ranks ran (both under -tp N -pp M; ranks by their global number)."""
     if not stats:
         return {}
+    out: dict[str, Any] = {}
     if stats[0].get("forwards"):
-        return _tp_report(stats)
-    return _pp_report(stats)
+        out.update(_tp_report(stats))
+    if stats[0].get("sends"):
+        out.update(_pp_report(stats))
+    return out
 
 
 def run_latency(args: argparse.Namespace) -> dict[str, Any]:

@@ -237,7 +237,7 @@ class RayExecutor(Executor):
     def _init_executor(self) -> None:
         places = rank_places(self.config)
         world = len(places)
-        kind = parallel_kind(places) + " parallel"  # "... ranks"
+        kind = parallel_kind(places) + " parallel"  # "tensor parallel", "pipeline parallel"
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first

@@ -78,12 +78,21 @@ def test_tensor_parallel_reports_the_collectives(tmp_path, qwen_gguf):
     assert not any(key.startswith("pp_") for key in result)
 
 
-def test_tensor_and_pipeline_parallel_together_are_refused_as_llm_refuses_them():
-    proc = subprocess.run(CLI + ["latency", "--model", MODEL, "-tp", "2", "-pp", "2"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert ("tensor_parallel_size=2 with pipeline_parallel_size=2 is not implemented yet"
-            in proc.stderr)
+def test_tensor_and_pipeline_parallel_together_report_both(tmp_path, qwen_gguf):
+    """-tp 2 -pp 2 (four ranks; global rank = stage x 2 + TP rank): stage 0's TP ranks
+    all-reduce for the embedding and two for each of its 12 layers, and send the residual
+    stream to stage 1's; the report has the collectives and the sends and receives."""
+    result = _run(["latency", "--model", str(qwen_gguf), "--input-len", "8", "--output-len",
+                   "3", "--num-iters", "1", "--num-iters-warmup", "0", "-tp", "2", "-pp", "2"],
+                  tmp_path / "r.json")
+    assert result["tp_allreduces_per_step"] == 1 + 2 * 12
+    assert result["pp_steps"] == 3
+    assert result["pp_bytes_per_step"] == 2 * 896 * 4 * (8 + 2) / 3  # [2, T, H] float32
+    for rank in (0, 1):
+        assert result[f"pp_rank{rank}_send_ms_per_step"] > 0
+    for rank in (2, 3):
+        assert result[f"pp_rank{rank}_recv_ms_per_step"] > 0
+        assert result[f"tp_rank{rank}_allgather_ms_per_step"] > 0  # the last stage's logits
 
 
 @pytest.mark.parametrize("flag,value,least", [("--input-len", "0", 1), ("--output-len", "0", 1),

@@ -239,7 +239,7 @@ def test_a_cluster_without_room_is_refused_by_name(smollm_gguf, ray_address, mon
     """Three ranks of one CPU on two one-CPU nodes: refused with the shortfall, after the
     placement timeout, and the placement group is removed."""
     monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 3.0)
-    with pytest.raises(RuntimeError, match=r"the Ray cluster found no room for 3 pipeline ranks "
+    with pytest.raises(RuntimeError, match=r"the Ray cluster found no room for 3 pipeline parallel ranks "
                                            r"of \{'CPU': 1.0\} each \(PACK over 2 nodes"):
         LLM(model=str(smollm_gguf), pipeline_parallel_size=3,
             distributed_executor_backend="ray", **ENGINE)

@@ -64,7 +64,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed.parallel_groups import driver_rank, global_rank, init_tp_group
-from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_partition,
+                                       partition_spec)
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
 from pagedllm.platforms.interface import MemoryInfo
@@ -184,9 +185,11 @@ def rank_places(config: EngineConfig) -> list[RankPlace]:
     tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     world = tp_size * pp_size
     layers = config.arch.num_hidden_layers
+    # read here, in the driver, and carried in each place: a rank never reads the variable
+    sizes = layer_partition(layers, pp_size) if pp_size > 1 else None
     places = []
     for pp_rank in range(pp_size):
-        stage = PipelineStage.of_rank(layers, pp_rank, pp_size) if pp_size > 1 else None
+        stage = PipelineStage.of_rank(layers, pp_rank, pp_size, sizes) if pp_size > 1 else None
         for tp_rank in range(tp_size):
             tp = TensorParallelRank(tp_rank, tp_size) if tp_size > 1 else None
             places.append(RankPlace(global_rank(pp_rank, tp_rank, tp_size), world, stage, tp))
@@ -199,6 +202,13 @@ def parallel_kind(places: list[RankPlace]) -> str:
     if first.tp is None:
         return "pipeline"
     return "tensor" if first.stage is None else "tensor x pipeline"
+
+
+def partition_note(places: list[RankPlace]) -> str:
+    """" (VLLM_PP_LAYER_PARTITION=16,8)" when the stages follow that variable, else "" (for the
+    start-up log, which lists each rank's layers)."""
+    spec = partition_spec()
+    return "" if places[0].stage is None or spec is None else f" ({PARTITION_ENV}={spec})"
 
 
 def places_driver(places: list[RankPlace]) -> int:
@@ -405,7 +415,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%s parallel: %s", parallel_kind(places),
+        logger.info("%s parallel%s: %s", parallel_kind(places), partition_note(places),
                     ", ".join(f"rank {r.place.rank} (pid {r.process.pid}){r.place.layers}"
                               for r in self._ranks))
 

@@ -56,7 +56,8 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         parallel_kind, places_driver, rank_places, start_worker)
+                                         parallel_kind, partition_note, places_driver, rank_places,
+                                         start_worker)
 
 logger = logging.getLogger("pagedllm")
 
@@ -237,7 +238,8 @@ class RayExecutor(Executor):
     def _init_executor(self) -> None:
         places = rank_places(self.config)
         world = len(places)
-        kind = parallel_kind(places) + " parallel"  # "tensor parallel", "pipeline parallel"
+        # "tensor parallel", "pipeline parallel (VLLM_PP_LAYER_PARTITION=16,8)"
+        kind = parallel_kind(places) + " parallel" + partition_note(places)
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.distributed.stage import PipelineStage
+from pagedllm.distributed.stage import PipelineStage, even_partition
 from pagedllm.loader.metadata import WeightLayout
 from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
 
@@ -352,7 +352,10 @@ def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs
         for n in range(2, a.num_hidden_layers + 1):
             fits = True
             for r in range(n):
-                s = stage_footprint(whole, PipelineStage.of_rank(a.num_hidden_layers, r, n))
+                # the even split: a suggestion of N stages, whatever VLLM_PP_LAYER_PARTITION
+                # asks of the size it was set for
+                s = stage_footprint(whole, PipelineStage.of_rank(
+                    a.num_hidden_layers, r, n, even_partition(a.num_hidden_layers, n)))
                 kv = s.kv_bytes_per_token * min_len
                 if s.weight_bytes + kv + overhead + activation_bytes(s, batched, seqs, kv) > budget:
                     fits = False

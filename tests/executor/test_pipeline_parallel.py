@@ -22,7 +22,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerError
+from pagedllm.executor.multiproc import (MultiprocExecutor, WorkerCall, WorkerDiedError,
+                                         WorkerError, rank_places)
 from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.gguf_header import gguf_header
@@ -348,3 +349,35 @@ def test_ranks_import_the_engines_pagedllm_whatever_the_working_directory(tmp_pa
                           env={**os.environ, "PYTHONPATH": repo})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens 4" in proc.stdout
+
+
+def test_smollm_pp2_with_vllm_pp_layer_partition_equals_one_process(smollm_gguf, monkeypatch,
+                                                                     caplog):
+    """VLLM_PP_LAYER_PARTITION=20,10 on SmolLM2's 30 layers: the ranks hold 20 and 10 layers
+    (each rank's KV block is its own layers'), the start-up log names the variable, and the
+    greedy tokens equal one process's."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    want = _tokens(LLM(model=str(smollm_gguf), **ENGINE))
+    gc.collect()
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,10")
+    caplog.set_level("INFO", logger="pagedllm")
+    pp = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **ENGINE)
+    try:
+        executor = pp.llm_engine.engine_core.executor
+        assert [p.stage.layers for p in rank_places(executor.config)] == [range(0, 20),
+                                                                         range(20, 30)]
+        block = executor._call_all(WorkerCall("kv_block_bytes"))
+        assert block[0] == 2 * block[1], block
+        assert "pipeline parallel (VLLM_PP_LAYER_PARTITION=20,10): rank 0" in caplog.text
+        assert " layers 0-19, rank 1 " in caplog.text and " layers 20-29" in caplog.text
+        assert _tokens(pp) == want
+    finally:
+        pp.llm_engine.shutdown()
+
+
+def test_a_partition_for_another_size_is_refused_before_any_process_starts(smollm_gguf,
+                                                                           monkeypatch):
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "16,8")
+    with pytest.raises(ValueError, match=r"VLLM_PP_LAYER_PARTITION must be 2 comma-separated "
+                                         r"layer counts >= 1.*30 layers.*which sums to 24"):
+        LLM(model=str(smollm_gguf), pipeline_parallel_size=2, **ENGINE)

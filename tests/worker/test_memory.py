@@ -182,3 +182,29 @@ def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
     stage0 = stage_footprint(fp, PipelineStage.of_rank(ckpt.arch.num_hidden_layers, 0, 2))
     with pytest.raises(InsufficientMemoryError):  # a whole stage, as planned before TP x PP
         plan_memory(stage0, mems[0], **sizes)
+
+
+def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
+    """VLLM_PP_LAYER_PARTITION=16,8 on Qwen's 24 layers: each rank is planned its own layers
+    (rank 0 twice rank 1's KV cache per block, layers 0-15 and 16-23 named, four layers'
+    weights moved from rank 1 to rank 0)."""
+    platform = CpuPlatform()
+    platform.load_kernels()
+    ckpt = resolve_checkpoint(qwen_gguf)
+    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
+    n, source = checkpoint_num_params(ckpt)
+    fp = footprint(ckpt.arch, n, 4, "float32 with GGUF blocks kept", source, layout.total, 0,
+                   layout)
+    sizes = dict(block_size=16, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256,
+                 kv_cache_bytes=16 * 2**20)
+    big = MemoryInfo(64 * GiB, 64 * GiB, "plenty")
+    even = plan_pipeline_memory(fp, 2, big, [big, big], **sizes)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "16,8")
+    plan = plan_pipeline_memory(fp, 2, big, [big, big], **sizes)
+    assert "layers 0-15, embedding" in plan.ranks[0].where
+    assert "layers 16-23, head" in plan.ranks[1].where
+    per_block = [p.kv_cache_bytes // p.num_blocks for p in plan.ranks]
+    assert per_block[0] == 2 * per_block[1]
+    # rank 0 gains 4 layers' weights, rank 1 loses them
+    assert plan.ranks[0].weight_bytes > even.ranks[0].weight_bytes
+    assert plan.ranks[1].weight_bytes < even.ranks[1].weight_bytes

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 # vLLM's variable: layer counts per stage, "16,8"; read in the driver only (the ranks get their
-# stages from it, so Ray actors that do not inherit its environment still agree)
+# stages from it, so Ray actors that do not inherit its environment still agree). Unlike vLLM,
+# one process (pipeline_parallel_size=1, doctor) has no stages and ignores it, and a blank value
+# counts as unset; zero or negative counts are refused (vLLM checks only the count and the sum)
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
 
 

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedllm.distributed.stage import layer_partition
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.multiproc import rank_memories
@@ -118,8 +117,6 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
     world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
-    # VLLM_PP_LAYER_PARTITION is checked whatever the size, as vLLM checks it ("24", one stage)
-    layer_partition(ckpt.arch.num_hidden_layers, world)
     # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
     rank_mems = (rank_memories(world * tp_size) if world > 1 and platform.name == "cpu"
                  else None)

@@ -136,6 +136,33 @@ def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
     _cluster_is_free(ray_address)
 
 
+def test_vllm_pp_layer_partition_reaches_actors_that_do_not_inherit_it(smollm_gguf,
+                                                                      ray_address, monkeypatch):
+    """VLLM_PP_LAYER_PARTITION=20,10 set in the engine's process only (the cluster's nodes, and
+    so its actors, started without it): the actors hold 20 and 10 layers (each one's KV block
+    is its own layers') and the greedy tokens equal one process's."""
+    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    single = LLM(model=str(smollm_gguf), **ENGINE)
+    want = _tokens(single)
+    del single
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,10")
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert isinstance(executor, RayExecutor)
+        # the premise: a task in the cluster does not see the engine's variable
+        env = ray.remote(num_cpus=0)(lambda: __import__("os").environ.get(
+            "VLLM_PP_LAYER_PARTITION"))  # a local function: sent by value, not by module
+        assert ray.get(env.remote()) is None
+        block = executor._call_all("kv_block_bytes")
+        assert block[0] == 2 * block[1], block
+        assert _tokens(llm) == want
+    finally:
+        llm.llm_engine.shutdown()
+    _cluster_is_free(ray_address)
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_address, killed):
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,

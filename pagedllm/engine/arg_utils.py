@@ -25,7 +25,6 @@ class IgnoredArg:
     short: Optional[str] = None  # vLLM's short flag, e.g. -tp
 
 
-_NO_ALL_REDUCE = "there is no all-reduce: tensor parallelism is not implemented yet"
 _NO_GRAPHS = "the engine runs eagerly (no CUDA graphs)"
 # vLLM options that tune GPUs or distributed execution; accepted and ignored here with a warning.
 IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
@@ -33,7 +32,9 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "swap_space": IgnoredArg("preempted requests are recomputed, so no CPU swap space is "
                              "reserved", float),
     "cpu_offload_gb": IgnoredArg("weights stay on the device that runs them", float),
-    "disable_custom_all_reduce": IgnoredArg(_NO_ALL_REDUCE),
+    "disable_custom_all_reduce": IgnoredArg("tensor parallelism all-reduces through "
+                                            "torch.distributed (gloo on the CPU); there is no "
+                                            "custom all-reduce to turn off"),
     "max_seq_len_to_capture": IgnoredArg(_NO_GRAPHS, int),
     "cuda_graph_sizes": IgnoredArg(_NO_GRAPHS, int, nargs="+"),
     "compilation_config": IgnoredArg("the model is not compiled", str, short="-O"),

@@ -2,7 +2,8 @@
 (gpt-fast's way: the model code knows nothing of them). Each wraps whatever module is there
 (float, GGML blocks, quantized at load), so they go in once every swap is done.
 
-- ReducedOutput: a row-parallel projection (o_proj, down_proj): the partial sums of every rank
+- ReducedOutput: a row-parallel projection (o_proj, down_proj), or a whole MoE block (its
+  experts' and shared expert's partial sums added first): the partial sums of every rank
   summed by one all-reduce, then the bias, added once.
 - VocabParallelEmbedding: a contiguous range of the vocabulary; ids outside it give zero rows,
   and the all-reduce fills each row from the rank that holds it.

@@ -225,8 +225,7 @@ def _as_matrix(info: GGUFTensorInfo) -> GGUFTensorInfo:
     return dataclasses.replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
 
 
-def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
-               ) -> tuple[GGUFTensorInfo, str]:
+def _row_slice(info: GGUFTensorInfo, part: RowSlice) -> GGUFTensorInfo:
     """The rows of a fused or stacked GGUF tensor that one shard (expert) loads, as a tensor
     of its own (rows are whole blocks, so a row range is valid in any block format)."""
     info = _as_matrix(info)
@@ -237,8 +236,7 @@ def _row_slice(info: GGUFTensorInfo, part: RowSlice, dest: torch.Tensor
     piece = dataclasses.replace(info, shape=(part.rows, *info.shape[1:]),
                                 offset=info.offset + part.start * row_bytes,
                                 nbytes=part.rows * row_bytes)
-    _check_shape(part.name, dest, piece)
-    return piece, part.name
+    return piece
 
 
 Plan = list[tuple[GGUFTensorInfo, str]]
@@ -255,8 +253,9 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
     shards = shards or {}
     embed: Optional[GGUFTensorInfo] = None
 
-    def add(info: GGUFTensorInfo, name: str) -> None:
-        if name not in shards:
+    def add(info: GGUFTensorInfo, name: str, rows_taken: bool = False) -> None:
+        # rows_taken: info is already the rank's rows (a fused or stacked tensor's part)
+        if name not in shards or (rows_taken and shards[name].axis == 0):
             _check_shape(name, params[name], info)
             plan.append((info, name))
             return
@@ -276,12 +275,10 @@ def _plan(header: _GGUFHeader, params: Mapping[str, torch.Tensor],
             embed = info  # a tied head loads it, even on a pipeline stage without the embedding
         if skip is not None and skip(name):
             continue
-        if (parts := split_fused(name, params) or split_stacked(name, params)) is not None:
-            if any(part.name in shards for part in parts):
-                raise ValueError(f"GGUF tensor {info.name!r} is fused ({parts[0].name!r} is one "
-                                 "of its shards): tensor parallelism does not split fused "
-                                 "tensors yet")
-            plan.extend(_row_slice(info, part, params[part.name]) for part in parts)
+        parts = split_fused(name, params, shards) or split_stacked(name, params, shards)
+        if parts is not None:
+            for part in parts:  # an expert's down_proj: then its rank's columns
+                add(_row_slice(info, part), part.name, rows_taken=True)
             continue
         if name not in params:
             raise ValueError(f"unexpected GGUF tensor {info.name!r}: the model has no {name!r}")

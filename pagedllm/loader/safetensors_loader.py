@@ -65,9 +65,11 @@ Plan = dict[str, tuple[str, Optional[RowSlice]]]
 
 
 def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor],
-          skip: Optional[Callable[[str], bool]] = None) -> Plan:
+          skip: Optional[Callable[[str], bool]] = None,
+          shards: Optional[Mapping[str, Shard]] = None) -> Plan:
     """Where each destination comes from, or ValueError naming missing/unexpected tensors;
-    tensors whose name `skip` accepts are left out."""
+    tensors whose name `skip` accepts are left out; a fused tensor's shards take a tensor
+    parallel rank's rows of their ranges (`shards`)."""
     skipped = {n for n in sources
                if n.endswith("rotary_emb.inv_freq") or (skip is not None and skip(n))}
     if _LM_HEAD not in params:
@@ -76,7 +78,7 @@ def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor],
     for src in sources:
         if src in skipped:
             continue
-        for part in split_fused(src, params) or ():
+        for part in split_fused(src, params, shards) or ():
             plan[part.name] = (src, part)
             skipped.add(src)
     if _LM_HEAD in params and _LM_HEAD not in sources and _EMBED in sources:
@@ -91,16 +93,16 @@ def _plan(sources: Mapping[str, Path], params: Mapping[str, torch.Tensor],
 
 def _copy(f, src: str, dst: str, dest: torch.Tensor, part: Optional[RowSlice],
           shard: Optional[Shard] = None) -> None:
-    """Copy one tensor (or, for a fused one, the part's rows; for a tensor-parallel rank, its
-    shard's rows or columns) from an open file into dest in row slices, casting to dest's
-    dtype. Only the slices wanted are read (safetensors' get_slice)."""
+    """Copy one tensor (or, for a fused one, the part's rows, a tensor-parallel rank's already;
+    for a tensor-parallel rank, its shard's rows or columns) from an open file into dest in
+    row slices, casting to dest's dtype. Only the slices wanted are read (safetensors'
+    get_slice)."""
     sl = f.get_slice(src)
     shape = tuple(sl.get_shape())
     want = tuple(dest.shape)
+    if part is not None:
+        shard = None  # the part is the rank's rows (fused.split_fused)
     if shard is not None:
-        if part is not None:
-            raise ValueError(f"checkpoint tensor {src!r} is fused ({dst!r} is one of its shards): "
-                             "tensor parallelism does not split fused tensors yet")
         want = want[:shard.axis] + (shard.full,) + want[shard.axis + 1:]
     if part is not None and shape != (part.total, *dest.shape[1:]):
         raise ValueError(f"checkpoint tensor {src!r} has shape {shape} but its shards "
@@ -131,7 +133,7 @@ def load_safetensors_weights(model_dir: str | Path, params: Mapping[str, torch.T
     tensors whose name `skip` accepts are not read; a param named in `shards` (a tensor
     parallel rank's) takes that part of its checkpoint tensor only."""
     sources = _tensor_files(Path(model_dir))
-    plan = _plan(sources, params, skip)
+    plan = _plan(sources, params, skip, shards)
     with torch.no_grad():
         ordered = sorted(plan.items(), key=lambda item: str(sources[item[1][0]]))
         for dst, (src, part) in load_progress(ordered, model_dir):

@@ -11,6 +11,13 @@ modules swapped, the model code unchanged).
    after attention and after the MLP, the embedding's all-reduce and the logits' all-gather
    (layers/tensor_parallel.py).
 
+A sparse MoE block (layers/moe.py) is split as vLLM splits it without expert parallelism:
+every rank holds every expert, each expert (and the shared expert) an MLP split like the
+others, the router and the shared expert's gate replicated. Every rank routes the same tokens
+the same way (its input is the all-reduced residual stream), sums its experts' partial
+down_proj outputs with the shared expert's, and one all-reduce after the whole block adds the
+ranks' sums (not one per expert).
+
 The heads split evenly; so do the MLPs' intermediate rows unless a kept down_proj's GGUF
 blocks would be cut, when the rows split at block boundaries instead, unevenly (mlp_split).
 A split that cannot be made (heads by ranks; o_proj's heads cutting its blocks; fewer
@@ -31,6 +38,7 @@ from torch import nn
 from pagedllm.distributed.tensor_parallel import Shard, TensorParallelRank
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.quantization import QuantPlan
 from pagedllm.layers.tensor_parallel import GatheredLogits, ReducedOutput, VocabParallelEmbedding
 from pagedllm.models.llama import SelfAttention
@@ -99,7 +107,8 @@ class MlpSplit(NamedTuple):
 def mlp_split(plan: Optional[QuantPlan]) -> MlpSplit:
     """The model-wide unit of the MLPs' split (one split for every layer: the ranks' shares,
     and the memory they plan, are the same in each)."""
-    kept = {q for path, q in (plan or {}).items() if path.endswith(".mlp.down_proj")}
+    # every down_proj: the layers' MLPs, and a MoE block's experts and shared expert
+    kept = {q for path, q in (plan or {}).items() if path.endswith(".down_proj")}
     types = tuple(sorted(q.name for q in kept))
     return MlpSplit(math.lcm(*(GGML_QUANT_SIZES[q][0] for q in kept)) if kept else 1, types)
 
@@ -146,28 +155,35 @@ def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPl
     """Shrink a model built on the meta device (before the quantized modules are swapped in) to
     rank tp's share; plan: the GGUF blocks that will be kept (their reduction axis must split
     at whole blocks). Returns the part of each checkpoint tensor the rank loads."""
-    if model.config.moe is not None:
-        raise ValueError(f"tensor_parallel_size={tp.world_size}: {model.config.architecture} "
-                         "routes tokens to experts, which are not split over ranks yet; use "
-                         "pipeline_parallel_size")
     shards = _shard_vocab(model, tp)
     split = mlp_split(plan)
     for path, module in list(model.named_modules()):
         if isinstance(module, SelfAttention):
             shards.update(_shard_attention(path, module, tp, plan))
-        elif isinstance(module, GatedMLP):
+        elif isinstance(module, GatedMLP):  # a layer's MLP, or a MoE block's expert
             shards.update(_shard_mlp(path, module, tp, split))
     return shards
 
 
+def _expert_mlps(model: nn.Module) -> set[int]:
+    """ids of the MLPs inside MoE blocks (their outputs are reduced with the block's)."""
+    return {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock)
+            for m in block.modules() if isinstance(m, GatedMLP)}
+
+
 def add_collectives(model: nn.Module, tp: TensorParallelRank) -> None:
     """Wrap the loaded model's row-parallel projections, embedding and head in their
-    collectives (after loading: the wrappers change the modules' parameter names)."""
+    collectives (after loading: the wrappers change the modules' parameter names): a MoE
+    block's output as a whole, its experts' down_proj left partial."""
+    experts = _expert_mlps(model)
     for module in list(model.modules()):
         if isinstance(module, SelfAttention):
             module.o_proj = ReducedOutput(module.o_proj)
-        elif isinstance(module, GatedMLP):
+        elif isinstance(module, GatedMLP) and id(module) not in experts:
             module.down_proj = ReducedOutput(module.down_proj)
+        for name, child in module.named_children():
+            if isinstance(child, SparseMoeBlock):
+                setattr(module, name, ReducedOutput(child))
     if holds_module(model.model.embed_tokens):  # a pipeline stage's placeholder stays
         rows = model.model.embed_tokens.num_embeddings
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens,

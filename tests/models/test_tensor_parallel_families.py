@@ -11,7 +11,8 @@ chunks with the prefix cache on.
   (sharded with their rows);
 - Llama 3 (the GGUF's permuted Q/K rows, un-permuted per head on each rank's part);
 - Qwen3 (per-head q/k norms; head_dim 32 unlike hidden / heads).
-Phi-3's fused tensors and Qwen3-MoE's experts are refused with the tensor named.
+Phi-3's fused tensors and the MoE blocks: test_tensor_parallel_fused_moe.py; experts whose
+down_proj rows are fewer GGUF blocks than ranks are refused with the tensor named.
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.x8_weight_file import cache_path
 from test_llama3 import llama3  # noqa: F401  (the module's fixtures: the tiny checkpoints)
-from test_phi3 import phi3  # noqa: F401
 from test_qwen3 import qwen3  # noqa: F401
 from test_qwen3_moe import qwen3_moe  # noqa: F401
 from tiny_models import (CHUNKED, NUM_TOKENS, VOCAB, base_fields, prompts, random_init,
@@ -152,13 +152,15 @@ def test_a_rank_holds_its_part_of_the_blocks_and_the_replicated_kv_head(qwen2_on
     assert model.model.layers[0].mlp.down_proj.inner.in_features == 64
 
 
-@pytest.mark.parametrize("family, message", [
-    ("phi3", r"is fused .*tensor parallelism does not split fused tensors yet"),
-    ("qwen3_moe", r"routes tokens to experts, which are not split over ranks yet"),
-])
-def test_what_does_not_split_is_refused_by_name(request, family, message):
-    with pytest.raises(ValueError, match=message):
-        _load_rank(request.getfixturevalue(family).q8_0_gguf, 0)
+def test_experts_of_fewer_blocks_than_ranks_are_refused_by_name(qwen3_moe):
+    """moe_intermediate_size 32: one Q8_0 block an expert's down_proj row (stacked in
+    ffn_down_exps), which two ranks cannot share; the float32 GGUF splits it 16/16."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: model\.layers\.0\.mlp\."
+                                         r"experts\.0\.down_proj\.weight, kept in Q8_0 "
+                                         r"blocks, has 32 values a row"):
+        _load_rank(qwen3_moe.q8_0_gguf, 0)
+    block = _load_rank(qwen3_moe.f32_gguf, 1).model.layers[0].mlp
+    assert block.inner.experts[7].down_proj.in_features == 16  # one all-reduce: the block's
 
 
 def test_a_down_proj_of_fewer_blocks_than_ranks_is_refused_by_name(tmp_path):

@@ -1,0 +1,84 @@
+"""Tensor parallelism of Phi-3's fused tensors and of MoE blocks, on tiny random models at
+tensor_parallel_size=2 against one process (the rules of test_tensor_parallel_families.py:
+float32 HF directory, the same greedy tokens and log-probabilities within 1e-3; Q8_0 GGUF,
+within 0.02 and the same tokens but at the one process's near-ties).
+
+- Phi-3: each rank reads its rows of each shard of the fused qkv_proj / gate_up_proj (several
+  row ranges of one tensor; from the GGUF, whole rows of blocks of attn_qkv and ffn_up).
+- Qwen2-MoE: every expert on both ranks, its intermediate rows split (experts' 64 and the
+  shared expert's 96 split into Q8_0 blocks of 32: 64/32 rows, unevenly), the router and the
+  shared expert's gate replicated; the GGUF's stacked experts read per expert, down_exps by
+  each rank's blocks of every row. One all-reduce a MoE block, counted.
+"""
+from __future__ import annotations
+
+import pytest
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from pagedllm import LLM
+from test_phi3 import phi3  # noqa: F401  (the module's fixture: the tiny checkpoints)
+from test_qwen2_moe import moe_fields
+from test_tensor_parallel_families import (BLOCKS_LOGPROB_TOL, LOGPROB_TOL,
+                                           _check_tp_against_single, _greedy, _single_and_tp2)
+from tiny_models import CHUNKED, VOCAB, prompts, random_init, save_checkpoints
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_tp(tmp_path_factory):
+    """A tiny Qwen2-MoE whose experts split over two ranks in Q8_0 blocks: 8 experts of 64
+    intermediate rows (two blocks of 32 in each down_proj row), 2 chosen per token, a shared
+    expert of 96 (three blocks)."""
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    random_init(model, seed=0, scale=0.2)
+    return save_checkpoints(model, tmp_path_factory.mktemp("qwen2_moe_tp"), "qwen2moe",
+                            lambda w: moe_fields(w, cfg), prompts((5, 23, 40), seed=1))
+
+
+def _engine(ckpts, checkpoint: str) -> dict:
+    # the GGUFs hold no tokenizer: the HF directory's
+    return dict(model=str(getattr(ckpts, checkpoint)), tokenizer=str(ckpts.hf_dir),
+                dtype="float32", **CHUNKED)
+
+
+def _check(got: list, want: list, checkpoint: str) -> None:
+    if checkpoint == "hf_dir":  # float32 throughout: the same tokens, logprobs within 1e-3
+        assert [g[0] for g in got] == [w[0] for w in want]
+    _check_tp_against_single(got, want, LOGPROB_TOL if checkpoint == "hf_dir" else
+                             BLOCKS_LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
+def test_phi3_fused_tensors_tp2_equals_one_process(phi3, checkpoint):  # noqa: F811
+    want, got = _single_and_tp2(_engine(phi3, checkpoint), phi3.prompts[:2])
+    _check(got, want, checkpoint)
+
+
+@pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
+def test_qwen2_moe_tp2_equals_one_process_with_one_all_reduce_a_block(qwen2_moe_tp,
+                                                                       checkpoint):
+    ckpts = qwen2_moe_tp
+    engine = _engine(ckpts, checkpoint)
+    want = _greedy(LLM(**engine), ckpts.prompts)
+    llm = LLM(**engine, tensor_parallel_size=2)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        executor.comm_stats(reset=True)
+        got = _greedy(llm, ckpts.prompts)
+        stats = executor.comm_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    _check(got, want, checkpoint)
+    # a step: the embedding's all-reduce, then each layer's attention and MoE block (one each,
+    # not one per expert)
+    steps = stats[0]["forwards"]
+    assert steps > 0 and stats[1]["forwards"] == steps
+    assert [s["all_reduces"] for s in stats] == [(1 + 2 * LAYERS) * steps] * 2

@@ -103,6 +103,27 @@ def test_fused_tensors_split_into_the_shards_in_chunks(tmp_path, monkeypatch):
         load_safetensors_weights(src, params)
 
 
+def test_a_tensor_parallel_rank_reads_its_rows_of_each_fused_shard(tmp_path):
+    """Rank 1 of 2: q rows [6, 12), k rows [15, 18), v rows [21, 24) of the fused qkv_proj (in
+    chunks); a shard split along its columns is refused with the fused tensor named."""
+    from pagedllm.distributed.tensor_parallel import Shard
+
+    qkv = torch.randn(24, 8)
+    src = _write_tiny(tmp_path, {"model.layers.0.self_attn.qkv_proj.weight": qkv})
+    merged = torch.empty(12, 8)
+    names = [f"model.layers.0.self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]
+    params = {names[0]: merged[0:6], names[1]: merged[6:9], names[2]: merged[9:12]}
+    shards = {names[0]: Shard(0, 6, 6, 12), names[1]: Shard(0, 3, 3, 6),
+              names[2]: Shard(0, 3, 3, 6)}
+    load_safetensors_weights(src, params, shards=shards)
+    assert torch.equal(merged, torch.cat([qkv[6:12], qkv[15:18], qkv[21:24]]))
+    shards[names[1]] = Shard(1, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.qkv_proj\.weight' "
+                       r"is fused, and tensor parallelism splits its shard "
+                       r"'model\.layers\.0\.self_attn\.k_proj\.weight' along the reduction"):
+        load_safetensors_weights(src, params, shards=shards)
+
+
 def test_missing_unexpected_and_misshaped_are_named(tmp_path):
     src = _write_tiny(tmp_path, {"model.embed_tokens.weight": torch.zeros(32, 8),
                                  "model.extra.weight": torch.zeros(2)})

@@ -9,6 +9,8 @@ within 0.02 and the same tokens but at the one process's near-ties).
   shared expert's 96 split into Q8_0 blocks of 32: 64/32 rows, unevenly), the router and the
   shared expert's gate replicated; the GGUF's stacked experts read per expert, down_exps by
   each rank's blocks of every row. One all-reduce a MoE block, counted.
+- Qwen3-MoE (its tiny model of test_qwen3_moe.py, renormalised top-k) from the HF directory
+  and the float32 GGUF.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 from pagedllm import LLM
 from test_phi3 import phi3  # noqa: F401  (the module's fixture: the tiny checkpoints)
 from test_qwen2_moe import moe_fields
+from test_qwen3_moe import qwen3_moe  # noqa: F401
 from test_tensor_parallel_families import (BLOCKS_LOGPROB_TOL, LOGPROB_TOL,
                                            _check_tp_against_single, _greedy, _single_and_tp2)
 from tiny_models import CHUNKED, VOCAB, prompts, random_init, save_checkpoints
@@ -50,10 +53,10 @@ def _engine(ckpts, checkpoint: str) -> dict:
 
 
 def _check(got: list, want: list, checkpoint: str) -> None:
-    if checkpoint == "hf_dir":  # float32 throughout: the same tokens, logprobs within 1e-3
+    if checkpoint != "q8_0_gguf":  # float32 throughout: the same tokens, logprobs within 1e-3
         assert [g[0] for g in got] == [w[0] for w in want]
-    _check_tp_against_single(got, want, LOGPROB_TOL if checkpoint == "hf_dir" else
-                             BLOCKS_LOGPROB_TOL)
+    _check_tp_against_single(got, want, BLOCKS_LOGPROB_TOL if checkpoint == "q8_0_gguf" else
+                             LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
@@ -62,10 +65,14 @@ def test_phi3_fused_tensors_tp2_equals_one_process(phi3, checkpoint):  # noqa: F
     _check(got, want, checkpoint)
 
 
-@pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
-def test_qwen2_moe_tp2_equals_one_process_with_one_all_reduce_a_block(qwen2_moe_tp,
-                                                                       checkpoint):
-    ckpts = qwen2_moe_tp
+@pytest.mark.parametrize("family, checkpoint", [
+    ("qwen2_moe_tp", "hf_dir"), ("qwen2_moe_tp", "q8_0_gguf"),
+    # renormalised top-k; experts of 32 rows split 16/16 (float32 GGUF: each expert's rows of
+    # the stacked tensors, then its down_proj's columns)
+    ("qwen3_moe", "hf_dir"), ("qwen3_moe", "f32_gguf"),
+])
+def test_moe_tp2_equals_one_process_with_one_all_reduce_a_block(request, family, checkpoint):
+    ckpts = request.getfixturevalue(family)
     engine = _engine(ckpts, checkpoint)
     want = _greedy(LLM(**engine), ckpts.prompts)
     llm = LLM(**engine, tensor_parallel_size=2)

@@ -141,6 +141,33 @@ def test_repetition_penalty_math():
     assert torch.allclose(got, torch.tensor([[1.0, -2.0, 3.0, -4.0, 1.0]]))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 0.5, 1.0])
+def test_a_repetition_penalty_below_float32_draws_a_seen_token(temperature):
+    """5e-324 is > 0 (valid, as in vLLM) but 0 in float32: seen positive logits divided by it
+    were inf, the softmax NaN, and the draw an id one past the vocabulary, which stopped the
+    engine (the API fuzz found it). In the limit they dominate, so a seen id is drawn."""
+    logits = torch.tensor([[2.0, -1.0, 3.0, -2.0, 1.0]] * 16)
+    p = SamplingParams(temperature=temperature, repetition_penalty=5e-324)
+    gens = {i: seeded(i) for i in range(16)}
+    out = sample(logits, [p] * 16, prompts=[[0, 4]] * 16, generators=gens, vocab=5, eos=())
+    drawn = out.sampled_token_ids.tolist()
+    assert set(drawn) <= {0, 4} and (temperature < 0.1 or set(drawn) == {0, 4})
+    # a seen id already banned (-inf: a grammar, allowed_token_ids) stays banned, not NaN
+    p = SamplingParams(temperature=temperature, repetition_penalty=5e-324, allowed_token_ids=[1, 2])
+    out = sample(logits, [p] * 16, prompts=[[0, 4]] * 16, generators=gens, vocab=5, eos=())
+    assert out.not_finite == [] and set(out.sampled_token_ids.tolist()) <= {1, 2}
+
+
+def test_a_nan_row_fails_alone_and_draws_no_id_past_the_vocabulary():
+    logits = torch.zeros(3, V)
+    logits[:, 2] = 50.0  # the only id with any probability
+    logits[1] = float("nan")
+    out = sample(logits, [SamplingParams(temperature=1.0, logprobs=1)] * 3)
+    assert out.not_finite == [1] and out.no_allowed_token == []
+    drawn = out.sampled_token_ids.tolist()
+    assert all(0 <= t < V for t in drawn) and drawn[0] == drawn[2] == 2
+
+
 def test_presence_and_frequency_penalty_math():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)

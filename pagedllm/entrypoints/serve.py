@@ -131,8 +131,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layers into this many stages, one process each")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks each layer is split over, one process (or Ray actor) each "
-                   "(not with -pp)")
+                   help="ranks each layer is split over, one process (or Ray actor) each; "
+                   "with -pp, in every stage")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
                    help="mp: one process per rank on this machine; ray: one Ray actor per "
                    "rank on the Ray cluster at RAY_ADDRESS (else a local one; needs "

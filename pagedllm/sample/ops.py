@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch
 
+from pagedllm.sampling_params import SAMPLING_EPS
+
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1) for [N, V]."""
@@ -58,8 +60,14 @@ def apply_penalties(
                                           vocab, logits.device)
     vals = logits[seen_rows, seen_ids]  # [K]
     rep = repetition.to(logits.device)[seen_rows]
-    # Shrinking a logit toward zero lowers its probability whatever its sign.
-    logits[seen_rows, seen_ids] = torch.where(vals > 0, vals / rep, vals * rep)
+    # Shrinking a logit toward zero lowers its probability whatever its sign. A penalty that is
+    # 0 in float32 (5e-324 is > 0 and valid) would make a positive logit inf and a banned one
+    # (-inf) NaN: the first stops at a float that stays finite after the smallest temperature
+    # that samples, the second stays banned.
+    shrunk = torch.where(vals > 0, vals / rep, vals * rep)
+    shrunk = torch.where(torch.isneginf(vals), vals, shrunk)
+    logits[seen_rows, seen_ids] = shrunk.clamp_(max=torch.finfo(shrunk.dtype).max
+                                                * SAMPLING_EPS / 2)
     rows, ids, counts = token_counts(output_token_ids, vocab, logits.device)
     vals = logits[rows, ids] - frequency.to(logits.device)[rows] * counts
     logits[rows, ids] = vals - presence.to(logits.device)[rows]

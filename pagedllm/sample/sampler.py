@@ -30,6 +30,8 @@ class SamplerOutput:
     # rows whose constraints together allow no token at all (their draw is meaningless): e.g.
     # allowed_token_ids disjoint from the grammar's, or min_tokens banning the only EOS left
     no_allowed_token: list[int] = field(default_factory=list)
+    # rows with no probabilities to draw from (NaN logits): their id is 0, not a token
+    not_finite: list[int] = field(default_factory=list)
 
 
 class Sampler(torch.nn.Module):
@@ -69,13 +71,19 @@ class Sampler(torch.nn.Module):
                 meta.repetition_penalties,
             )
         sampled = self._sample(logits, meta)  # [N]
+        # a row whose CDF is NaN (or all zero) finds no id inside the vocabulary; that request
+        # fails alone, and no id past the embedding reaches the next step
+        outside = ((sampled < 0) | (sampled >= logits.shape[1])).nonzero().flatten().tolist()
+        not_finite = [i for i in outside if i not in no_allowed]
+        if outside:
+            sampled[outside] = 0
         logprobs = None
         if raw_logprobs is not None:
             assert meta.max_num_logprobs is not None
             ids, vals, ranks = ops.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
             logprobs = LogprobsTensors(token_ids=ids, logprobs=vals, ranks=ranks)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs,
-                             no_allowed_token=no_allowed)
+                             no_allowed_token=no_allowed, not_finite=not_finite)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn."""

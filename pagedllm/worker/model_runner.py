@@ -212,6 +212,10 @@ class ModelRunner:
             out.errors[states[i].req_id] = (
                 "no token is allowed: the request's constraints together exclude every token "
                 "(allowed_token_ids, structured output, min_tokens' ban on EOS)")
+        for i in result.not_finite:
+            out.errors[states[i].req_id] = (
+                "sampling failed: the model's logits for this request are not finite (NaN), so "
+                "no token could be drawn")
         for i, (st, token) in enumerate(zip(states, tokens)):
             if st.req_id in out.errors:
                 continue  # fails at the scheduler's update

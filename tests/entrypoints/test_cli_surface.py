@@ -63,8 +63,9 @@ def test_serve_help_shows_defaults_and_choices():
     assert "--dtype {auto,float32,bfloat16,float16,float,half}" in text
     assert "--pipeline-parallel-size PIPELINE_PARALLEL_SIZE, -pp PIPELINE_PARALLEL_SIZE split " \
            "the layers into this many stages, one process each (default: 1)" in text
-    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE ranks (local " \
-           "processes) each layer is split over (not with -pp) (default: 1)" in text
+    assert "--tensor-parallel-size TENSOR_PARALLEL_SIZE, -tp TENSOR_PARALLEL_SIZE ranks each " \
+           "layer is split over, one process (or Ray actor) each; with -pp, in every stage " \
+           "(default: 1)" in text
 
 
 def test_serve_takes_the_model_positionally_or_as_a_flag():

@@ -53,7 +53,6 @@ import sys
 import tempfile
 import traceback
 import weakref
-from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -68,6 +67,7 @@ from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_part
                                        partition_spec)
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.step_queue import PendingStep, StepQueue
 from pagedllm.platforms.interface import MemoryInfo
 
 logger = logging.getLogger("pagedllm")
@@ -382,18 +382,6 @@ def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
     shutil.rmtree(store_dir, ignore_errors=True)
 
 
-class _PendingStep:
-    """A step sent to every rank; its output once the ranks' replies to it are read."""
-
-    def __init__(self, executor: "MultiprocExecutor") -> None:
-        self._executor = executor
-        self.output: Optional[ModelRunnerOutput] = None
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the step's replies (and those of the steps sent before it)."""
-        return self._executor._wait(self)
-
-
 class MultiprocExecutor(Executor):
     """One Worker process per rank, joined by a gloo process group."""
 
@@ -401,8 +389,7 @@ class MultiprocExecutor(Executor):
         places = rank_places(self.config)
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._in_flight: deque[_PendingStep] = deque()  # steps sent, replies unread, oldest first
-        self._unsent: dict[str, int] = {}  # tokens sampled since the last step sent
+        self._steps = StepQueue(self._take_oldest)  # steps sent, replies unread
         # a file store: no port to find free and no port race between two engines
         self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
         init_method = Path(self._store_dir, "store").as_uri()
@@ -484,7 +471,7 @@ class MultiprocExecutor(Executor):
     def _call_all(self, call: WorkerCall) -> list[Any]:
         """Run a call on every rank (after the steps in flight); their answers in rank order."""
         self._check_alive()
-        self._drain()
+        self._steps.drain()
         for rank in self._ranks:
             self._send(rank, call)
         return self._gather()
@@ -516,34 +503,23 @@ class MultiprocExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).result()
 
-    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
-        sampled, self._unsent = self._unsent, {}
+        sampled = self._steps.take_unsent()
         payloads = {driver: pickle.dumps(WorkerCall("execute_model", (sched, sampled_before)),
                                          protocol=pickle.HIGHEST_PROTOCOL)
                     for driver, sampled_before in ((True, None), (False, sampled))}
         if max(map(len, payloads.values())) > BIG_CALL_BYTES:
-            self._drain()
+            self._steps.drain()
         for rank in self._ranks:
             self._send_bytes(rank, payloads[rank.place.rank == self._driver])
-        step = _PendingStep(self)
-        self._in_flight.append(step)
-        return step
+        return self._steps.submit(None)  # the replies are read from the pipes, in order
 
-    def _wait(self, step: _PendingStep) -> ModelRunnerOutput:
-        """Read the replies of the steps in flight, oldest first, until `step` has its output;
-        a rank that died fails the executor (and so every step in flight)."""
-        while step.output is None:
-            self._check_alive()
-            out: ModelRunnerOutput = self._gather()[self._driver]
-            self._in_flight.popleft().output = out
-            self._unsent.update(out.sampled)
-        return step.output
-
-    def _drain(self) -> None:
-        """Read the replies of every step in flight."""
-        if self._in_flight:
-            self._wait(self._in_flight[-1])
+    def _take_oldest(self, _handle: None) -> ModelRunnerOutput:
+        """The driver's reply to the oldest step in flight; a rank that died fails the executor
+        (and so every step in flight)."""
+        self._check_alive()
+        return self._gather()[self._driver]
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]

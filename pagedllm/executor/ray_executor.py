@@ -40,7 +40,7 @@ import os
 import re
 import socket
 import weakref
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -58,6 +58,7 @@ from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
                                          parallel_kind, partition_note, places_driver, rank_places,
                                          start_worker)
+from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")
 
@@ -218,19 +219,6 @@ def _reason(err: RayError, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-class _PendingStep:
-    """A step submitted to every actor: its answers' refs, then its output once taken."""
-
-    def __init__(self, executor: "RayExecutor", refs: list) -> None:
-        self._executor = executor
-        self.refs = refs
-        self.output: Optional[ModelRunnerOutput] = None
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the step's answers (and those of the steps submitted before it)."""
-        return self._executor._wait(self)
-
-
 class RayExecutor(Executor):
     """One Ray actor per rank (pipeline stage or tensor parallel rank), joined by a gloo
     process group."""
@@ -242,8 +230,7 @@ class RayExecutor(Executor):
         kind = parallel_kind(places) + " parallel" + partition_note(places)
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
-        self._in_flight: deque[_PendingStep] = deque()  # steps submitted, oldest first
-        self._unsent: dict[str, int] = {}  # the driver's tokens since the last step submitted
+        self._steps = StepQueue(self._take_oldest)  # steps submitted, answers untaken
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -333,8 +320,7 @@ class RayExecutor(Executor):
         """Run a Worker method on every rank (after the steps in flight); the answers in rank
         order."""
         self._check_alive()
-        if self._in_flight:
-            self._wait(self._in_flight[-1])
+        self._steps.drain()
         return self._gather([r.actor.call.remote(method, *args) for r in self._ranks])
 
     def _check_alive(self) -> None:
@@ -364,25 +350,19 @@ class RayExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(sched).result()
 
-    def execute_model_async(self, sched: SchedulerOutput) -> _PendingStep:
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
-        sampled, self._unsent = self._unsent, {}
-        step = _PendingStep(self, [
-            r.actor.call.remote("execute_model", sched, None if r.place.rank == self._driver else sampled)
+        sampled = self._steps.take_unsent()
+        return self._steps.submit([  # the step's answers' refs, one a rank
+            r.actor.call.remote("execute_model", sched,
+                                None if r.place.rank == self._driver else sampled)
             for r in self._ranks])
-        self._in_flight.append(step)
-        return step
 
-    def _wait(self, step: _PendingStep) -> ModelRunnerOutput:
-        """Take the answers of the steps in flight, oldest first, until `step` has its output;
-        an actor that died fails the executor (and so every step in flight)."""
-        while step.output is None:
-            self._check_alive()
-            oldest = self._in_flight[0]
-            out: ModelRunnerOutput = self._gather(oldest.refs)[self._driver]
-            self._in_flight.popleft().output = out
-            self._unsent.update(out.sampled)
-        return step.output
+    def _take_oldest(self, refs: list) -> ModelRunnerOutput:
+        """The driver's answer to the oldest step in flight (its refs); an actor that died
+        fails the executor (and so every step in flight)."""
+        self._check_alive()
+        return self._gather(refs)[self._driver]
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]

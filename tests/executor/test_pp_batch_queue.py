@@ -96,9 +96,9 @@ def test_a_big_call_waits_for_the_replies_before_it(pp_llm, single_tokens, monke
     monkeypatch.setattr(multiproc, "BIG_CALL_BYTES", 0)
     executor = pp_llm.llm_engine.engine_core.executor
     waits = []
-    drain = executor._drain
-    monkeypatch.setattr(executor, "_drain", lambda: waits.append(len(executor._in_flight))
-                        or drain())
+    steps = executor._steps
+    drain = steps.drain
+    monkeypatch.setattr(steps, "drain", lambda: waits.append(len(steps)) or drain())
     assert _tokens(pp_llm, DRAIN_PROMPTS, ABORT_PARAMS) == single_tokens["drain"]
     assert max(waits) == 1  # a step was in flight when the next was sent: it was read first
 

@@ -125,15 +125,32 @@ def test_a_sliding_window_does_not_cap_max_model_len():
     assert plans[1].max_model_len == fp.arch.max_position_embeddings == 32768
 
 
+def _qwen_kept_blocks(qwen_gguf):
+    """The Qwen Q4_K_M GGUF with its blocks kept, as the planner sees it: the platform (kernels
+    loaded, for the x8 packing's sizes), the checkpoint, its planned weight layout and the
+    whole model's float32 footprint."""
+    platform = CpuPlatform()
+    platform.load_kernels()
+    ckpt = resolve_checkpoint(qwen_gguf)
+    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
+    n, source = checkpoint_num_params(ckpt)
+    fp = footprint(ckpt.arch, n, 4, "float32 with GGUF blocks kept", source, layout.total, 0,
+                   layout)
+    return platform, ckpt, layout, fp
+
+
+# a short plan (one 256-token sequence or two) against more memory than any test model needs
+SHORT = dict(block_size=16, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256,
+             kv_cache_bytes=16 * 2**20)
+PLENTY = MemoryInfo(64 * GiB, 64 * GiB, "plenty")
+
+
 def test_tp_plans_the_largest_rank_of_an_uneven_block_split(qwen_gguf):
     """Qwen Q4_K_M with its blocks kept at tensor_parallel_size=2: rank 0 holds 10 of each
     down_proj row's 19 K-quant blocks (and the matching gate/up rows), rank 1 nine; the plan's
     largest rank is rank 0's loaded bytes (within the replicated norms and biases), above half
     the model by half the ranks' difference."""
-    platform = CpuPlatform()
-    platform.load_kernels()  # the x8 packing's
-    ckpt = resolve_checkpoint(qwen_gguf)
-    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
+    platform, ckpt, layout, _ = _qwen_kept_blocks(qwen_gguf)
     assert layout.mlp_block == 256
     planned = layout.tp_rank_bytes(2, ckpt.arch.intermediate_size)
     config = EngineConfig(model_path=str(qwen_gguf), arch=ckpt.arch, dtype=torch.float32,
@@ -150,13 +167,7 @@ def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
     the four ranks is planned about what it loads (its TP share of its stage's layers, the
     first stage's embedding and the last's head split too), not its whole stage; with each
     rank in a memory a little above its share, the plan fits where a whole stage would not."""
-    platform = CpuPlatform()
-    platform.load_kernels()
-    ckpt = resolve_checkpoint(qwen_gguf)
-    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
-    n, source = checkpoint_num_params(ckpt)
-    fp = footprint(ckpt.arch, n, 4, "float32 with GGUF blocks kept", source, layout.total, 0,
-                   layout)
+    platform, ckpt, _, fp = _qwen_kept_blocks(qwen_gguf)
     config = EngineConfig(model_path=str(qwen_gguf), arch=ckpt.arch, dtype=torch.float32,
                           platform=platform, quantization="gguf")
     shares = []
@@ -168,39 +179,27 @@ def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
         assert abs(share.weight_bytes - held) <= 0.03 * held, (s, share.weight_bytes, held)
         assert share.kv_bytes_per_token == fp.kv_bytes_per_token // 4  # 12 layers, 1 KV head
         shares.append(share)
-    sizes = dict(block_size=16, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256,
-                 kv_cache_bytes=16 * 2**20)
-    big = MemoryInfo(64 * GiB, 64 * GiB, "plenty")
-    needs = [plan_memory(s, big, **sizes) for s in shares]
+    needs = [plan_memory(s, PLENTY, **SHORT) for s in shares]
     need = max(p.weight_bytes + p.kv_cache_bytes + p.activation_bytes + p.overhead_bytes
                for p in needs)
     room = int(need / MEMORY_UTILIZATION) + 2**20  # each rank's cgroup: its share just fits
     mems = [MemoryInfo(room, room, f"rank {r}'s cgroup") for r in range(4)]
-    plan = plan_pipeline_memory(fp, 2, mems[0], mems, tp_size=2, **sizes)
+    plan = plan_pipeline_memory(fp, 2, mems[0], mems, tp_size=2, **SHORT)
     assert len(plan.ranks) == 4 and plan.max_model_len == 256
     assert plan.weight_bytes == max(s.weight_bytes for s in shares)
     stage0 = stage_footprint(fp, PipelineStage.of_rank(ckpt.arch.num_hidden_layers, 0, 2))
     with pytest.raises(InsufficientMemoryError):  # a whole stage, as planned before TP x PP
-        plan_memory(stage0, mems[0], **sizes)
+        plan_memory(stage0, mems[0], **SHORT)
 
 
 def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
     """VLLM_PP_LAYER_PARTITION=16,8 on Qwen's 24 layers: each rank is planned its own layers
     (rank 0 twice rank 1's KV cache per block, layers 0-15 and 16-23 named, four layers'
     weights moved from rank 1 to rank 0)."""
-    platform = CpuPlatform()
-    platform.load_kernels()
-    ckpt = resolve_checkpoint(qwen_gguf)
-    layout = planned_weight_layout(ckpt, platform.block_types(), "gguf", 4)
-    n, source = checkpoint_num_params(ckpt)
-    fp = footprint(ckpt.arch, n, 4, "float32 with GGUF blocks kept", source, layout.total, 0,
-                   layout)
-    sizes = dict(block_size=16, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=256,
-                 kv_cache_bytes=16 * 2**20)
-    big = MemoryInfo(64 * GiB, 64 * GiB, "plenty")
-    even = plan_pipeline_memory(fp, 2, big, [big, big], **sizes)
+    fp = _qwen_kept_blocks(qwen_gguf)[3]
+    even = plan_pipeline_memory(fp, 2, PLENTY, [PLENTY, PLENTY], **SHORT)
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "16,8")
-    plan = plan_pipeline_memory(fp, 2, big, [big, big], **sizes)
+    plan = plan_pipeline_memory(fp, 2, PLENTY, [PLENTY, PLENTY], **SHORT)
     assert "layers 0-15, embedding" in plan.ranks[0].where
     assert "layers 16-23, head" in plan.ranks[1].where
     per_block = [p.kv_cache_bytes // p.num_blocks for p in plan.ranks]

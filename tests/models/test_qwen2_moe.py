@@ -26,11 +26,14 @@ def moe_fields(writer: gguf.GGUFWriter, cfg: Qwen2MoeConfig) -> None:
     writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
-@pytest.fixture(scope="module")
-def qwen2_moe(tmp_path_factory):
-    """The tiny Qwen2-MoE as an HF directory and float32 / Q8_0 GGUFs."""
+def tiny_qwen2_moe(tmp_path_factory, name: str, moe_intermediate_size: int,
+                   prompt_lens: tuple[int, ...]):
+    """A tiny random Qwen2-MoE (2 layers, hidden 64, 8 experts of moe_intermediate_size rows,
+    2 chosen per token, a shared expert of 96) saved as an HF directory and float32 / Q8_0
+    GGUFs, with prompts of prompt_lens tokens."""
     cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=96,
+                         moe_intermediate_size=moe_intermediate_size,
+                         shared_expert_intermediate_size=96,
                          num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -38,8 +41,14 @@ def qwen2_moe(tmp_path_factory):
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = Qwen2MoeForCausalLM(cfg).eval()
     random_init(model, seed=0, scale=0.2)
-    return save_checkpoints(model, tmp_path_factory.mktemp("qwen2_moe"), "qwen2moe",
-                            lambda w: moe_fields(w, cfg), prompts((5, 23, 40, 61), seed=1))
+    return save_checkpoints(model, tmp_path_factory.mktemp(name), "qwen2moe",
+                            lambda w: moe_fields(w, cfg), prompts(prompt_lens, seed=1))
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    """The tiny Qwen2-MoE as an HF directory and float32 / Q8_0 GGUFs."""
+    return tiny_qwen2_moe(tmp_path_factory, "qwen2_moe", 32, (5, 23, 40, 61))
 
 
 @pytest.fixture(scope="module")

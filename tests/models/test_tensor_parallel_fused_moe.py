@@ -15,17 +15,16 @@ within 0.02 and the same tokens but at the one process's near-ties).
 from __future__ import annotations
 
 import pytest
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from pagedllm import LLM
 from test_phi3 import phi3  # noqa: F401  (the module's fixture: the tiny checkpoints)
-from test_qwen2_moe import moe_fields
+from test_qwen2_moe import tiny_qwen2_moe
 from test_qwen3_moe import qwen3_moe  # noqa: F401
 from test_tensor_parallel_families import (BLOCKS_LOGPROB_TOL, LOGPROB_TOL,
                                            _check_tp_against_single, _greedy, _single_and_tp2)
-from tiny_models import CHUNKED, VOCAB, prompts, random_init, save_checkpoints
+from tiny_models import CHUNKED
 
-LAYERS = 2
+LAYERS = 2  # tiny_qwen2_moe's and qwen3_moe's
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +32,7 @@ def qwen2_moe_tp(tmp_path_factory):
     """A tiny Qwen2-MoE whose experts split over two ranks in Q8_0 blocks: 8 experts of 64
     intermediate rows (two blocks of 32 in each down_proj row), 2 chosen per token, a shared
     expert of 96 (three blocks)."""
-    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                         num_experts=8, num_experts_per_tok=2, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = Qwen2MoeForCausalLM(cfg).eval()
-    random_init(model, seed=0, scale=0.2)
-    return save_checkpoints(model, tmp_path_factory.mktemp("qwen2_moe_tp"), "qwen2moe",
-                            lambda w: moe_fields(w, cfg), prompts((5, 23, 40), seed=1))
+    return tiny_qwen2_moe(tmp_path_factory, "qwen2_moe_tp", 64, (5, 23, 40))
 
 
 def _engine(ckpts, checkpoint: str) -> dict:

@@ -10,8 +10,19 @@ import time
 from dataclasses import asdict, dataclass
 
 
+class Counters:
+    """A dataclass of counters that can be read, and started again, as a dict."""
+
+    def snapshot(self, reset: bool = False) -> dict:
+        """The counters as a dict; reset=True starts them again from zero."""
+        out = asdict(self)
+        if reset:
+            self.__init__()
+        return out
+
+
 @dataclass
-class CollectiveStats:
+class CollectiveStats(Counters):
     """This rank's collectives since it started (or since the last reset)."""
 
     forwards: int = 0  # model steps: each runs one embedding all-reduce first
@@ -33,13 +44,6 @@ class CollectiveStats:
         self.all_gather_s += time.perf_counter() - started
         self.all_gathers += 1
         self.all_gather_bytes += nbytes
-
-    def snapshot(self, reset: bool = False) -> dict:
-        """The counters as a dict; reset=True starts them again from zero."""
-        out = asdict(self)
-        if reset:
-            self.__init__()
-        return out
 
 
 TP_COMM_STATS = CollectiveStats()

@@ -12,13 +12,13 @@ on every TP rank, so each sends it whole and the next stage's ranks need no coll
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from typing import Optional
-
+from pagedllm.distributed.comm_stats import Counters
 from pagedllm.distributed.parallel_groups import global_rank
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
@@ -26,7 +26,7 @@ from pagedllm.models.pipeline import IntermediateTensors
 
 
 @dataclass
-class CommStats:
+class CommStats(Counters):
     """Point-to-point traffic of this rank since it started (or since the last reset)."""
 
     sends: int = 0
@@ -35,13 +35,6 @@ class CommStats:
     recvs: int = 0
     recv_s: float = 0.0
     recv_bytes: int = 0
-
-    def snapshot(self, reset: bool = False) -> dict:
-        """The counters as a dict; reset=True starts them again from zero."""
-        out = asdict(self)
-        if reset:
-            self.__init__()
-        return out
 
 
 COMM_STATS = CommStats()

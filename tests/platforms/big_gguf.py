@@ -10,8 +10,10 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from pagedllm.loader.model_store import ensure_gguf, ensure_model
+
 QWEN7B_CONFIG = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes" / "config.json"
-QWEN_STORE = Path("~/.cache/pagedllm/models/qwen2.5-coder-0.5b-instruct").expanduser()
+QWEN = "qwen2.5-coder-0.5b-instruct"  # its vocabulary and tokenizer files, through the model store
 
 # fp16 fields of a block: (byte offset, value); d and dmin chosen so weights are ~zero-mean and
 # small, so 28 random layers keep activations finite
@@ -50,7 +52,7 @@ def _tensors(cfg: dict, qtype: T, head_type: T) -> list[tuple[str, tuple[int, in
 def _add_vocab(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     """The shipped Qwen GGUF's tokenizer keys, its tokens padded to vocab_size as Qwen2-7B's
     own GGUF pads them (so llama.cpp runs the file too)."""
-    shipped = next(QWEN_STORE.glob("*.gguf"))
+    shipped = ensure_gguf(QWEN)
     fields = gguf.GGUFReader(str(shipped)).fields
     tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode()
               for i in fields["tokenizer.ggml.tokens"].data]
@@ -103,4 +105,4 @@ def write_qwen7b_gguf(path: Path, qtype: T = T.Q2_K, head_type: T = T.Q6_K, seed
         del data
     writer.close()
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(QWEN_STORE / name, path.parent / name)
+        shutil.copy(ensure_model(QWEN) / name, path.parent / name)

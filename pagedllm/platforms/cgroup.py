@@ -19,7 +19,7 @@ class CgroupMemory:
 
     version: int
     limit_bytes: int
-    usage_bytes: int  # without reclaimable page cache (inactive files)
+    usage_bytes: int  # without reclaimable page cache (clean file pages no process maps)
     path: str
 
     @property
@@ -52,6 +52,22 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
+# memory.stat keys of the file pages the kernel reclaims before it OOM-kills (v1's hierarchical
+# totals, v2's own): clean cache, active or inactive. Dirty and writeback pages must be written
+# first, and mapped ones belong to a live process (reclaiming them would thrash it).
+_V1_FILE_KEYS = ("total_inactive_file", "total_active_file")
+_V1_PINNED_KEYS = ("total_dirty", "total_writeback", "total_mapped_file")
+_V2_FILE_KEYS = ("inactive_file", "active_file")
+_V2_PINNED_KEYS = ("file_dirty", "file_writeback", "file_mapped")
+
+
+def reclaimable_bytes(stat: Path, file_keys: tuple[str, ...],
+                      pinned_keys: tuple[str, ...]) -> int:
+    """Page cache a cgroup can give back under pressure, as its memory.stat counts it."""
+    cache = sum(_stat(stat, k) for k in file_keys)
+    return max(0, cache - sum(_stat(stat, k) for k in pinned_keys))
+
+
 def cgroup_paths(proc_self_cgroup: str) -> dict[str, str]:
     """Controller -> cgroup path from /proc/self/cgroup ('' is the v2 unified hierarchy)."""
     out: dict[str, str] = {}
@@ -81,8 +97,8 @@ def memory_limit(root: Path = Path("/sys/fs/cgroup"),
             limit = _int(_read(d / "memory.limit_in_bytes"))
             if limit is None or limit >= _NO_LIMIT:
                 continue
-            usage = (_int(_read(d / "memory.usage_in_bytes")) or 0) - _stat(
-                d / "memory.stat", "total_inactive_file")
+            usage = (_int(_read(d / "memory.usage_in_bytes")) or 0) - reclaimable_bytes(
+                d / "memory.stat", _V1_FILE_KEYS, _V1_PINNED_KEYS)
             if best is None or limit - usage < best.free_bytes:
                 best = CgroupMemory(1, limit, max(0, usage), str(d))
     elif "" in paths:  # v2
@@ -90,8 +106,8 @@ def memory_limit(root: Path = Path("/sys/fs/cgroup"),
             limit = _int(_read(d / "memory.max"))
             if limit is None:
                 continue
-            usage = (_int(_read(d / "memory.current")) or 0) - _stat(d / "memory.stat",
-                                                                     "inactive_file")
+            usage = (_int(_read(d / "memory.current")) or 0) - reclaimable_bytes(
+                d / "memory.stat", _V2_FILE_KEYS, _V2_PINNED_KEYS)
             if best is None or limit - usage < best.free_bytes:
                 best = CgroupMemory(2, limit, max(0, usage), str(d))
     return best

@@ -36,6 +36,22 @@ def test_v2_memory_limit_minus_reclaimable_cache(tmp_path):
     assert cgroup.memory_limit(tmp_path, "0::/\n") is None
 
 
+def test_clean_page_cache_is_reclaimable_dirty_and_mapped_are_not(tmp_path):
+    _write(tmp_path, "memory/vm/memory.limit_in_bytes", str(4 * GiB))
+    _write(tmp_path, "memory/vm/memory.usage_in_bytes", str(3 * GiB))
+    _write(tmp_path, "memory/vm/memory.stat",
+           f"total_inactive_file {GiB}\ntotal_active_file {GiB}\ntotal_dirty {GiB // 4}\n"
+           f"total_writeback 0\ntotal_mapped_file {GiB // 4}\n")
+    got = cgroup.memory_limit(tmp_path, "4:memory:/vm\n")
+    assert got.usage_bytes == GiB + GiB // 2 and got.free_bytes == 2 * GiB + GiB // 2
+    _write(tmp_path, "svc/memory.max", str(4 * GiB))
+    _write(tmp_path, "svc/memory.current", str(3 * GiB))
+    _write(tmp_path, "svc/memory.stat", f"active_file {2 * GiB}\nfile_dirty {GiB}\n"
+                                        f"file_writeback {GiB}\nfile_mapped {GiB}\n")
+    got = cgroup.memory_limit(tmp_path, "0::/svc\n")
+    assert got.usage_bytes == 3 * GiB  # nothing clean to reclaim: never below zero
+
+
 def test_cpu_quota_v1_and_v2(tmp_path):
     _write(tmp_path, "cpu/job/cpu.cfs_quota_us", "150000")
     _write(tmp_path, "cpu/job/cpu.cfs_period_us", "100000")

@@ -65,6 +65,42 @@ def test_default_model_runs_in_3_5_gib(small_machine, tmp_path, qwen_gguf):
     assert "oom_kill 0" in oom or "oom_kill" not in oom
 
 
+PAGE_CACHE_JOB = """
+import json, os
+from pathlib import Path
+from pagedllm.platforms.cgroup import memory_limit
+before = memory_limit().free_bytes
+path = Path(os.environ["BIG_FILE"])
+with open(path, "wb") as fh:  # 1.5 GB of page cache charged to this cgroup, clean once synced
+    for _ in range(96):
+        fh.write(os.urandom(16 << 20))
+    fh.flush()
+    os.fsync(fh.fileno())
+for _ in range(2):  # read twice: the pages move to the active list
+    with open(path, "rb") as fh:
+        while fh.read(16 << 20):
+            pass
+stat = dict(line.split() for line in Path(os.environ["CG"], "memory.stat").read_text().splitlines())
+print(json.dumps({"before": before, "after": memory_limit().free_bytes,
+                  "cache": int(stat["total_cache"])}))
+"""
+
+
+def test_clean_page_cache_counts_as_free(small_machine, tmp_path):
+    """Files an earlier process read stay cached in the cgroup; the kernel would reclaim them,
+    so the planner must not count them as used (the seed user's second run)."""
+    path = tmp_path / "job.py"
+    path.write_text(PAGE_CACHE_JOB)
+    env = {**os.environ, "BIG_FILE": str(tmp_path / "big.bin"), "CG": str(small_machine)}
+    proc = subprocess.run(
+        ["sh", "-c", f'echo $$ > {small_machine}/cgroup.procs && exec "{sys.executable}" "{path}"'],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["cache"] > 1024 ** 3  # the cgroup really holds the file's pages
+    assert abs(got["after"] - got["before"]) < 128 * 1024 ** 2, got
+
+
 QWEN7B_JOB = f"""
 import time
 from pagedllm import LLM

@@ -69,8 +69,10 @@ def add_serve_parser(sub) -> None:
                    "$PAGEDLLM_API_KEY, else no key)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: "
                    "the model's)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let requests with tools use tool_choice "auto" (needs a tool-call parser)')
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                   default=None, help='let requests with tools use tool_choice "auto" (needs a '
+                   "tool-call parser; default: on when the parser comes from the chat template; "
+                   "--no-enable-auto-tool-choice refuses it, as vLLM does without the flag)")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: the one the chat "
                    "template implies, if any)")
@@ -176,6 +178,17 @@ def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[
     return picked
 
 
+def _auto_tool_choice(args: argparse.Namespace, parser: Optional[str]) -> bool:
+    """Whether tool_choice "auto" is served: the flag when given, else on once a parser is known
+    (vLLM needs the flag; a quickstart server with a tool-capable template should just work)."""
+    if args.enable_auto_tool_choice is not None:
+        return args.enable_auto_tool_choice
+    if parser is not None:
+        logger.info('tool calls: tool_choice "auto" is on (the %r parser); '
+                    "--no-enable-auto-tool-choice turns it off", parser)
+    return parser is not None
+
+
 def bind_port(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, taken before the model loads so that a busy port is
     refused at once rather than after the load."""
@@ -261,7 +274,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
                         engine.config.scheduler.max_model_len, chat_template, parser,
-                        args.enable_auto_tool_choice, args.exclude_tools_when_tool_choice_none)
+                        _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

@@ -151,3 +151,38 @@ def test_llama3_json_tag_and_no_call_is_content_unchanged():
     text = '<|python_tag|>{"not": "a call"}'
     content, calls, _ = _streamed(Llama3JsonToolParser(), text)
     assert (content, calls) == (text, [])
+
+
+def test_auto_tool_choice_is_on_once_a_parser_is_known_unless_turned_off(caplog):
+    import logging
+
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.serve import _auto_tool_choice
+
+    def parsed(*flags):
+        return build_parser().parse_args(["serve", *flags])
+
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert _auto_tool_choice(parsed(), "hermes") is True
+    assert "--no-enable-auto-tool-choice" in caplog.text
+    assert _auto_tool_choice(parsed(), None) is False
+    assert _auto_tool_choice(parsed("--no-enable-auto-tool-choice"), "hermes") is False
+    assert _auto_tool_choice(parsed("--enable-auto-tool-choice"), "hermes") is True
+
+
+def test_auto_refusals_name_only_what_is_missing():
+    from pagedllm.entrypoints.openai.chat_tools import plan_tools
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_common import OpenAIError
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    with pytest.raises(OpenAIError) as no_parser:
+        plan_tools(req, None, True)
+    assert "--tool-call-parser" in no_parser.value.message
+    assert "--enable-auto-tool-choice" not in no_parser.value.message
+    with pytest.raises(OpenAIError) as off:
+        plan_tools(req, "hermes", False)
+    assert "--no-enable-auto-tool-choice" in off.value.message
+    assert "--tool-call-parser" not in off.value.message
+    assert plan_tools(req, "hermes", True).choice == "auto"

@@ -143,10 +143,15 @@ def plan_tools(req: ChatCompletionRequest, parser_name: Optional[str], auto_enab
         raise OpenAIError(f"{conflict} cannot be combined with tools (tool_choice={choice!r}); "
                           "drop one of them", 400, conflict)
     if choice == "auto":
-        if not auto_enabled or parser_name is None:
-            raise OpenAIError('tool_choice "auto" needs the server started with '
-                              "--enable-auto-tool-choice and a --tool-call-parser", 400,
-                              "tool_choice")
+        if parser_name is None:
+            raise OpenAIError('tool_choice "auto" needs a tool-call parser: this model\'s chat '
+                              "template shows no tool-call format, so start the server with "
+                              "--tool-call-parser (hermes or llama3_json); or send tool_choice "
+                              '"required" or a named function', 400, "tool_choice")
+        if not auto_enabled:
+            raise OpenAIError('tool_choice "auto" is off on this server (started with '
+                              "--no-enable-auto-tool-choice); send tool_choice \"required\" or "
+                              "a named function", 400, "tool_choice")
         return ToolPlan(tools, "auto", parser=get_tool_parser(parser_name, names))
     if choice == "named":
         schema = _parameters(next(t for t in tools if t["function"]["name"] == name))

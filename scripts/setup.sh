@@ -12,9 +12,21 @@ PROBE_TIMEOUT_S=5
 VENV=.venv
 PY="$VENV/bin/python"
 STAMP="$VENV/.pagedllm-install-stamp"
-EXTRAS="test,ray"  # ray: the tests run the Ray executor on a local two-node cluster
+# Extras to install: none to serve (quickstart.sh); scripts/test.sh asks for "test,ray" (ray: the
+# tests run the Ray executor on a local two-node cluster). Installed extras are kept, so a later
+# run that asks for fewer installs nothing.
+EXTRAS="${PAGEDLLM_SETUP_EXTRAS:-}"
+# Models to fetch: the default one to serve; --all (every shipped model) for the tests.
+MODELS="${PAGEDLLM_SETUP_MODELS:-}"
 
 log() { echo "[setup] $*" >&2; }
+
+extras_covered() {  # $1: extras wanted, $2: extras installed (comma lists); true if $1 within $2
+  local want
+  for want in ${1//,/ }; do
+    case ",$2," in *",$want,"*) ;; *) return 1 ;; esac
+  done
+}
 
 quiet() {  # run a command silently; on failure show its full output and fail
   local out rc=0
@@ -77,18 +89,24 @@ main() {
 
   local has_gpu want_stamp
   if nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; else has_gpu=0; fi
-  want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') extras=$EXTRAS gpu=$has_gpu root=$PWD"
+  want_stamp="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') gpu=$has_gpu root=$PWD"
+  local stamp have_extras
+  stamp="$(head -n1 "$STAMP" 2>/dev/null || true)"
+  have_extras="$(sed -n 2p "$STAMP" 2>/dev/null || true)"
 
-  if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want_stamp" ] \
+  if [ "$stamp" != "$want_stamp" ] || ! extras_covered "$EXTRAS" "$have_extras" \
      || ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("pagedllm") is None)'; then
     if [ "$has_gpu" = 0 ]; then
       # A plain `torch` requirement would pull the large CUDA build; pin the CPU one first.
       log "no NVIDIA GPU (nvidia-smi -L failed)"
       install_cpu_torch
     fi
-    log "installing pagedllm (editable) with the extras $EXTRAS"
-    pip_install -e ".[$EXTRAS]"
-    echo "$want_stamp" > "$STAMP"
+    if [ "$stamp" = "$want_stamp" ]; then  # same project: keep what is installed, add to it
+      EXTRAS="$(echo "$have_extras,$EXTRAS" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)"
+    fi
+    log "installing pagedllm (editable) with the extras '${EXTRAS}'"
+    pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+    printf '%s\n%s\n' "$want_stamp" "$EXTRAS" > "$STAMP"
   else
     log "pagedllm already installed for this pyproject.toml"
   fi
@@ -96,8 +114,8 @@ main() {
   log "building the CPU kernels (cached per machine; about a minute the first time)"
   "$PY" -m pagedllm.kernels >&2 || log "warning: the CPU kernels did not build; GGUF models will be dequantized at load (slower, larger)"
 
-  log "fetching known models into the cache"
-  "$PY" -m pagedllm.loader.model_store --all >&2
+  log "fetching ${MODELS:-the default model} into the cache"
+  "$PY" -m pagedllm.loader.model_store $MODELS >&2
   log "done"
 }
 

@@ -2,5 +2,5 @@
 # Set up, then run the test suite; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh
+PAGEDLLM_SETUP_EXTRAS=test,ray PAGEDLLM_SETUP_MODELS=--all bash scripts/setup.sh
 exec .venv/bin/python -m pytest -q tests "$@"

@@ -124,3 +124,21 @@ def test_sourcing_runs_nothing(setup_copy):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(elsewhere) and proc.stderr == ""
     assert list(setup_copy.parents[1].iterdir()) == [setup_copy.parent]  # no .venv beside it
+
+
+@pytest.mark.parametrize("want,have,covered", [
+    ("", "", True), ("", "test,ray", True), ("test", "test,ray", True),
+    ("test,ray", "ray,test", True), ("test,ray", "test", False), ("ray", "", False),
+    ("te", "test", False)])
+def test_extras_already_installed_are_not_installed_again(setup_copy, want, have, covered):
+    """quickstart.sh asks for no extras and test.sh for test,ray: serving after testing must not
+    reinstall, testing after serving must add the extras."""
+    proc = subprocess.run(["bash", "-c", f'source "{setup_copy}"; extras_covered "{want}" "{have}"'],
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode == 0) == covered, proc.stderr
+
+
+def test_quickstart_installs_no_test_extras():
+    quickstart = (REPO / "scripts" / "quickstart.sh").read_text()
+    assert "PAGEDLLM_SETUP_EXTRAS" not in quickstart  # serving: pagedllm's own dependencies only
+    assert "PAGEDLLM_SETUP_EXTRAS=test,ray" in (REPO / "scripts" / "test.sh").read_text()

@@ -1,17 +1,17 @@
-"""Qwen's documented vLLM offline example, run on pagedllm (only the import differs)."""
+"""Qwen's documented vLLM offline example, run on pagedllm: the import differs, and MODEL is a
+local path from pagedllm.model_path (there is no Hub here)."""
 
 import os
 import sys
 
 from transformers import AutoTokenizer
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.loader.model_store import ensure_model, resolve_model
+from pagedllm import LLM, SamplingParams, model_path
 
 if __name__ == "__main__":
     # Default: the default model, fetched once into the cache; override with argv[1] or $PAGEDLLM_MODEL.
     override = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("PAGEDLLM_MODEL")
-    MODEL = resolve_model(override) if override else str(ensure_model())
+    MODEL = model_path(override) if override else model_path()
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     sampling_params = SamplingParams(temperature=0.7, top_p=0.8, repetition_penalty=1.05, max_tokens=512)

@@ -14,7 +14,17 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "model_path",
+           "__version__"]
+
+
+def model_path(model: str = "qwen2.5-coder-0.5b-instruct") -> str:
+    """The local path of a model: a shipped model's name (fetched once into the cache, then
+    its folder: GGUF plus tokenizer files, which AutoTokenizer.from_pretrained reads), or an
+    existing local path as it is. ValueError naming `model` otherwise."""
+    from pagedllm.loader.model_store import resolve_model
+
+    return resolve_model(model)
 
 
 def __getattr__(name: str):

@@ -246,3 +246,11 @@ def test_tokenizer_export_is_built_from_gguf_metadata(tmp_path, monkeypatch):
     assert (exported.bos_token, exported.eos_token, exported.pad_token, exported.unk_token) == (
         "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
     assert not list((cache_dir() / "tmp").iterdir())  # scratch removed
+
+
+def test_model_path_is_public_and_names_the_field(tmp_path):
+    import pagedllm
+
+    assert pagedllm.model_path(str(tmp_path)) == str(tmp_path)  # a local path as it is
+    with pytest.raises(ValueError, match="model='no-such-model'"):
+        pagedllm.model_path("no-such-model")

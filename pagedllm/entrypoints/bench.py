@@ -250,23 +250,43 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             **_comm_report(_comm_stats(llm))}
 
 
+class _NothingReceived(Exception):
+    """The connection failed before the server's answer began (a keep-alive connection the
+    server had closed, say): the request can be sent again on a fresh connection."""
+
+
 async def _one_request(client, url: str, headers: dict, body: dict) -> dict[str, Any]:
+    """One streamed completion's timings; _NothingReceived if no answer began."""
+    import httpx
+
     start = time.perf_counter()
+    request = client.build_request("POST", url, json=body, headers=headers)
+    try:
+        resp = await client.send(request, stream=True)
+    except httpx.TransportError as err:
+        raise _NothingReceived(f"{type(err).__name__}: {err}") from err
+    try:
+        return await _timings(resp, start)
+    finally:
+        await resp.aclose()
+
+
+async def _timings(resp, start: float) -> dict[str, Any]:
+    """Time to first token, inter-token gaps and tokens of a streamed answer."""
     ttft, stamps, out_tokens = None, [], 0
-    async with client.stream("POST", url, json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            await resp.aread()
-            raise RuntimeError(f"server answered {resp.status_code}: {resp.text[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if data.get("usage"):
-                out_tokens = data["usage"].get("completion_tokens", out_tokens)
-            if any(c.get("text") for c in data.get("choices", [])):
-                now = time.perf_counter()
-                ttft = ttft if ttft is not None else now - start
-                stamps.append(now)
+    if resp.status_code != 200:
+        await resp.aread()
+        raise RuntimeError(f"server answered {resp.status_code}: {resp.text[:300]}")
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if data.get("usage"):
+            out_tokens = data["usage"].get("completion_tokens", out_tokens)
+        if any(c.get("text") for c in data.get("choices", [])):
+            now = time.perf_counter()
+            ttft = ttft if ttft is not None else now - start
+            stamps.append(now)
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
     return {"ttft": ttft or 0.0, "latency": time.perf_counter() - start, "itl": itl,
             "output_tokens": out_tokens or len(stamps)}
@@ -285,6 +305,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         except httpx.TransportError as err:
             raise ConnectionError(f"cannot reach {base}: {err}") from None
         sem = asyncio.Semaphore(args.max_concurrency)
+        retried: list[int] = []  # requests sent again after a connection closed unanswered
 
         async def limited(i: int) -> dict[str, Any]:
             body = {"model": model, "prompt": " ".join(f"word{i}" if j == 0 else "hello"
@@ -293,8 +314,15 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
                     "stream": True, "stream_options": {"include_usage": True}}
             async with sem:
                 try:
-                    return await _one_request(client, f"{base}/completions", headers, body)
-                except httpx.TransportError as err:
+                    try:
+                        return await _one_request(client, f"{base}/completions", headers, body)
+                    except _NothingReceived:
+                        # a server may close idle keep-alive connections (llama-server does):
+                        # send it once more on a connection of its own, and count it
+                        retried.append(i)
+                        async with httpx.AsyncClient(timeout=None) as fresh:
+                            return await _one_request(fresh, f"{base}/completions", headers, body)
+                except (httpx.TransportError, _NothingReceived) as err:
                     raise ConnectionError(f"lost {base} during the run: {err}") from None
 
         t = time.perf_counter()
@@ -308,7 +336,8 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
             "output_tok_per_s": out_tokens / elapsed, "ttft_mean_s": statistics.mean(ttfts),
             "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
             "itl_p50_s": _pct(itls, 50), "itl_p99_s": _pct(itls, 99),
-            "request_latency_p50_s": _pct(lat, 50), "request_latency_p99_s": _pct(lat, 99)}
+            "request_latency_p50_s": _pct(lat, 50), "request_latency_p99_s": _pct(lat, 99),
+            "retried_requests": len(retried)}
 
 
 def _pct(sorted_values: list[float], p: float) -> float:

@@ -113,3 +113,83 @@ def test_serve_mode_against_a_running_server(server, tmp_path):
     for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
         assert result[key] > 0, key
     assert result["ttft_p50_s"] <= result["ttft_p99_s"]
+
+
+class _OneAnswerPerConnection:
+    """An OpenAI-style SSE server on loopback that answers one request per keep-alive connection
+    and closes the connection, unanswered, when a second request comes on it (what clients of
+    llama-server see: 'Server disconnected without sending a response')."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.dropped = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _read_request(conn) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head
+
+    def _serve(self, conn) -> None:
+        with conn:
+            head = self._read_request(conn)
+            if not head:
+                return
+            if head.startswith(b"GET"):
+                payload = b'{"object": "list", "data": [{"id": "m", "object": "model"}]}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+            else:
+                events = b"".join(b'data: {"choices": [{"index": 0, "text": "t%d"}]}\n\n' % k
+                                  for k in range(4))
+                events += b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\n'
+                events += b"data: [DONE]\n\n"
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(events), events))
+            if self._read_request(conn):  # a second request on this connection: drop it
+                self.dropped += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_serve_mode_retries_a_connection_the_server_closed(tmp_path):
+    srv = _OneAnswerPerConnection()
+    try:
+        proc = subprocess.run(
+            CLI + ["serve", "--url", srv.url, "--num-prompts", "8", "--max-concurrency", "2",
+                   "--input-len", "4", "--output-len", "4", "--output-json", str(tmp_path / "r.json")],
+            capture_output=True, text=True, timeout=120)
+    finally:
+        srv.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["output_tokens"] == 8 * 4
+    assert result["retried_requests"] >= 1 and result["retried_requests"] == srv.dropped
+    assert "retried_requests" in proc.stdout

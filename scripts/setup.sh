@@ -114,7 +114,8 @@ main() {
   log "building the CPU kernels (cached per machine; about a minute the first time)"
   "$PY" -m pagedllm.kernels >&2 || log "warning: the CPU kernels did not build; GGUF models will be dequantized at load (slower, larger)"
 
-  log "fetching ${MODELS:-the default model} into the cache"
+  if [ "$MODELS" = --all ]; then log "fetching every shipped model into the cache"
+  else log "fetching ${MODELS:-the default model} into the cache"; fi
   "$PY" -m pagedllm.loader.model_store $MODELS >&2
   log "done"
 }

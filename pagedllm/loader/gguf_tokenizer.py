@@ -190,6 +190,10 @@ def _match_metadata(tok: PreTrainedTokenizerBase, vocab: GGUFVocab) -> None:
     for attr, text in _special_tokens(vocab).items():
         if text is not None and getattr(tok, attr) != text:
             setattr(tok, attr, text)
+    # llama.cpp starts a SentencePiece prompt with bos, named in the file or its default <s>;
+    # transformers adds none where the file names none
+    if adds_bos(vocab) and vocab.bos_id is not None and getattr(tok, "add_bos_token", None) is False:
+        tok.add_bos_token = True
 
 
 def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,

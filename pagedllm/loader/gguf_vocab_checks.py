@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf_header import GGUFArrayInfo, GGUFTensorInfo
+from pagedllm.loader.gguf_header import GGUFArrayInfo, GGUFTensorInfo, gguf_arrays
 from pagedllm.loader.gguf_vocab import GGUFVocab
 
 _T = "tokenizer.ggml."
@@ -88,6 +88,16 @@ def check_vocab_header(fields: Mapping[str, Any], arrays: Mapping[str, GGUFArray
     _array_of(arrays, fields, _T + "merges", frozenset({_STRING}), "strings", source)
 
 
+def check_token_count(path: str | Path, max_tokens: int) -> None:
+    """Refuse, from its header, a GGUF tokenizer with more tokens than max_tokens (the
+    model's embedding rows, when the tokenizer is another file than the model)."""
+    tokens = gguf_arrays(path).get(_T + "tokens")
+    if tokens is not None and tokens.length > max_tokens:
+        raise _refuse(path, f"{_T}tokens has {tokens.length} tokens, more than the model's "
+                            f"embedding has rows ({max_tokens}): it is another model's "
+                            "tokenizer (refused from the header, before reading it)")
+
+
 def _check_merges(vocab: GGUFVocab, source: str | Path) -> None:
     """Each merge is 'left right' (one space), left, right and their join all tokens: what
     the BPE model needs (tokenizers would refuse it without naming the file)."""
@@ -130,9 +140,11 @@ def _check_special_tokens(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: 
                               f"(llama.cpp's fallback for a {vocab.model!r} vocabulary is "
                               "not one); add the key, e.g. with gguf's gguf_set_metadata.py")
     if add_bos and vocab.bos_id is None:
+        why = (f"{_T}add_bos_token is true" if vocab.add_bos else
+               f"llama.cpp's default for {_T}pre={vocab.pre!r}" if vocab.model == "gpt2" else
+               f"llama.cpp's default for {_T}model={vocab.model!r}, whose id 1 is not <s>")
         raise _refuse(source, f"{_T}bos_token_id is missing, but prompts must start with it "
-                              f"({_T}add_bos_token, or the default of {_T}pre="
-                              f"{vocab.pre!r}): every prompt would be built wrong")
+                              f"({why}): every prompt would be built wrong")
 
 
 def check_vocab(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: bool,

@@ -336,8 +336,9 @@ def _cached_header(path: str, size: int, mtime_ns: int) -> _Parsed:
 
 # --- the parsed header kept on disk ----------------------------------------------------------
 # Walking a 152k-token vocabulary's strings takes ~0.2 s of every start; the parsed header
-# (arrays None, with their types and lengths beside; the rest JSON's types) is kept in cache_dir()/gguf-headers, keyed by
-# the file's path, size and mtime, and only a successful parse is kept.
+# (arrays None, their types and lengths beside; the rest JSON's types) is kept in
+# cache_dir()/gguf-headers, keyed by the file's path, size and mtime, and only a successful
+# parse is kept.
 _HEADER_FORMAT = 2  # bump when GGUFTensorInfo or the parse changes
 _KEPT_HEADERS = 64  # the oldest beyond this are removed
 

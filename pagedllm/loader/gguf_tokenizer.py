@@ -82,8 +82,8 @@ def _building(source: str | Path, keys: str) -> Iterator[None]:
     ModelFileError naming the file and the keys (theirs name neither)."""
     try:
         yield
-    except (NotBuildable, ModelFileError):
-        raise
+    except (NotBuildable, ModelFileError, MemoryError, ImportError):
+        raise  # ours already name the file; the last two are not the file's fault
     except Exception as err:  # tokenizers raises plain Exception; transformers anything
         raise ModelFileError(f"{source}: the tokenizer could not be built from {keys}: "
                              f"{type(err).__name__}: {err}") from err
@@ -192,7 +192,7 @@ def _match_metadata(tok: PreTrainedTokenizerBase, vocab: GGUFVocab) -> None:
             setattr(tok, attr, text)
     # llama.cpp starts a SentencePiece prompt with bos, named in the file or its default <s>;
     # transformers adds none where the file names none
-    if adds_bos(vocab) and vocab.bos_id is not None and getattr(tok, "add_bos_token", None) is False:
+    if adds_bos(vocab) and vocab.bos_id is not None and getattr(tok, "add_bos_token", 0) is False:
         tok.add_bos_token = True
 
 

@@ -4,6 +4,7 @@ model is planned; a token list far larger than the embedding is refused from the
 and without reading its strings."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from hostile_gguf import BOS, EOS, TOKENS, write_gguf
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_tokenizer import build_tokenizer
+from pagedllm.loader.gguf_vocab import read_gguf_vocab
 from pagedllm.loader.tokenizer import load_tokenizer
 
 T = "tokenizer.ggml."
@@ -76,7 +79,7 @@ def test_a_token_list_far_larger_than_the_embedding_is_refused_from_the_header(w
     far more, so the bound would catch a refusal that came after reading them."""
     path = write("huge", {}, extra_tokens=EXTRA)
     run = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], capture_output=True,
-                         text=True, timeout=300, cwd=Path(__file__).parents[2])  # this checkout's pagedllm
+                         text=True, timeout=300, cwd=Path(__file__).parents[2])  # this pagedllm
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.splitlines()[-1])
     print(json.dumps(out, indent=1))
@@ -201,3 +204,24 @@ def test_another_models_gguf_tokenizer_is_refused_from_its_header(qwen_gguf, tmp
         load_tokenizer(qwen_gguf, max_tokens=49152)
     assert str(qwen_gguf) in str(info.value)
     assert not (tmp_path / "cache" / "tokenizers").exists()
+
+
+def test_transformers_errors_name_the_file_and_the_key(write):
+    """A tokenizer model neither built here nor known to transformers' converter."""
+    path = write("rwkv", {T + "model": "rwkv"})
+    with pytest.raises(ModelFileError, match=rf"the tokenizer could not be built from "
+                                             rf"{T}model='rwkv' \(through transformers' GGUF "
+                                             r"converter\): ValueError: Cannot build") as info:
+        load_tokenizer(path)
+    assert str(path) in str(info.value)
+
+
+def test_tokenizers_errors_name_the_file_and_the_keys(write):
+    """The tokenizers library's own refusal (a merge of tokens it does not know, which
+    check_vocab would have refused first), re-raised naming the file and the keys."""
+    path = write("good", {})
+    vocab = read_gguf_vocab(path)
+    vocab = dataclasses.replace(vocab, merges=vocab.merges + ("x y",))
+    with pytest.raises(ModelFileError, match=rf"{path}: the tokenizer could not be built from "
+                                             rf"{T}tokens and {T}merges: Exception: .*Token `xy` out of vocabulary"):
+        build_tokenizer(vocab, path)

@@ -106,16 +106,20 @@ def _check_merges(vocab: GGUFVocab, source: str | Path) -> None:
             raise _refuse(source, f"{_T}merges is missing: a byte-level BPE ('gpt2') "
                                   "vocabulary needs its merges")
         return
+    pairs = [merge.split(" ") for merge in vocab.merges]
+    bad = next((i for i, p in enumerate(pairs) if len(p) != 2 or "" in p), None)
+    if bad is not None:
+        raise _refuse(source, f"{_T}merges[{bad}] = {vocab.merges[bad]!r} is not two tokens "
+                              "separated by one space")
+    # set arithmetic first (~0.1 s for Qwen's 151k merges); the loop only to name the culprit
+    lefts, rights = [p[0] for p in pairs], [p[1] for p in pairs]
     known = set(vocab.tokens)
-    for i, merge in enumerate(vocab.merges):
-        parts = merge.split(" ")
-        if len(parts) != 2 or not all(parts):
-            raise _refuse(source, f"{_T}merges[{i}] = {merge!r} is not two tokens separated "
-                                  "by one space")
-        missing = next((t for t in (*parts, "".join(parts)) if t not in known), None)
+    unknown = (set(lefts) | set(rights) | set(map(str.__add__, lefts, rights))) - known
+    for i, (left, right) in enumerate(zip(lefts, rights) if unknown else ()):
+        missing = next((t for t in (left, right, left + right) if t in unknown), None)
         if missing is not None:
-            raise _refuse(source, f"{_T}merges[{i}] = {merge!r}: {missing!r} is not in "
-                                  f"{_T}tokens")
+            raise _refuse(source, f"{_T}merges[{i}] = {vocab.merges[i]!r}: {missing!r} is not "
+                                  f"in {_T}tokens")
 
 
 def _with_defaults(vocab: GGUFVocab) -> GGUFVocab:

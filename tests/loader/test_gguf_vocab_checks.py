@@ -225,3 +225,12 @@ def test_tokenizers_errors_name_the_file_and_the_keys(write):
     with pytest.raises(ModelFileError, match=rf"{path}: the tokenizer could not be built from "
                                              rf"{T}tokens and {T}merges: Exception: .*Token `xy` out of vocabulary"):
         build_tokenizer(vocab, path)
+
+
+@pytest.mark.parametrize("key", ["model", "tokens"])
+def test_a_missing_required_key_is_named(write, key):
+    path = write(f"no-{key}", {T + key: None})
+    with pytest.raises(ModelFileError, match=rf"has no tokenizer in its metadata \({T}{key}: "
+                                             "missing") as info:
+        load_tokenizer(path)
+    assert str(path) in str(info.value)

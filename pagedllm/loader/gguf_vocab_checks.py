@@ -106,20 +106,16 @@ def _check_merges(vocab: GGUFVocab, source: str | Path) -> None:
             raise _refuse(source, f"{_T}merges is missing: a byte-level BPE ('gpt2') "
                                   "vocabulary needs its merges")
         return
-    pairs = [merge.split(" ") for merge in vocab.merges]
-    bad = next((i for i, p in enumerate(pairs) if len(p) != 2 or "" in p), None)
-    if bad is not None:
-        raise _refuse(source, f"{_T}merges[{bad}] = {vocab.merges[bad]!r} is not two tokens "
-                              "separated by one space")
-    # set arithmetic first (~0.1 s for Qwen's 151k merges); the loop only to name the culprit
-    lefts, rights = [p[0] for p in pairs], [p[1] for p in pairs]
     known = set(vocab.tokens)
-    unknown = (set(lefts) | set(rights) | set(map(str.__add__, lefts, rights))) - known
-    for i, (left, right) in enumerate(zip(lefts, rights) if unknown else ()):
-        missing = next((t for t in (left, right, left + right) if t in unknown), None)
-        if missing is not None:
-            raise _refuse(source, f"{_T}merges[{i}] = {vocab.merges[i]!r}: {missing!r} is not "
-                                  f"in {_T}tokens")
+    for i, merge in enumerate(vocab.merges):
+        left, _, right = merge.partition(" ")  # faster than split: this runs 150k times
+        if not left or not right or " " in right:
+            raise _refuse(source, f"{_T}merges[{i}] = {merge!r} is not two tokens separated "
+                                  "by one space")
+        if left not in known or right not in known or left + right not in known:
+            missing = next(t for t in (left, right, left + right) if t not in known)
+            raise _refuse(source, f"{_T}merges[{i}] = {merge!r}: {missing!r} is not in "
+                                  f"{_T}tokens")
 
 
 def _with_defaults(vocab: GGUFVocab) -> GGUFVocab:
@@ -133,6 +129,14 @@ def _with_defaults(vocab: GGUFVocab) -> GGUFVocab:
     return dataclasses.replace(vocab, **found) if found else vocab
 
 
+def _eos_fallback(vocab: GGUFVocab) -> str:
+    """What llama.cpp would end generation on without the key, and why that is no end token."""
+    fallback = {"gpt2": 11, "llama": 2}.get(vocab.model)
+    if fallback is None or fallback >= len(vocab.tokens):
+        return f"llama.cpp has no fallback for a {vocab.model!r} vocabulary of this size"
+    return f"llama.cpp's fallback, id {fallback}, is {vocab.tokens[fallback]!r}"
+
+
 def _check_special_tokens(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: bool,
                           source: str | Path) -> None:
     """Refuse a vocabulary the engine could not use rightly: no token that ends generation,
@@ -141,8 +145,8 @@ def _check_special_tokens(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: 
                                     for k in ("eot_token_id", "eom_token_id")):
         raise _refuse(source, f"{_T}eos_token_id is missing (and no {_T}eot_token_id or "
                               f"eom_token_id): generation could never stop at an end token "
-                              f"(llama.cpp's fallback for a {vocab.model!r} vocabulary is "
-                              "not one); add the key, e.g. with gguf's gguf_set_metadata.py")
+                              f"({_eos_fallback(vocab)}); add it with gguf-py's "
+                              "gguf_new_metadata.py --special-token-by-id eos ID")
     if add_bos and vocab.bos_id is None:
         why = (f"{_T}add_bos_token is true" if vocab.add_bos else
                f"llama.cpp's default for {_T}pre={vocab.pre!r}" if vocab.model == "gpt2" else

@@ -131,7 +131,8 @@ def test_garbage_merges_are_refused_naming_the_merge_and_file(write, merges, mes
 def test_missing_eos_is_refused_generation_could_not_stop(write):
     path = write("no-eos", {T + "eos_token_id": None})
     with pytest.raises(ModelFileError, match=rf"{T}eos_token_id is missing .*generation could "
-                                             "never stop") as info:
+                                             rf"never stop at an end token \(llama.cpp's "
+                                             rf"fallback, id 11, is {TOKENS[11]!r}\)") as info:
         load_tokenizer(path)
     assert str(path) in str(info.value)
 

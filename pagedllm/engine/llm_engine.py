@@ -51,7 +51,8 @@ class LLMEngine:
         ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path())
         config = dataclasses.replace(config, model_path=str(ckpt.path))
         tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
-                                   trust_remote_code=args.trust_remote_code)
+                                   trust_remote_code=args.trust_remote_code,
+                                   max_tokens=config.arch.vocab_size)
         return cls(config, tokenizer, generation_config(ckpt))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:

@@ -39,6 +39,17 @@ class GGUFTensorInfo:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class GGUFArrayInfo:
+    """A metadata array as its header states it; its values are not read here."""
+
+    etype: int  # GGUF value type id of the elements (8: string, 5: int32, 6: float32, ...)
+    length: int
+
+
+# metadata (arrays: None), tensor table, and each array's type and length
+_Parsed = tuple[dict[str, Any], tuple[GGUFTensorInfo, ...], dict[str, GGUFArrayInfo]]
+
 # GGUF value type id -> struct format of a scalar (8: string, 9: array).
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
@@ -133,7 +144,8 @@ class _HeaderReader:
                             f"(each takes at least {each})")
 
     def value(self, vtype: int) -> Any:
-        """A metadata value; arrays are skipped (returned as None): loading never needs them."""
+        """A metadata value; an array is skipped, its type and length returned (loading never
+        needs its values; the tokenizer's checks need its length)."""
         if vtype == _STRING:
             return self.string()
         if vtype in _SCALAR_FORMATS:
@@ -150,7 +162,7 @@ class _HeaderReader:
             self._skip_strings(count)
         else:  # llama.cpp reads no arrays of arrays either
             raise self.fail(f"{self.where}: arrays of value type {etype} are not supported")
-        return None
+        return GGUFArrayInfo(etype, count)
 
     def _skip_strings(self, count: int) -> None:
         unpack = struct.Struct("<Q").unpack_from
@@ -202,13 +214,20 @@ def _tensor_info(r: _HeaderReader, index: int) -> tuple[str, tuple[int, ...], GG
 def read_gguf_header(fh: BinaryIO, source: Optional[str | Path] = None
                      ) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
     """(scalar/string metadata, tensor table) of a GGUF v2/v3 stream, reading no tensor data;
-    ModelFileError naming source (default: the stream's name) for anything malformed.
+    ModelFileError naming source (default: the stream's name) for anything malformed. An
+    array's key is there with the value None (gguf_arrays has its type and length).
 
     The tensors' extents are not checked against the file here (a header-only stub has none of
     its data): check_tensor_extents does that.
     GGUFReader would do this too, but it materialises every token string as a numpy view
     (about 9 s for a 150k vocabulary); walking the header directly takes well under a second.
     """
+    fields, tensors, _ = _read_header(fh, source)
+    return fields, tensors
+
+
+def _read_header(fh: BinaryIO, source: Optional[str | Path]) -> _Parsed:
+    """read_gguf_header's metadata and tensor table, and the arrays' types and lengths."""
     r = _HeaderReader(fh, str(source or getattr(fh, "name", "GGUF stream")))
     if r.end == 0:
         raise r.fail("the file is empty (0 bytes), not a GGUF file")
@@ -225,13 +244,17 @@ def read_gguf_header(fh: BinaryIO, source: Optional[str | Path] = None
         raise r.fail(f"the header claims {n_tensors} tensors and {n_kv} metadata keys, more than "
                      f"the {r.left()} bytes left in the file could hold: truncated or corrupt")
     fields: dict[str, Any] = {}
+    arrays: dict[str, GGUFArrayInfo] = {}
     for i in range(n_kv):
         r.where = f"metadata key #{i}"
         key = r.string(_MAX_KEY_BYTES, "key")
         if key in fields:
             raise r.fail(f"metadata key {key!r} appears twice")
         r.where = f"the value of metadata key {key!r}"
-        fields[key] = r.value(r.scalar("<I"))
+        value = r.value(r.scalar("<I"))
+        if isinstance(value, GGUFArrayInfo):
+            arrays[key], value = value, None
+        fields[key] = value
     raw = [_tensor_info(r, i) for i in range(n_tensors)]
     align = _alignment(fields, r)
     data_start = -(-r.tell() // align) * align
@@ -247,7 +270,7 @@ def read_gguf_header(fh: BinaryIO, source: Optional[str | Path] = None
         tensors.append(GGUFTensorInfo(name=name, qtype=qtype, shape=tuple(reversed(dims)),
                                       offset=data_start + rel,
                                       nbytes=math.prod(dims) // block * type_size))
-    return fields, tuple(tensors)
+    return fields, tuple(tensors), arrays
 
 
 def check_tensor_extents(tensors: tuple[GGUFTensorInfo, ...], file_size: int,
@@ -270,37 +293,53 @@ def is_header_stub(path: str | Path) -> bool:
 def parse_gguf_file(path: str | Path) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
     """read_gguf_header of a file, with every tensor checked to lie inside it (hub stubs:
     the header only)."""
+    fields, tensors, _ = _parse_file(path)
+    return fields, tensors
+
+
+def _parse_file(path: str | Path) -> _Parsed:
     with open(path, "rb") as fh:
-        fields, tensors = read_gguf_header(fh, path)
+        parsed = _read_header(fh, path)
         size = fh.seek(0, os.SEEK_END)
     if not is_header_stub(path):
-        check_tensor_extents(tensors, size, path)
-    return fields, tensors
+        check_tensor_extents(parsed[1], size, path)
+    return parsed
 
 
 def gguf_header(path: str | Path) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
     """parse_gguf_file, once per process (keyed by path, size and mtime); the metadata dict is
     shared: read it, do not change it."""
+    fields, tensors, _ = _header_of(path)
+    return fields, tensors
+
+
+def gguf_arrays(path: str | Path) -> dict[str, GGUFArrayInfo]:
+    """The type and length of each metadata array of a GGUF file, from the header gguf_header
+    parsed (no array is read); shared: read it, do not change it."""
+    return _header_of(path)[2]
+
+
+def _header_of(path: str | Path) -> _Parsed:
     st = os.stat(path)
     return _cached_header(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=8)
-def _cached_header(path: str, size: int, mtime_ns: int
-                   ) -> tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]:
+def _cached_header(path: str, size: int, mtime_ns: int) -> _Parsed:
     kept = _kept_header_path(path, size, mtime_ns)
     header = _read_kept_header(kept)
     if header is None:
-        header = parse_gguf_file(path)
+        header = _parse_file(path)
         _keep_header(kept, header)
     return header
 
 
 # --- the parsed header kept on disk ----------------------------------------------------------
 # Walking a 152k-token vocabulary's strings takes ~0.2 s of every start; the parsed header
-# (arrays are None, the rest is JSON's types) is kept in cache_dir()/gguf-headers, keyed by
-# the file's path, size and mtime, and only a successful parse is kept.
-_HEADER_FORMAT = 1  # bump when GGUFTensorInfo or the parse changes
+# (arrays None, their types and lengths beside; the rest JSON's types) is kept in
+# cache_dir()/gguf-headers, keyed by the file's path, size and mtime, and only a successful
+# parse is kept.
+_HEADER_FORMAT = 2  # bump when GGUFTensorInfo or the parse changes
 _KEPT_HEADERS = 64  # the oldest beyond this are removed
 
 
@@ -309,22 +348,24 @@ def _kept_header_path(path: str, size: int, mtime_ns: int) -> Path:
     return cache_dir() / "gguf-headers" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def _read_kept_header(kept: Path) -> Optional[tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]]:
+def _read_kept_header(kept: Path) -> Optional[_Parsed]:
     """The header kept at `kept`, or None if there is none or it cannot be read."""
     try:
         data = json.loads(kept.read_text(encoding="utf-8"))
         tensors = tuple(GGUFTensorInfo(name=n, qtype=GGMLQuantizationType(q), shape=tuple(s),
                                        offset=o, nbytes=b) for n, q, s, o, b in data["tensors"])
-        return data["fields"], tensors
+        arrays = {k: GGUFArrayInfo(int(t), int(n)) for k, (t, n) in data["arrays"].items()}
+        return data["fields"], tensors, arrays
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _keep_header(kept: Path, header: tuple[dict[str, Any], tuple[GGUFTensorInfo, ...]]) -> None:
+def _keep_header(kept: Path, header: _Parsed) -> None:
     """Write the header atomically; a cache that cannot be written only costs the next start."""
-    fields, tensors = header
+    fields, tensors, arrays = header
     text = json.dumps({"fields": fields, "tensors": [
-        (t.name, int(t.qtype), list(t.shape), t.offset, t.nbytes) for t in tensors]})
+        (t.name, int(t.qtype), list(t.shape), t.offset, t.nbytes) for t in tensors],
+        "arrays": {k: (a.etype, a.length) for k, a in arrays.items()}})
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp = kept.with_suffix(f".{os.getpid()}.tmp")

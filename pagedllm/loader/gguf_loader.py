@@ -21,8 +21,9 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_arch import arch_from_header
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
-from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_arrays, gguf_header
 from pagedllm.loader.gguf_shards import Columns, shard_piece
+from pagedllm.loader.gguf_vocab_checks import check_vocab_header
 from pagedllm.loader.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
 
@@ -100,6 +101,7 @@ def _read_header(path: str | Path) -> _GGUFHeader:
     """Parse metadata and tensor table; of the payloads, only the rope factor tensors (a few
     floats) are read, into the architecture."""
     fields, tensors = gguf_header(path)
+    check_vocab_header(fields, gguf_arrays(path), tensors, path)  # before a tokenizer is built
     arch = arch_from_header(fields, tensors, path)
     wanted = [info for info in tensors if info.name in ROPE_FACTOR_TENSORS]
     if wanted:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.gguf_header import gguf_arrays, gguf_header
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
+from pagedllm.loader.gguf_vocab_checks import check_vocab, check_vocab_header
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -73,6 +76,29 @@ PRE_TOKENIZATIONS: dict[str, PreTokenization] = {
 }
 
 
+@contextmanager
+def _building(source: str | Path, keys: str) -> Iterator[None]:
+    """The tokenizers library's (or transformers') errors while building from keys, as one
+    ModelFileError naming the file and the keys (theirs name neither)."""
+    try:
+        yield
+    except (NotBuildable, ModelFileError, MemoryError, ImportError):
+        raise  # ours already name the file; the last two are not the file's fault
+    except Exception as err:  # tokenizers raises plain Exception; transformers anything
+        raise ModelFileError(f"{source}: the tokenizer could not be built from {keys}: "
+                             f"{type(err).__name__}: {err}") from err
+
+
+def adds_bos(vocab: GGUFVocab) -> bool:
+    """Whether llama.cpp starts every prompt with bos: the file's add_bos_token, else the
+    default of its pre-tokenizer (byte-level BPE) or of SentencePiece (on)."""
+    if vocab.add_bos is not None:
+        return vocab.add_bos
+    if vocab.model == "gpt2":
+        return PRE_TOKENIZATIONS.get(vocab.pre or "", PreTokenization()).add_bos
+    return vocab.model == "llama"
+
+
 def _check_vocab(vocab: GGUFVocab) -> PreTokenization:
     """The pre-tokenization of a vocabulary this module builds exactly, else NotBuildable."""
     if vocab.model != "gpt2":
@@ -102,22 +128,25 @@ def _merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
     return pairs  # type: ignore[return-value]
 
 
-def _backend(vocab: GGUFVocab, pre: PreTokenization) -> Tokenizer:
+def _backend(vocab: GGUFVocab, pre: PreTokenization, source: str | Path) -> Tokenizer:
     """The `tokenizers.Tokenizer` of a checked byte-level BPE vocabulary."""
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)}, merges=_merges(vocab),
-                     dropout=None, unk_token=None, continuing_subword_prefix="",
-                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
-                     ignore_merges=pre.ignore_merges)
-    backend = Tokenizer(bpe)
-    backend.pre_tokenizer = pre.pre_tokenizer()
-    backend.decoder = decoders.ByteLevel()
+    with _building(source, "tokenizer.ggml.tokens and tokenizer.ggml.merges"):
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)},
+                         merges=_merges(vocab), dropout=None, unk_token=None,
+                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                         byte_fallback=False, ignore_merges=pre.ignore_merges)
+        backend = Tokenizer(bpe)
+    with _building(source, f"tokenizer.ggml.pre={vocab.pre!r}"):
+        backend.pre_tokenizer = pre.pre_tokenizer()
+        backend.decoder = decoders.ByteLevel()
     types = vocab.token_types or ()
     # control tokens (<|im_start|>) are special; user-defined ones (<tool_call>) are matched
     # whole in any text, as llama.cpp does, but are not special
-    backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
-                                for i, t in enumerate(types) if t == CONTROL])
-    backend.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False)
-                        for i, t in enumerate(types) if t == USER_DEFINED])
+    with _building(source, "tokenizer.ggml.token_type"):
+        backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
+                                    for i, t in enumerate(types) if t == CONTROL])
+        backend.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False)
+                            for i, t in enumerate(types) if t == USER_DEFINED])
     return backend
 
 
@@ -134,18 +163,21 @@ def _special_tokens(vocab: GGUFVocab) -> dict[str, Optional[str]]:
             "unk_token": _special_token(vocab, vocab.unk_id)}
 
 
-def build_tokenizer(vocab: GGUFVocab) -> PreTrainedTokenizerFast:
-    """A transformers fast tokenizer for a GGUF vocabulary; NotBuildable if not exact."""
+def build_tokenizer(vocab: GGUFVocab, source: str | Path = "the GGUF vocabulary"
+                    ) -> PreTrainedTokenizerFast:
+    """A transformers fast tokenizer for a GGUF vocabulary (read from source); NotBuildable if
+    not exact, ModelFileError naming source and the keys if the tokenizers library refuses it."""
     from transformers import PreTrainedTokenizerFast
 
     pre = _check_vocab(vocab)
-    backend = _backend(vocab, pre)
-    add_bos = pre.add_bos if vocab.add_bos is None else vocab.add_bos
+    backend = _backend(vocab, pre, source)
     specials = _special_tokens(vocab)
     # an explicit add_bos_token/add_eos_token makes transformers write the post-processor
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, add_bos_token=add_bos,
-                                  add_eos_token=bool(vocab.add_eos), clean_up_tokenization_spaces=False,
-                                  **{k: v for k, v in specials.items() if v is not None})
+    with _building(source, "the special tokens (tokenizer.ggml.*_token_id, add_*_token)"):
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=backend, add_bos_token=adds_bos(vocab),
+            add_eos_token=bool(vocab.add_eos), clean_up_tokenization_spaces=False,
+            **{k: v for k, v in specials.items() if v is not None})
     tok.chat_template = vocab.chat_template
     return tok
 
@@ -158,6 +190,10 @@ def _match_metadata(tok: PreTrainedTokenizerBase, vocab: GGUFVocab) -> None:
     for attr, text in _special_tokens(vocab).items():
         if text is not None and getattr(tok, attr) != text:
             setattr(tok, attr, text)
+    # llama.cpp starts a SentencePiece prompt with bos, named in the file or its default <s>;
+    # transformers adds none where the file names none
+    if adds_bos(vocab) and vocab.bos_id is not None and getattr(tok, "add_bos_token", 0) is False:
+        tok.add_bos_token = True
 
 
 def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
@@ -166,7 +202,8 @@ def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
     from transformers import AutoTokenizer
 
     # a folder holding only the GGUF, so tokenizer files beside it cannot leak in
-    with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp:
+    keys = f"tokenizer.ggml.model={vocab.model!r} (through transformers' GGUF converter)"
+    with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp, _building(path, keys):
         (Path(tmp) / path.name).symlink_to(path.resolve())
         tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name, local_files_only=True,
                                             trust_remote_code=trust_remote_code)
@@ -177,12 +214,15 @@ def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
 def tokenizer_from_gguf(path: str | Path, *, trust_remote_code: bool = False
                         ) -> PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes: built from its metadata, or by transformers when
-    it is of a kind not built here (logged at INFO with the reason)."""
+    it is of a kind not built here (logged at INFO with the reason); ModelFileError naming the
+    file and the key for tokenizer metadata that is inconsistent or incomplete."""
     path = Path(path)
-    gguf_header(path)  # a file the engine would refuse (truncated, corrupt) is refused here too
+    fields, tensors = gguf_header(path)  # a file the engine would refuse is refused here too
+    check_vocab_header(fields, gguf_arrays(path), tensors, path)  # before any token is read
     vocab = read_gguf_vocab(path)
+    vocab = check_vocab(vocab, fields, adds_bos(vocab), path)
     try:
-        return build_tokenizer(vocab)
+        return build_tokenizer(vocab, path)
     except NotBuildable as why:
         logger.info("tokenizer of %s: %s; using transformers' GGUF tokenizer instead "
                     "(slower: it reads every metadata string through numpy)", path, why)

@@ -178,8 +178,10 @@ def read_gguf_vocab(path: str | Path) -> GGUFVocab:
     tokens = _array(fields, "tokens", str, path)
     model = fields.get("tokenizer.ggml.model")
     if not tokens or not isinstance(model, str):
-        raise ModelFileError(f"{path} has no tokenizer in its metadata "
-                             "(tokenizer.ggml.model and tokenizer.ggml.tokens are required)")
+        missing = " and ".join(k for k, v in (("tokenizer.ggml.model", isinstance(model, str)),
+                                              ("tokenizer.ggml.tokens", bool(tokens))) if not v)
+        raise ModelFileError(f"{path} has no tokenizer in its metadata ({missing}: missing or "
+                             "empty; tokenizer.ggml.model and tokenizer.ggml.tokens are required)")
     types = _array(fields, "token_type", int, path)
     merges = _array(fields, "merges", str, path)
     n = len(tokens)

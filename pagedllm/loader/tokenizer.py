@@ -2,20 +2,25 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.gguf_tokenizer_cache import cached_gguf_tokenizer
+from pagedllm.loader.gguf_vocab_checks import check_token_count
 from pagedllm.loader.hf_tokenizer import wrap_transformers
 from pagedllm.loader.known_templates import with_known_template
 from pagedllm.loader.tokenizer_files import load_tokenizer_files
 from pagedllm.paths import TOKENIZER_MARKER
 
 
-def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> FastTokenizer:
+def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False,
+                   max_tokens: Optional[int] = None) -> FastTokenizer:
     """Tokenizer for an HF directory or a .gguf file, never touching the network. The model
     store's exported folders and cached GGUF tokenizers load without transformers; any other
-    directory goes through AutoTokenizer (wrapped; ValueError for a slow tokenizer). A GGUF's
-    tokenizer without a chat template gets its vocabulary's known one (known_templates)."""
+    directory goes through AutoTokenizer (wrapped; ValueError for a slow tokenizer). A .gguf
+    with more tokens than max_tokens (the model's embedding rows) is refused from its header.
+    A GGUF's tokenizer without a chat template gets its vocabulary's known one
+    (known_templates)."""
     path = Path(path).expanduser()
     if path.is_dir() and all((path / n).is_file() for n in (TOKENIZER_MARKER, "tokenizer.json",
                                                               "tokenizer_config.json")):
@@ -28,5 +33,7 @@ def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False) -> Fast
             str(path), local_files_only=True, trust_remote_code=trust_remote_code))
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"tokenizer path={str(path)!r} is neither a directory nor a .gguf file")
+    if max_tokens is not None:
+        check_token_count(path, max_tokens)
     return with_known_template(cached_gguf_tokenizer(path, trust_remote_code=trust_remote_code),
                                path)

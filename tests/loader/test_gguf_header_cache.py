@@ -23,9 +23,12 @@ def test_a_kept_header_is_the_parsed_one(smollm_gguf, fresh_cache):
     assert gh.gguf_header(smollm_gguf) == parsed
     kept = list(fresh_cache.glob("*.json"))
     assert len(kept) == 1
+    arrays = gh.gguf_arrays(smollm_gguf)
+    assert arrays["tokenizer.ggml.tokens"] == gh.GGUFArrayInfo(etype=8, length=49152)
     gh._cached_header.cache_clear()
-    assert gh._read_kept_header(kept[0]) == parsed
+    assert gh._read_kept_header(kept[0]) == (*parsed, arrays)
     assert gh.gguf_header(smollm_gguf) == parsed  # now from the kept copy
+    assert gh.gguf_arrays(smollm_gguf) == arrays
     fields = gh.gguf_header(smollm_gguf)[0]
     assert all(type(fields[k]) is type(v) for k, v in parsed[0].items())  # bool stays bool
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.multiproc import rank_memories
@@ -105,9 +106,28 @@ def _kept_weight_bytes(ckpt: Checkpoint, platform: Platform, quantization: str,
         ckpt, frozenset({embed}), itemsize, kept_names=frozenset({"token_embd.weight"})))
 
 
-def ray_rank_nodes(args: EngineArgs, platform: Platform) -> Optional[RankNodes]:
-    """With pipeline stages as Ray actors on a cluster, where each rank will run and the
-    memory it has there (read on its node), else None."""
+def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
+                       dtype: torch.dtype, quantization: str) -> list[int]:
+    """Each rank's weights (its stage's, over its stage's TP ranks), in global rank order."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
+    layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+    layers = ckpt.arch.num_hidden_layers
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    out = []
+    for r in range(pp):
+        stage = PipelineStage.of_rank(layers, r, pp)
+        size, _ = layout.stage_bytes(stage.start_layer, stage.end_layer, stage.is_first,
+                                     stage.is_last)
+        out += [size // tp] * tp
+    return out
+
+
+def ray_rank_nodes(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                   quantization: str) -> Optional[RankNodes]:
+    """With pipeline stages as Ray actors on a cluster, the node each rank will run on and
+    the memory it has there (read on its node; the largest stage on the most memory), else
+    None."""
     parallel = args.parallel_config()
     if (parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
             or platform.name != "cpu"):
@@ -115,7 +135,10 @@ def ray_rank_nodes(args: EngineArgs, platform: Platform) -> Optional[RankNodes]:
     from pagedllm.executor.ray_nodes import ray_rank_memories
 
     kind = "pipeline" if parallel.tensor_parallel_size == 1 else "tensor x pipeline"
-    return ray_rank_memories(parallel.world_size, kind + " parallel")
+    nodes = ray_rank_memories(parallel.world_size, kind + " parallel")
+    if nodes is None:
+        return None
+    return nodes.fit(_rank_weight_bytes(args, ckpt, platform, dtype, quantization))
 
 
 def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
@@ -238,7 +261,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
-    nodes = ray_rank_nodes(args, choice.platform)
+    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization)
     mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization,
                                            None if nodes is None else nodes.memories)
     fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"

@@ -17,7 +17,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
@@ -49,6 +49,16 @@ class RankNodes:
 
     node_ids: tuple[str, ...]
     memories: tuple[MemoryInfo, ...]
+
+    def fit(self, needs: Sequence[int]) -> "RankNodes":
+        """The same bundles with the rank that needs most on the most memory, and so on down
+        (a head node, with Ray's GCS and the engine process, has the least); needs: each
+        rank's bytes, in rank order."""
+        by_room = sorted(range(len(self.memories)), key=lambda b: -self.memories[b].available_bytes)
+        by_need = sorted(range(len(needs)), key=lambda r: -needs[r])
+        slot = dict(zip(by_need, by_room))  # rank -> bundle
+        return RankNodes(tuple(self.node_ids[slot[r]] for r in range(len(needs))),
+                         tuple(self.memories[slot[r]] for r in range(len(needs))))
 
 
 def _memory_cgroup(proc_cgroup: str) -> Optional[str]:

@@ -56,8 +56,8 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         own_memory, parallel_kind, partition_note, places_driver, rank_places,
-                                         start_worker)
+                                         own_memory, parallel_kind, partition_note,
+                                         places_driver, rank_places, start_worker)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")

@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pagedllm.executor.rank_memory import driver_rss, less_driver, shared_by
+from pagedllm.platforms.cgroup import cgroup_paths
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
 READ_TIMEOUT_S = 60.0  # a node that cannot run a small task in this long is not usable
@@ -54,7 +55,8 @@ class RankNodes:
         """The same bundles with the rank that needs most on the most memory, and so on down
         (a head node, with Ray's GCS and the engine process, has the least); needs: each
         rank's bytes, in rank order."""
-        by_room = sorted(range(len(self.memories)), key=lambda b: -self.memories[b].available_bytes)
+        by_room = sorted(range(len(self.memories)),
+                         key=lambda b: -self.memories[b].available_bytes)
         by_need = sorted(range(len(needs)), key=lambda r: -needs[r])
         slot = dict(zip(by_need, by_room))  # rank -> bundle
         return RankNodes(tuple(self.node_ids[slot[r]] for r in range(len(needs))),
@@ -63,21 +65,22 @@ class RankNodes:
 
 def _memory_cgroup(proc_cgroup: str) -> Optional[str]:
     """The memory controller's cgroup path in a /proc/PID/cgroup text (v1, else v2)."""
-    from pagedllm.platforms.cgroup import cgroup_paths
-
     paths = cgroup_paths(proc_cgroup)
     return paths.get("memory", paths.get(""))
 
 
 def memory_identity() -> str:
-    """Which memory this process draws on: its machine (boot id) and its memory cgroup; two
-    Ray nodes started on one machine, in one cgroup, share it."""
+    """Which memory this process draws on: its machine (boot id) and the cgroup whose limit
+    binds it, if any. Two Ray nodes started on one machine under one limit (or none) share
+    their memory; in two cgroups of their own they do not."""
+    from pagedllm.platforms.cgroup import memory_limit
+
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        cgroup_path = _memory_cgroup(Path("/proc/self/cgroup").read_text())
     except OSError:
-        return ray.util.get_node_ip_address()
-    return f"{boot}:{cgroup_path}"
+        boot = ray.util.get_node_ip_address()
+    limit = memory_limit()
+    return boot if limit is None else f"{boot}:{limit.path}"
 
 
 def ray_process_bytes() -> int:

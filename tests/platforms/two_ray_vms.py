@@ -3,10 +3,11 @@ another, each started with `ray start` inside its cgroup, and `pagedllm serve ..
 --distributed-executor-backend ray` with RAY_ADDRESS in the first (as on VM A). Every process
 of a VM is in its cgroup, so the cgroup's peak and OOM count are the VM's.
 
-The commands are docs/distributed.md's two-VM recipe; only RAY_TMPDIR (Ray's session files,
-kept apart from other clusters on this machine) and PYTHONPATH (this checkout's pagedllm in
-Ray's workers) are added to the environment. Importable as a script for a run by hand:
-`python tests/platforms/two_ray_vms.py MODEL.gguf`.
+The commands are docs/ray_two_vms.md's recipe (RECIPE, filled in with this machine's address
+and free ports); only RAY_TMPDIR (Ray's session files, kept apart from other clusters on this
+machine) and PYTHONPATH (this checkout's pagedllm, in serve and in Ray's workers) are added to
+the environment. Also a script for a run by hand: `python tests/platforms/two_ray_vms.py
+MODEL.gguf`.
 """
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ SEED_VM_LIMIT = 3_750_588_416  # the seed user's VM: 3.49 GiB
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 READY_S = 900  # a first load writes each stage's regrouped copy of its blocks
+# the recipe, as docs/ray_two_vms.md gives it (ray_port 6379, http_port 8000)
+RECIPE = {
+    "head": "ray start --head --port={ray_port}",
+    "worker": "ray start --address={head_ip}:{ray_port}",
+    "serve": "RAY_ADDRESS={head_ip}:{ray_port} pagedllm serve {model} -pp 2 "
+             "--distributed-executor-backend ray --port {http_port}",
+}
 
 
 def free_port() -> int:
@@ -46,9 +54,11 @@ class Vm:
     logs: list[Path] = field(default_factory=list)
 
     def run(self, command: str, env: dict, log: Path, wait: bool) -> subprocess.Popen:
-        """A shell command inside this VM's cgroup (it joins before it execs)."""
+        """A command line (assignments first, as a shell takes them) inside this VM's cgroup:
+        the shell joins it, then becomes the command; `ray` and `pagedllm` are this
+        virtualenv's."""
         self.logs.append(log)
-        proc = subprocess.Popen(["sh", "-c", f"echo $$ > {self.cgroup}/cgroup.procs && exec "
+        proc = subprocess.Popen(["sh", "-c", f"echo $$ > {self.cgroup}/cgroup.procs && exec env "
                                  + command], env=env, stdout=log.open("w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
         if wait and proc.wait(timeout=180) != 0:
@@ -126,20 +136,18 @@ def serve_on_two_vms(model: Path, workdir: Path) -> dict:
     head, worker = make_vm(f"{tag}-a"), make_vm(f"{tag}-b")
     ip, ray_port, http_port = get_node_ip_address(), free_port(), free_port()
     env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rp-", dir="/tmp"),
-               PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+               PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     serve_log = workdir / "serve.log"
     try:
         os.sync()  # page cache charged to an earlier cgroup would not count here: start cold
         Path("/proc/sys/vm/drop_caches").write_text("1")
-        head.run(f"{BIN}/ray start --head --port={ray_port}", env, workdir / "head.log", True)
-        worker.run(f"{BIN}/ray start --address={ip}:{ray_port}", env, workdir / "worker.log",
-                   True)
+        fill = dict(ray_port=ray_port, head_ip=ip, model=model, http_port=http_port)
+        head.run(RECIPE["head"].format(**fill), env, workdir / "head.log", True)
+        worker.run(RECIPE["worker"].format(**fill), env, workdir / "worker.log", True)
         ray_only = {"head": head.read("memory.usage_in_bytes"),
                     "worker": worker.read("memory.usage_in_bytes")}
-        server = head.run(
-            f"env RAY_ADDRESS={ip}:{ray_port} {sys.executable} -m pagedllm.entrypoints.cli "
-            f"serve {model} -pp 2 --distributed-executor-backend ray --port {http_port}",
-            env, serve_log, False)
+        server = head.run(RECIPE["serve"].format(**fill), env, serve_log, False)
         url = f"http://127.0.0.1:{http_port}"
         ready_s = wait_healthy(url, server, serve_log)
         started = time.monotonic()

@@ -7,6 +7,7 @@ regrouped blocks once); root and cgroup v1 only, like test_small_machine.py."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -52,8 +53,12 @@ def test_qwen7b_q4_k_pp2_serves_on_two_ray_nodes_in_3_49_gib_each(qwen7b_q4_k, t
     for line in plans:
         assert "(Ray node " in line and "cgroup v1 limit 3.49 GiB" in line, line
         assert "Ray's processes there hold" in line, line
-    # the stage on the head node shares its VM with serve
-    assert sum("the engine process runs here too" in line for line in plans) == 1, plans
+    # the stage on the head node shares its VM with serve, and its actor runs there
+    on_head = [line for line in plans if "the engine process runs here too" in line]
+    assert len(on_head) == 1, plans
+    rank = re.search(r"pipeline rank (\d) of 2", on_head[0]).group(1)
+    pid = re.search(rf"rank {rank} \(pid (\d+) on node", log).group(1)
+    assert int(pid) in result["pids"]["head"], (pid, result["pids"])
     print(f"\nPP=2 on two Ray nodes, 3.49 GiB each: healthy after {result['ready_s']:.0f} s, "
           f"8 tokens in {result['request_s']:.1f} s; peak head "
           f"{result['peak']['head'] / 2**30:.2f} GiB, worker "

@@ -157,8 +157,10 @@ def serve_on_two_vms(model: Path, workdir: Path) -> dict:
         request_s = time.monotonic() - started
         actors = {name: [c for c in vm.commands() if c.startswith("ray::RankActor")]
                   for name, vm in (("head", head), ("worker", worker))}
+        pids = {"head": head.pids(), "worker": worker.pids()}
         server_rss = int(Path(f"/proc/{server.pid}/statm").read_text().split()[1]) * 4096
         return {"reply": reply, "ready_s": ready_s, "request_s": request_s, "actors": actors,
+                "pids": pids,
                 "ray_only_bytes": {k: int(v) for k, v in ray_only.items()},
                 "server_rss": server_rss,
                 "peak": {"head": int(head.read("memory.max_usage_in_bytes")),

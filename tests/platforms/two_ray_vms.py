@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -171,6 +172,7 @@ def serve_on_two_vms(model: Path, workdir: Path) -> dict:
     finally:
         head.stop()
         worker.stop()
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
 
 
 if __name__ == "__main__":

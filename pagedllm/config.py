@@ -288,6 +288,9 @@ class EngineConfig:
     # into anonymous memory (worker/x8_weight_file.py)
     mmap_weights: bool = False
     eos_token_ids: tuple[int, ...] = ()  # model, generation_config and tokenizer ids together
+    # the Ray node each rank's memory was planned on (executor/ray_nodes.py), in global rank
+    # order; the Ray executor puts each rank there. Empty: not planned per node
+    rank_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.multiproc import rank_memories
@@ -15,9 +16,12 @@ from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, g
                                       gguf_weight_bytes, planned_weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
-from pagedllm.platforms.interface import fmt_bytes
+from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, footprint,
                                     plan_memory, plan_pipeline_memory)
+
+if TYPE_CHECKING:
+    from pagedllm.executor.ray_nodes import RankNodes
 
 logger = logging.getLogger("pagedllm")
 
@@ -102,8 +106,44 @@ def _kept_weight_bytes(ckpt: Checkpoint, platform: Platform, quantization: str,
         ckpt, frozenset({embed}), itemsize, kept_names=frozenset({"token_embd.weight"})))
 
 
+def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
+                       dtype: torch.dtype, quantization: str) -> list[int]:
+    """Each rank's weights (its stage's, over its stage's TP ranks), in global rank order."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
+    layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+    layers = ckpt.arch.num_hidden_layers
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    out = []
+    for r in range(pp):
+        stage = PipelineStage.of_rank(layers, r, pp)
+        size, _ = layout.stage_bytes(stage.start_layer, stage.end_layer, stage.is_first,
+                                     stage.is_last)
+        out += [size // tp] * tp
+    return out
+
+
+def ray_rank_nodes(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                   quantization: str) -> Optional[RankNodes]:
+    """With pipeline stages as Ray actors on a cluster, the node each rank will run on and
+    the memory it has there (read on its node; the largest stage on the most memory), else
+    None."""
+    parallel = args.parallel_config()
+    if (parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
+            or platform.name != "cpu"):
+        return None
+    from pagedllm.executor.ray_nodes import ray_rank_memories
+
+    kind = "pipeline" if parallel.tensor_parallel_size == 1 else "tensor x pipeline"
+    nodes = ray_rank_memories(parallel.world_size, kind + " parallel")
+    if nodes is None:
+        return None
+    return nodes.fit(_rank_weight_bytes(args, ckpt, platform, dtype, quantization))
+
+
 def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
-                       dtype: torch.dtype, quantization: Optional[str] = None
+                       dtype: torch.dtype, quantization: Optional[str] = None,
+                       rank_mems: Optional[Sequence[MemoryInfo]] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
     """Size the KV cache and max_model_len from metadata; with dtype 'auto', fall back to a
     half-size dtype when float32 weights do not fit.
@@ -111,15 +151,17 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     With pipeline_parallel_size N, each rank's share is planned (its layers' weights, KV cache
     and workspace, and a runtime): ranks that share this machine's memory for their sum, ranks
     that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
-    which the rank checks again where it runs before it loads anything. With
+    which the rank checks again where it runs before it loads anything; rank_mems, when
+    given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
     tensor_parallel_size M too, a rank's share is its stage's over M (worker/memory.py's
     tp_share)."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
     world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
     # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
-    rank_mems = (rank_memories(world * tp_size) if world > 1 and platform.name == "cpu"
-                 else None)
+    if rank_mems is None:
+        rank_mems = (rank_memories(world * tp_size) if world > 1 and platform.name == "cpu"
+                     else None)
     batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
@@ -219,7 +261,9 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
-    mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization)
+    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization)
+    mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization,
+                                           None if nodes is None else nodes.memories)
     fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"
     if fell_back and choice.platform.kernels_error is not None:  # not on a GPU: kernels failed
         logger.warning("%s", _dequantized_note(ckpt, choice.platform, planned,
@@ -237,6 +281,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
-        quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0)
+        quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
+        rank_nodes=() if nodes is None else nodes.node_ids)
 
 

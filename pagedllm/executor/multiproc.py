@@ -133,11 +133,17 @@ def own_memory(mem: MemoryInfo) -> MemoryInfo:
 
 def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
     """Each rank's memory when each runs in its own cgroup (PAGEDLLM_RANK_CGROUP), else None:
-    the ranks share this machine's memory."""
+    the ranks share this machine's memory. The rank whose cgroup holds the engine process
+    plans without what that process will still take to serve."""
     dirs = [rank_cgroup(r) for r in range(world_size)]
     if dirs[0] is None:
         return None
-    return [cgroup_memory(d) for d in dirs]
+    from pagedllm.executor.rank_memory import (driver_rss, holds_driver, less_driver,
+                                               own_memory_cgroup)
+
+    driver = own_memory_cgroup(CGROUP_ROOT)  # the engine process is counted where it runs
+    return [less_driver(cgroup_memory(d), driver_rss()) if holds_driver(d, driver)
+            else cgroup_memory(d) for d in dirs]
 
 
 class WorkerDiedError(RuntimeError):

@@ -56,8 +56,8 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         parallel_kind, partition_note, places_driver, rank_places,
-                                         start_worker)
+                                         own_memory, parallel_kind, partition_note,
+                                         places_driver, rank_places, start_worker)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")
@@ -110,6 +110,14 @@ class RankActor:
         from pagedllm.logger import configure_logging
 
         configure_logging()
+        if config.rank_nodes and place.stage is not None:
+            # planned against this node's memory: its share must fit here (as an mp rank in
+            # its own cgroup checks)
+            from pagedllm.worker.memory import plan_rank_memory
+
+            plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
+                                    config.parallel.tensor_parallel_size)
+            logging.getLogger("pagedllm").info("%s", plan.summary())
         self.worker = start_worker(config, place, init_method, num_threads)
         return self.worker.model_runner.decode_path
 
@@ -204,12 +212,34 @@ def _place(world: int, bundle: dict[str, float], kind: str) -> PlacementGroup:
     return group
 
 
-def _threads(group: PlacementGroup, world: int) -> list[int]:
-    """Torch threads per rank: its node's CPUs shared among the ranks placed on that node."""
+def rank_bundles(node_of: dict[int, str], planned: tuple[str, ...], world: int) -> list[int]:
+    """The bundle each rank runs in (node_of: each bundle's node): one on the node its memory
+    was planned on (planned[r]), else (none planned, or a cluster that changed since) the
+    next in order, where the rank checks its share again before it loads."""
+    free = list(range(world))
+    order: dict[int, int] = {}  # rank -> bundle
+    for r in range(len(planned)):
+        b = next((b for b in free if node_of[b] == planned[r]), None)
+        if b is not None:
+            order[r] = b
+            free.remove(b)
+    for r in range(world):
+        if r not in order:
+            order[r] = free.pop(0)
+            if planned:
+                logger.warning("rank %d was planned on Ray node %s, but the placement group "
+                               "has no bundle left there: it runs on node %s", r, planned[r],
+                               node_of[order[r]])
+    return [order[r] for r in range(world)]
+
+
+def _threads(group: PlacementGroup, bundles: list[int]) -> list[int]:
+    """Torch threads per rank (in its bundle): its node's CPUs shared among the ranks placed
+    on that node."""
     node_of = placement_group_table(group)["bundles_to_node_id"]
     cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes()}
-    per_node = Counter(node_of[b] for b in range(world))
-    return [max(1, int(cpus[node_of[b]] // per_node[node_of[b]])) for b in range(world)]
+    per_node = Counter(node_of[b] for b in bundles)
+    return [max(1, int(cpus[node_of[b]] // per_node[node_of[b]])) for b in bundles]
 
 
 def _reason(err: RayError, limit: int = 400) -> str:
@@ -238,12 +268,14 @@ class RayExecutor(Executor):
             self._cluster.owns_ray = _connect(world)
             bundle = _bundle(self.config)
             self._cluster.group = group = _place(world, bundle, kind)
-            threads = _threads(group, world)
+            bundles = rank_bundles(placement_group_table(group)["bundles_to_node_id"],
+                                   self.config.rank_nodes, world)
+            threads = _threads(group, bundles)
             for place in places:
                 actor = RankActor.options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=place.rank)).remote()
+                        group, placement_group_bundle_index=bundles[place.rank])).remote()
                 self._ranks.append(_Rank(place, actor))
             for rank, where in zip(self._ranks, self._gather(
                     [r.actor.where.remote() for r in self._ranks])):

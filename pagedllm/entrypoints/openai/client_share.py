@@ -18,7 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.entrypoints.openai.serving_common import OpenAIError
+
+
+class ShareRefused(Exception):
+    """A request refused by ClientShares: its HTTP status (400 or 429) and the field it names."""
+
+    def __init__(self, message: str, status: int, param: str) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 @dataclass
@@ -41,20 +48,20 @@ class ClientShares:
         return self._in_flight.get(client, 0)
 
     def take(self, client: str, seqs: int, param: str) -> None:
-        """Count seqs more for client; 400 naming param if they alone pass the cap, 429 if
-        they do with the client's others."""
+        """Count seqs more for client; ShareRefused: 400 naming param if they alone pass the
+        cap, 429 if they do with the client's others."""
         cap = self.max_seqs
         if cap is not None:
             limit = (f"one client may have at most {cap} sequences in flight "
                      f"(--max-client-share {self.share:g} of --max-num-seqs {self.max_num_seqs})")
             if seqs > cap:
-                raise OpenAIError(f"{param}: this request asks for {seqs} sequences (n x "
-                                  f"prompts); {limit}", 400, param)
+                raise ShareRefused(f"{param}: this request asks for {seqs} sequences (n x "
+                                   f"prompts); {limit}", 400, param)
             held = self.in_flight(client)
             if held + seqs > cap:
-                raise OpenAIError(f"too many sequences in flight from {client}: {held} running "
-                                  f"or waiting, {seqs} more asked; {limit}; retry when some "
-                                  "finish", 429, "n", err_type="rate_limit_exceeded")
+                raise ShareRefused(f"too many sequences in flight from {client}: {held} running "
+                                   f"or waiting, {seqs} more asked; {limit}; retry when some "
+                                   "finish", 429, "n")
         self._in_flight[client] = self.in_flight(client) + seqs
 
     def give_back(self, client: str, seqs: int) -> None:

@@ -6,18 +6,16 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from pagedllm.engine.async_engine import (AsyncLLM, EngineDeadError, EngineOverloadedError,
                                           StreamBackloggedError)
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # client_share raises OpenAIError from here
-    from pagedllm.entrypoints.openai.client_share import ClientShares
 
 
 class OpenAIError(Exception):
@@ -119,7 +117,11 @@ def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: Samplin
     (ClientShares: 429 past it) until each sub-request's stream ends."""
     engine, shares = ctx.engine, ctx.client_shares if client is not None else None
     if shares is not None:
-        shares.take(client, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
+        try:
+            shares.take(client, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
+        except ShareRefused as err:
+            raise OpenAIError(str(err), err.status, err.param,
+                              "rate_limit_exceeded" if err.status == 429 else None) from None
     release = None if shares is None else (lambda: shares.give_back(client, params.n))
     streams: list[AsyncIterator[RequestOutput]] = []
     try:

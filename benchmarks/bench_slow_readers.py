@@ -101,7 +101,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.seek(0)
-        aborts = [l.rstrip() for l in log if "aborted" in l or "disconnected" in l]
+        lines = log.readlines()
+        for line in [l for l in lines if "throughput" in l][:8]:
+            print("  " + line.rstrip())
+        aborts = [l.rstrip() for l in lines if "aborted" in l or "disconnected" in l]
         print(f"abort lines in the log: {len(aborts)}")
         for line in aborts[:3]:
             print("  " + line)
@@ -130,8 +133,8 @@ def _run(args: argparse.Namespace, port: int, proc: subprocess.Popen) -> None:
     while time.monotonic() - started < args.duration:
         time.sleep(0.5)
     stop.set()
-    print(f"server RSS: {rss_before:.0f} MB before, peak {max(r for _, r in samples):.0f} MB, "
-          f"last {samples[-1][1]:.0f} MB at {samples[-1][0]:.0f} s")
+    marks = [f"{r:.0f} MB at {t:.0f} s" for t, r in samples[9::10]]
+    print(f"server RSS: {rss_before:.0f} MB before; " + ", ".join(marks))
     health = httpx.get(f"{url}/health", timeout=5).status_code
     print(f"/health at the end: {health}")
     for s in socks:

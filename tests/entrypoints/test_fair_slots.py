@@ -37,13 +37,19 @@ def slots(smollm_gguf):
     srv.stop()
 
 
-def _non_reader(srv: Server, source: str, body: dict = HOG) -> socket.socket:
+CHAT_HOG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "n": 4, "max_tokens": 2000, "logprobs": True, "top_logprobs": 20, "stream": True,
+            "ignore_eos": True}
+
+
+def _non_reader(srv: Server, source: str, body: dict = HOG,
+                path: str = "/v1/completions") -> socket.socket:
     """A client at `source` that sends body (HOG: streaming) and never reads a byte of the
     answer."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", srv.port), source_address=(source, 0))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
 
@@ -92,9 +98,11 @@ def _closed_by_server(sock: socket.socket) -> bool:
 
 
 def test_clients_that_do_not_read_are_aborted_and_a_normal_request_gets_through(slots):
-    # two clients (n=4 each, their whole share) fill every sequence slot and never read
+    # two clients (n=4 each, their whole share; completions and chat) fill every sequence slot
+    # and never read
     before = _rss(slots.proc.pid)
-    socks = [_non_reader(slots, "127.0.0.2"), _non_reader(slots, "127.0.0.3")]
+    socks = [_non_reader(slots, "127.0.0.2"),
+             _non_reader(slots, "127.0.0.3", CHAT_HOG, "/v1/chat/completions")]
     try:
         _wait_for(lambda: slots.metrics()["vllm:num_requests_running"] == MAX_NUM_SEQS, 60,
                   "the non-readers hold every slot")
@@ -102,14 +110,14 @@ def test_clients_that_do_not_read_are_aborted_and_a_normal_request_gets_through(
         print(f"first token of a normal request behind 2 non-readers: {ttft:.2f} s")
         assert ttft < 15  # before: after the non-readers' 2000 tokens (minutes)
         aborted = _wait_for(lambda: len(set(re.findall(
-            r"request (cmpl-\w+-0): aborted: its client has not taken its last \d+ outputs "
+            r"request ((?:chat)?cmpl-\w+-0): aborted: its client has not taken its last \d+ outputs "
             rf"\(--max-stream-backlog {BACKLOG}\)", slots.log_tail(20000)))) == 2, 30,
             "an abort line for each non-reader")
         assert aborted
         assert slots.wait_idle()["vllm:kv_cache_usage_perc"] == 0  # their blocks are free
         # then each stalled connection is closed: nothing of it stays in the server
         closed = _wait_for(lambda: len(re.findall(
-            rf"client 127\.0\.0\.[23]:\d+ \(POST /v1/completions\): disconnected: it took no "
+            rf"client 127\.0\.0\.[23]:\d+ \(POST /v1/(?:chat/)?completions\): disconnected: it took no "
             rf"response bytes for {STALL_S} s \(--send-stall-timeout\)",
             slots.log_tail(20000))) == 2, STALL_S + 20, "a disconnect line for each non-reader")
         assert closed

@@ -8,12 +8,14 @@ from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # a long context's text many times over
 DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_SEND_STALL_TIMEOUT_S = 30.0
+# a stalled client is disconnected after this (nginx's send_timeout is 60 s; a sequence slot
+# is dearer than a proxy's connection)
+DEFAULT_SEND_STALL_TIMEOUT_S = 10.0
 DEFAULT_MAX_CLIENT_SHARE = 0.5  # of --max-num-seqs (client_share)
-# the kernel's send buffer per connection (SO_SNDBUF; Linux doubles it): 128 KiB in effect,
-# ample for token streams (2.6 MB/s at 50 ms RTT), where autotuning would let a client that
-# does not read park up to 4 MB (tcp_wmem) before the server notices
-DEFAULT_SEND_BUFFER_BYTES = 64 << 10
+# the kernel's send buffer per connection (SO_SNDBUF; Linux doubles it): 64 KiB in effect,
+# ample for token streams (1.3 MB/s at 50 ms RTT), where autotuning would let a client that
+# does not read park up to 4 MB (tcp_wmem) of its output before the server notices
+DEFAULT_SEND_BUFFER_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)

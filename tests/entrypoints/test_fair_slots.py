@@ -110,15 +110,15 @@ def test_clients_that_do_not_read_are_aborted_and_a_normal_request_gets_through(
         print(f"first token of a normal request behind 2 non-readers: {ttft:.2f} s")
         assert ttft < 15  # before: after the non-readers' 2000 tokens (minutes)
         aborted = _wait_for(lambda: len(set(re.findall(
-            r"request ((?:chat)?cmpl-\w+-0): aborted: its client has not taken its last \d+ outputs "
-            rf"\(--max-stream-backlog {BACKLOG}\)", slots.log_tail(20000)))) == 2, 30,
+            r"request ((?:chat)?cmpl-\w+-0): aborted: its client has not taken its last "
+            rf"\d+ outputs \(--max-stream-backlog {BACKLOG}\)", slots.log_tail(20000)))) == 2, 30,
             "an abort line for each non-reader")
         assert aborted
         assert slots.wait_idle()["vllm:kv_cache_usage_perc"] == 0  # their blocks are free
         # then each stalled connection is closed: nothing of it stays in the server
         closed = _wait_for(lambda: len(re.findall(
-            rf"client 127\.0\.0\.[23]:\d+ \(POST /v1/(?:chat/)?completions\): disconnected: it took no "
-            rf"response bytes for {STALL_S} s \(--send-stall-timeout\)",
+            r"client 127\.0\.0\.[23]:\d+ \(POST /v1/(?:chat/)?completions\): disconnected: "
+            rf"it took no response bytes for {STALL_S} s \(--send-stall-timeout\)",
             slots.log_tail(20000))) == 2, STALL_S + 20, "a disconnect line for each non-reader")
         assert closed
         assert all(_closed_by_server(s) for s in socks)

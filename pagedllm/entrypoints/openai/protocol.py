@@ -6,7 +6,8 @@ import logging
 import math
 from typing import Annotated, Any, Callable, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams

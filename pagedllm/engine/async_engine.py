@@ -7,7 +7,8 @@
 
 A caller that stops taking its stream's outputs (an HTTP client that does not read) would make
 its queue grow by one output a step and hold its sequence slots to max_tokens: past
-max_stream_backlog outputs not taken, the request is aborted and its queue emptied.
+max_stream_backlog outputs not taken, and nothing taken for BACKLOG_GRACE_S, the request is
+aborted and its queue emptied.
 """
 from __future__ import annotations
 

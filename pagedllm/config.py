@@ -9,6 +9,10 @@ from typing import Any, Optional
 
 # quantization= values: None picks "gguf" for a GGUF on the CPU and "none" otherwise.
 QUANTIZATION_METHODS = ("gguf", "int8", "int4", "none")
+# AsyncLLM's bound on the outputs (one per engine step) a stream holds that its caller has not
+# taken (serve's --max-stream-backlog): a reader that keeps up holds one or two; 32 is a few
+# seconds of a stalled client's steps and about 1 MB at worst
+DEFAULT_MAX_STREAM_BACKLOG = 32
 
 
 def check_quantization(value: Optional[str]) -> Optional[str]:

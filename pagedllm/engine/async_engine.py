@@ -4,6 +4,11 @@
     generate() --validate--> inbox  ------->  add_processed, step(), step(), ...
                <---- RequestOutput via call_soon_threadsafe ----  (one queue per request)
     abort()    ---------------> inbox  ------>  abort_request (frees KV blocks at once)
+
+A caller that stops taking its stream's outputs (an HTTP client that does not read) would make
+its queue grow by one output a step and hold its sequence slots to max_tokens: past
+max_stream_backlog outputs not taken, and nothing taken for BACKLOG_GRACE_S, the request is
+aborted and its queue emptied.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
+from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -25,6 +31,10 @@ logger = logging.getLogger("pagedllm")
 # idle seconds before the grammar warm-up runs: a health probe or first request right after
 # start-up is not held up by it
 WARM_UP_DELAY_S = 1.0
+# a stream past its backlog bound is aborted only once its caller has taken nothing for this
+# long: an event loop held up for a moment delivers a burst of outputs at once, which a live
+# caller then takes in one go
+BACKLOG_GRACE_S = 1.0
 
 
 class OutputListener(Protocol):
@@ -50,6 +60,10 @@ class RequestFailedError(RuntimeError):
     """One request failed on its own (e.g. detokenizing its output); the engine goes on."""
 
 
+class StreamBackloggedError(RequestFailedError):
+    """A request aborted because its caller left more than max_stream_backlog outputs untaken."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's load, for metrics."""
@@ -63,14 +77,22 @@ class EngineStats:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    on_close: Optional[Callable[[], None]] = None  # called once, when the stream is forgotten
+    # loop time of the caller's last take, or of the output that found the queue empty if later
+    idle_since: float = 0.0
 
 
 class AsyncLLM:
     """Thread-backed asynchronous front of an LLMEngine; requests share batches."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256,
+                 max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG) -> None:
+        if isinstance(max_stream_backlog, bool) or not isinstance(max_stream_backlog, int) \
+                or max_stream_backlog < 1:
+            raise ValueError(f"max_stream_backlog must be an int >= 1, got {max_stream_backlog!r}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_stream_backlog = max_stream_backlog
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # requests accepted but not yet handed to the engine
@@ -129,13 +151,15 @@ class AsyncLLM:
                            self.engine.kv_cache_usage)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    max_tokens_must_fit: bool = False) -> AsyncIterator[RequestOutput]:
+                    max_tokens_must_fit: bool = False,
+                    on_close: Optional[Callable[[], None]] = None) -> AsyncIterator[RequestOutput]:
         """Validate and queue now (ValueError, EngineOverloadedError); return the output stream.
 
         Iterate the stream to the end or close it: closing it early aborts the request. The
-        stream raises RequestFailedError if this request fails on its own, EngineDeadError if
-        the engine stops. max_tokens_must_fit: refuse a max_tokens the context cannot hold
-        (the server's rule) instead of capping it.
+        stream raises RequestFailedError if this request fails on its own (StreamBackloggedError
+        if it was left untaken), EngineDeadError if the engine stops. max_tokens_must_fit:
+        refuse a max_tokens the context cannot hold (the server's rule) instead of capping it.
+        on_close: called once, on the event loop, when the stream ends, closes or is aborted.
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
@@ -153,7 +177,7 @@ class AsyncLLM:
             with self._lock:
                 self._pending -= 1
             raise
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), on_close)
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, processed))
         delta = params.output_kind == RequestOutputKind.DELTA
@@ -172,6 +196,7 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await stream.queue.get()
+                stream.idle_since = stream.loop.time()
                 if isinstance(item, RequestFailedError):
                     finished = True  # the engine has forgotten it already
                     raise item
@@ -184,7 +209,7 @@ class AsyncLLM:
                 last, tokens = self._observe(item, started, last, tokens, delta)
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self._forget(request_id)
             if not finished:  # the caller went away (client disconnect): free its blocks now
                 self.abort(request_id)
 
@@ -206,8 +231,36 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks return to the pool on the engine thread's next turn."""
-        self._streams.pop(request_id, None)
+        self._forget(request_id)
         self._submit(lambda: self.engine.abort_request([request_id]))
+
+    def _forget(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.on_close is not None:
+            stream.on_close()
+
+    def _queue_output(self, request_id: str, stream: _Stream, out: RequestOutput) -> None:
+        """On the stream's loop: queue out, or abort a request whose caller has left
+        max_stream_backlog outputs untaken and taken nothing for BACKLOG_GRACE_S (its last
+        output is always queued: the engine has freed its blocks already)."""
+        if self._streams.get(request_id) is not stream:  # closed or aborted meanwhile
+            return
+        now = stream.loop.time()
+        if stream.queue.empty():
+            stream.idle_since = now
+        if (out.finished or stream.queue.qsize() < self.max_stream_backlog
+                or now - stream.idle_since < BACKLOG_GRACE_S):
+            stream.queue.put_nowait(out)
+            return
+        logger.warning("request %s: aborted: its client has not taken its last %d outputs "
+                       "(--max-stream-backlog %d); its KV blocks are freed", request_id,
+                       stream.queue.qsize(), self.max_stream_backlog)
+        self.abort(request_id)
+        while not stream.queue.empty():  # the backlog's memory goes at once
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(StreamBackloggedError(
+            f"request {request_id} was aborted: its client did not take its output (more than "
+            f"{self.max_stream_backlog} outputs waited; --max-stream-backlog)"))
 
     def shutdown(self) -> None:
         """Stop the engine thread."""
@@ -239,7 +292,7 @@ class AsyncLLM:
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            stream.loop.call_soon_threadsafe(self._queue_output, out.request_id, stream, out)
 
     def _run(self) -> None:
         try:

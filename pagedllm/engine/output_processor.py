@@ -21,6 +21,8 @@ class _SampleState:
     params: SamplingParams
     detokenizer: Optional[IncrementalDetokenizer]
     token_ids: list[int] = field(default_factory=list)
+    # every token's (CUMULATIVE, FINAL_ONLY) or, for DELTA, those not yet sent: a stream's
+    # 4000 tokens x 20 logprobs would otherwise stay in memory (~3 KB a token) until it ends
     logprobs: Optional[list[dict[int, Logprob]]] = None
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
@@ -223,9 +225,10 @@ class OutputProcessor:
             outputs.append(CompletionOutput(
                 index=s.index, text=new_text, token_ids=s.token_ids[s.sent_tokens:],
                 cumulative_logprob=s.cumulative_logprob,
-                logprobs=s.logprobs[s.sent_tokens:] if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason))
             s.sent_chars, s.sent_tokens = max(s.sent_chars, len(text)), len(s.token_ids)
+            if s.logprobs is not None:
+                s.logprobs = []
             s.sent_finish = finished
         if not outputs:
             return None

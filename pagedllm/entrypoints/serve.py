@@ -15,11 +15,13 @@ from typing import Awaitable, Callable, Optional
 
 import uvicorn
 
-from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG, QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
                                        add_ignored_cli_args, ignored_cli_values)
-from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S,
-                                                HttpLimits)
+from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CLIENT_SHARE,
+                                                DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
+                                                DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
+                                                SlotLimits)
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 logger = logging.getLogger("pagedllm")
@@ -64,6 +66,7 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients send as `model` "
                    "(default: the model argument)")
     _add_engine_flags(p)
+    _add_slot_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
                    "endpoint but /health, /metrics, /version and the API docs (default: "
                    "$PAGEDLLM_API_KEY, else no key)")
@@ -79,7 +82,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests beyond this get HTTP 503")
+                   help="queued requests beyond this get HTTP 503 (a prompt list longer than "
+                   "this, 400)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get HTTP 413, refused while being read")
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
@@ -140,6 +144,23 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "rank on the Ray cluster at RAY_ADDRESS (else a local one; needs "
                    "pagedllm[ray]); uni: the model in the server's process (default: mp with "
                    "several ranks, else uni)")
+
+
+def _add_slot_flags(p: argparse.ArgumentParser) -> None:
+    """How many sequence slots one client may hold, and for how long while it does not read
+    (limits.HttpLimits, limits.SlotLimits; docs/server_limits.md)."""
+    p.add_argument("--max-client-share", type=float, default=DEFAULT_MAX_CLIENT_SHARE,
+                   help="share of --max-num-seqs one client (peer address) may have in flight, "
+                   "n x prompts over its requests; past it HTTP 429; 1 turns the cap off")
+    p.add_argument("--max-stream-backlog", type=int, default=DEFAULT_MAX_STREAM_BACKLOG,
+                   help="outputs (one per step) a stream may have waiting that its client has "
+                   "not taken, for over a second; then the request is aborted, its slots freed")
+    p.add_argument("--send-stall-timeout", type=float, default=DEFAULT_SEND_STALL_TIMEOUT_S,
+                   help="seconds a client may take no response bytes while the server has more "
+                   "for it; then it is disconnected and its requests aborted")
+    p.add_argument("--send-buffer-bytes", type=int, default=DEFAULT_SEND_BUFFER_BYTES,
+                   help="each connection's kernel send buffer (SO_SNDBUF): how much a client "
+                   "that does not read can leave unsent before --max-stream-backlog counts")
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -245,17 +266,19 @@ def run_serve(args: argparse.Namespace) -> int:
     """Bind the port (a busy one is refused before anything is imported or loaded), then build
     the engine and serve until interrupted."""
     interval = stats_interval()
-    limits = HttpLimits(args.max_request_body_bytes, args.request_read_timeout)
+    limits = HttpLimits(args.max_request_body_bytes, args.request_read_timeout,
+                        args.send_stall_timeout, args.send_buffer_bytes)
+    slots = SlotLimits(args.max_client_share, args.max_stream_backlog)
     sock = bind_port(args.host, args.port)
     try:
-        return _serve(args, sock, interval, limits)
+        return _serve(args, sock, interval, limits, slots)
     finally:
         gc.enable()
         sock.close()
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
-           limits: HttpLimits) -> int:
+           limits: HttpLimits, slots: SlotLimits) -> int:
     """Load the model and run the app on `sock` until interrupted; 1 if the engine stopped."""
     # No cyclic collections while the modules and the model load: they found nothing to free
     # and took ~0.35 s of a 3 s start. What start-up made is then frozen (out of every later
@@ -265,6 +288,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
     from pagedllm.entrypoints.openai.bounded_http import uvicorn_options
+    from pagedllm.entrypoints.openai.client_share import ClientShares
     from pagedllm.entrypoints.openai.request_log import OutputListeners, RequestLog
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
@@ -272,9 +296,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     engine = LLMEngine.from_engine_args(engine_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
-    ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting), [name],
+    ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting,
+                                 max_stream_backlog=slots.max_stream_backlog), [name],
                         engine.config.scheduler.max_model_len, chat_template, parser,
-                        _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none)
+                        _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
+                        ClientShares(slots.max_client_share,
+                                     engine.config.scheduler.max_num_seqs))
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

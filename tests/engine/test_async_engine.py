@@ -1,13 +1,17 @@
-"""AsyncLLM: concurrent streams share the engine, early close aborts, a bounded waiting queue."""
+"""AsyncLLM: concurrent streams share the engine, early close aborts, a bounded waiting queue, a
+stream left untaken is aborted past its backlog bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLM, EngineOverloadedError, EngineStats
+from pagedllm.engine.async_engine import (BACKLOG_GRACE_S, AsyncLLM, EngineOverloadedError,
+                                          EngineStats, StreamBackloggedError)
 from pagedllm.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -58,6 +62,57 @@ def test_streams_and_overload(engine):
             with pytest.raises(ValueError, match="max_model_len is 512"):
                 llm.add_request("bad", "hello " * 2000, GREEDY)
             assert llm._pending == 0
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+async def _until_idle(engine, seconds: float = 10.0) -> float:
+    """Seconds until the engine has nothing left to do (fails past `seconds`)."""
+    started = time.monotonic()
+    while engine.has_unfinished_requests():
+        assert time.monotonic() - started < seconds, "the request was not aborted"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_stream_left_untaken_is_aborted_and_its_blocks_freed(engine):
+    async def main():
+        llm = AsyncLLM(engine, max_stream_backlog=4)
+        closed = []
+        try:
+            long = SamplingParams(max_tokens=400, ignore_eos=True)
+            stream = llm.add_request("slow", "Hello there", long,
+                                     on_close=lambda: closed.append("slow"))
+            await stream.__anext__()  # then never taken again, as a client that does not read
+            waited = await _until_idle(engine)
+            assert BACKLOG_GRACE_S * 0.9 < waited < 8  # the grace, then the abort
+            assert llm.stats().kv_cache_usage == 0 and closed == ["slow"]
+            assert len(llm._streams) == 0
+            # the backlog is dropped; the caller, if it reads again, hears why
+            with pytest.raises(StreamBackloggedError, match="max-stream-backlog"):
+                await stream.__anext__()
+            assert closed == ["slow"]  # on_close ran once
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_burst_after_a_busy_event_loop_is_not_a_backlog(engine):
+    async def main():
+        llm = AsyncLLM(engine, max_stream_backlog=2)
+        try:
+            stream = llm.add_request("burst", "Hello there",
+                                     SamplingParams(max_tokens=60, ignore_eos=True,
+                                                    output_kind=RequestOutputKind.DELTA))
+            await stream.__anext__()
+            time.sleep(BACKLOG_GRACE_S + 0.5)  # the loop is held up: outputs pile up behind it
+            tokens = 1
+            async for out in stream:  # a live caller takes them in one go
+                tokens += len(out.outputs[0].token_ids)
+            assert out.finished and tokens == 60
         finally:
             llm.shutdown()
 

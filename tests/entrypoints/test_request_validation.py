@@ -48,6 +48,35 @@ def test_bad_fields_are_400_and_the_engine_goes_on(server, path, body, param, me
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
+_CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/detokenize", {"tokens": [True]}, "tokens.0", "must be an integer, not true"),
+    ("/detokenize", {"tokens": [5, False]}, "tokens.1", "must be an integer, not false"),
+    ("/v1/completions", {"prompt": [True]}, "prompt", "prompt[0] is a boolean"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, False]]}, "prompt", "prompt[1][1] is a boolean"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [True]}, "stop_token_ids.0",
+     "must be an integer"),
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [False, 5]},
+     "allowed_token_ids.0", "must be an integer"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": True}}, "logit_bias.5",
+     "must be a number, not true"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens", "must be an integer"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": True}, "logprobs", "must be an integer"),
+    ("/v1/chat/completions", {**_CHAT, "n": True}, "n", "must be an integer"),
+    ("/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": True},
+     "top_logprobs", "must be an integer"),
+])
+def test_booleans_are_not_integers(server, path, body, param, message):
+    """JSON's true is no token id or count (pydantic's lax mode read it as 1)."""
+    r = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, headers=HEADERS,
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+
+
 _FAULTY_SERVE = """
 import sys
 from pagedllm.engine.engine_core import EngineCore

@@ -139,11 +139,13 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        return _respond(await _unless_disconnected(raw, create_completion(ctx, req)))
+        return _respond(await _unless_disconnected(
+            raw, create_completion(ctx, req, _client(raw))))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        return _respond(await _unless_disconnected(raw, create_chat_completion(ctx, req)))
+        return _respond(await _unless_disconnected(
+            raw, create_chat_completion(ctx, req, _client(raw))))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
@@ -178,6 +180,11 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BoundedBodies, limits=limits)  # added last: the outermost
     return app
+
+
+def _client(request: Request) -> Optional[str]:
+    """Who sent the request, for --max-client-share: the peer's address (client_share)."""
+    return request.client.host if request.client is not None else None
 
 
 def _respond(result: Any):

@@ -8,7 +8,11 @@ Two layers, because uvicorn has neither bound:
   read_timeout_s: a Content-Length longer than the body sent gets a 408, not a wait forever.
 - ReadTimedH11Protocol (uvicorn's h11 protocol) closes a connection whose request headers have
   not arrived within read_timeout_s, or whose body is still trickling in after the response
-  went out: half-open connections do not stay open indefinitely.
+  went out: half-open connections do not stay open indefinitely. It also disconnects a client
+  that takes no response bytes for send_stall_timeout_s while the server has more for it (the
+  transport paused its writer: the socket is full), which aborts that client's requests, and
+  caps each connection's kernel send buffer at send_buffer_bytes, so that a client that does
+  not read is noticed after a few hundred kilobytes rather than after the 4 MB autotuning allows.
 uvicorn's limit_concurrency is not set: it counts idle connections too (a few thousand
 half-open ones would turn every request away) and answers in plain text; the deadline frees
 them instead. Starlette's RequestBodyLimitMiddleware (FastAPI's max_body_size) is not used:
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 from typing import Optional
 
 import h11
@@ -27,8 +33,12 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedllm.entrypoints.openai.limits import DEFAULT_READ_TIMEOUT_S, HttpLimits
+from pagedllm.entrypoints.openai.limits import (DEFAULT_READ_TIMEOUT_S,
+                                                DEFAULT_SEND_BUFFER_BYTES,
+                                                DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits)
 from pagedllm.entrypoints.openai.serving_common import OpenAIError
+
+logger = logging.getLogger("pagedllm")
 
 
 class BodyTooLarge(HTTPException):
@@ -115,10 +125,16 @@ class ReadTimedH11Protocol(H11Protocol):
     connections idle after a response (timeout_keep_alive)."""
 
     read_timeout_s = DEFAULT_READ_TIMEOUT_S
+    send_stall_timeout_s = DEFAULT_SEND_STALL_TIMEOUT_S
+    send_buffer_bytes = DEFAULT_SEND_BUFFER_BYTES
     _deadline: Optional[asyncio.TimerHandle] = None
+    _stall: Optional[asyncio.TimerHandle] = None  # armed while the transport's writer is paused
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
         self._watch()
 
     def data_received(self, data: bytes) -> None:
@@ -131,7 +147,37 @@ class ReadTimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._cancel()
+        self._cancel_stall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client has stopped taking."""
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.send_stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        """The client took bytes again."""
+        super().resume_writing()
+        self._cancel_stall()
+
+    def _cancel_stall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.transport.is_closing():
+            return
+        what = f" ({self.cycle.scope['method']} {self.cycle.scope['path']})" if self.cycle else ""
+        peer = "%s:%d" % self.client if self.client else "?"
+        logger.warning("client %s%s: disconnected: it took no response bytes for %g s "
+                       "(--send-stall-timeout); its requests are aborted", peer, what,
+                       self.send_stall_timeout_s)
+        # abort, not close: the buffered bytes the client will not take are dropped at once;
+        # connection_lost then ends the response as a client disconnect does
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 cannot parse, as OpenAI's error object."""
@@ -168,7 +214,9 @@ class ReadTimedH11Protocol(H11Protocol):
 def uvicorn_options(limits: HttpLimits) -> dict[str, object]:
     """uvicorn.run's keyword arguments for these limits."""
     protocol = type("ReadTimedH11Protocol", (ReadTimedH11Protocol,),
-                    {"read_timeout_s": limits.read_timeout_s})
+                    {"read_timeout_s": limits.read_timeout_s,
+                     "send_stall_timeout_s": limits.send_stall_timeout_s,
+                     "send_buffer_bytes": limits.send_buffer_bytes})
     return {"http": protocol}
 
 

@@ -1,11 +1,13 @@
 """Request bodies of the OpenAI API (plus vLLM's extra sampling fields) and their SamplingParams."""
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Annotated, Any, Callable, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -46,6 +48,34 @@ _TOOLS = {"items": {"type": "object", "required": ["type", "function"], "propert
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
         "parameters": {"type": "object"}}}}}}
+
+
+def _not_bool(kind: str) -> Callable[[Any], Any]:
+    """A before-validator refusing JSON's true and false, which pydantic's lax mode would read
+    as 1 and 0."""
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise PydanticCustomError("bool_number", "must be {kind}, not {value}",
+                                      {"kind": kind, "value": json.dumps(value)})
+        return value
+    return check
+
+
+# int and float fields that refuse booleans (otherwise lax: "16" and 16.0 are still 16)
+Int = Annotated[int, BeforeValidator(_not_bool("an integer"))]
+Float = Annotated[float, BeforeValidator(_not_bool("a number"))]
+
+
+def _first_bool(value: Any, path: str) -> Optional[str]:
+    """Where a token-id prompt (a list, or lists) holds a boolean, else None."""
+    if isinstance(value, bool):
+        return path
+    if isinstance(value, list) and path.count("[") < 2:
+        for i, item in enumerate(value):
+            where = _first_bool(item, f"{path}[{i}]")
+            if where is not None:
+                return where
+    return None
 
 
 def _described(default: Any = None, **schema: Any) -> Any:
@@ -137,15 +167,15 @@ class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's and vLLM's extras)."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = _described(minimum=0)
-    n: int = _described(1, minimum=1, maximum=MAX_N)
-    best_of: Optional[int] = _described(
+    max_tokens: Optional[Int] = _described(minimum=0)
+    n: Int = _described(1, minimum=1, maximum=MAX_N)
+    best_of: Optional[Int] = _described(
         minimum=1, maximum=MAX_N,
         description="must equal n: returning the best n of more samples is not supported")
     temperature: Optional[float] = _described(minimum=0)
     top_p: Optional[float] = _described(exclusiveMinimum=0, maximum=1)
     # checked here: past a torch generator's range the engine itself would fail on it
-    seed: Optional[int] = Field(None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
+    seed: Optional[Int] = Field(None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -153,21 +183,21 @@ class SamplingFields(RequestBody):
     frequency_penalty: float = _described(0.0, minimum=-2, maximum=2)
     user: Optional[str] = None
     # JSON keys are strings: token ids as text
-    logit_bias: Optional[dict[str, float]] = _described(
+    logit_bias: Optional[dict[str, Float]] = _described(
         propertyNames={"pattern": "^[0-9]+$"},
         additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     # vLLM extras
-    top_k: Optional[int] = _described(minimum=-1)
+    top_k: Optional[Int] = _described(minimum=-1)
     min_p: Optional[float] = _described(minimum=0, maximum=1)
     repetition_penalty: Optional[float] = _described(exclusiveMinimum=0)
     ignore_eos: bool = False
-    min_tokens: int = _described(0, minimum=0)
-    stop_token_ids: Optional[list[int]] = _described(**_IDS)
+    min_tokens: Int = _described(0, minimum=0)
+    stop_token_ids: Optional[list[Int]] = _described(**_IDS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = _described(minimum=0)
-    allowed_token_ids: Optional[list[int]] = _described(minItems=1, **_IDS)
+    prompt_logprobs: Optional[Int] = _described(minimum=0)
+    allowed_token_ids: Optional[list[Int]] = _described(minItems=1, **_IDS)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -274,7 +304,16 @@ class CompletionRequest(SamplingFields):
         json_schema_extra=lambda schema: schema.update(anyOf=_PROMPTS))
     echo: bool = False
     suffix: Optional[str] = None
-    logprobs: Optional[int] = _described(minimum=0)
+    logprobs: Optional[Int] = _described(minimum=0)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids_not_bools(cls, value: Any) -> Any:
+        where = _first_bool(value, "prompt")
+        if where is not None:
+            raise PydanticCustomError("bool_number", "token ids are integers; {where} is a "
+                                      "boolean", {"where": where})
+        return value
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -294,9 +333,9 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = _described(..., minItems=1)
-    max_completion_tokens: Optional[int] = _described(minimum=1)
+    max_completion_tokens: Optional[Int] = _described(minimum=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = _described(minimum=0)
+    top_logprobs: Optional[Int] = _described(minimum=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -324,4 +363,4 @@ class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: Optional[str] = None
-    tokens: list[int] = Field(default_factory=list, json_schema_extra=_IDS)
+    tokens: list[Int] = Field(default_factory=list, json_schema_extra=_IDS)

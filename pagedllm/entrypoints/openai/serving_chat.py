@@ -10,7 +10,7 @@ from pagedllm.entrypoints.openai.protocol import ROLES, ChatCompletionRequest, C
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n, new_id, now,
                                                         prompt_logprobs_json, sse,
-                                                        start_prompts, usage)
+                                                        start_prompts, stream_error, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -113,15 +113,17 @@ def _message(plan: Optional[ToolPlan], comp: CompletionOutput) -> tuple[dict[str
     return message, "tool_calls"
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest):
-    """The JSON response, or an async iterator of SSE lines when req.stream."""
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 client: Optional[str] = None):
+    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
+    it, for --max-client-share."""
     model = ctx.check_model(req.model)
     plan = _plan(ctx, req)
     params = _params(ctx, req, plan)
     # the template and the tokenizing on the tokenizer's thread: the event loop stays free
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     rid = new_id("chatcmpl")
-    (gen,) = start_prompts(ctx.engine, [{"prompt_token_ids": ids}], params, rid)
+    (gen,) = start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client)
     if req.stream:
         head = _head(rid, model)
         if plan is not None and plan.choice != "none":
@@ -189,10 +191,8 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                 if opts and opts.continuous_usage_stats:
                     chunk["usage"] = usage_so_far()
                 yield sse(chunk)
-    except OpenAIError as err:
-        yield sse(err.body())
     except Exception as err:  # the request or the engine failed mid-stream
-        yield sse(OpenAIError(str(err), 500).body())
+        yield sse(stream_error(err).body())
     else:
         if opts and opts.include_usage:
             yield sse({**head, "choices": [], "usage": usage_so_far()})

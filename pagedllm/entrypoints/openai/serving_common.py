@@ -8,8 +8,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedllm.engine.async_engine import (AsyncLLM, EngineDeadError, EngineOverloadedError,
+                                          StreamBackloggedError)
 from pagedllm.engine.input_processor import PromptType
+from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.outputs import RequestOutput
@@ -44,6 +46,7 @@ class ServerContext:
     tool_parser: Optional[str] = None  # --tool-call-parser, else the one the template implies
     enable_auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    client_shares: Optional[ClientShares] = None  # --max-client-share; None: no cap
     tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
 
     def __post_init__(self) -> None:
@@ -97,16 +100,37 @@ def sse(data: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def start_prompts(engine: AsyncLLM, prompts: list[PromptType], params: SamplingParams,
-                  request_id: str) -> list[AsyncIterator[RequestOutput]]:
+def check_prompt_count(engine: AsyncLLM, count: int) -> None:
+    """A 400 naming prompt for a list longer than the waiting limit: no retry could queue it
+    (503 is for a server busy with others' requests)."""
+    if count > engine.max_waiting:
+        raise OpenAIError(f"prompt has {count} prompts; this server queues at most "
+                          f"{engine.max_waiting} requests (--max-waiting): send at most that "
+                          "many per request", 400, "prompt")
+
+
+def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: SamplingParams,
+                  request_id: str, client: Optional[str] = None
+                  ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt (sub-request ids request_id-0, -1, ...) or none: a bad prompt is a
-    400 and the ones already queued are aborted."""
+    400 and the ones already queued are aborted. The sequences count against client's share
+    (ClientShares: 429 past it) until each sub-request's stream ends."""
+    engine, shares = ctx.engine, ctx.client_shares if client is not None else None
+    if shares is not None:
+        try:
+            shares.take(client, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
+        except ShareRefused as err:
+            raise OpenAIError(str(err), err.status, err.param,
+                              "rate_limit_exceeded" if err.status == 429 else None) from None
+    release = None if shares is None else (lambda: shares.give_back(client, params.n))
     streams: list[AsyncIterator[RequestOutput]] = []
     try:
         for i, prompt in enumerate(prompts):
             streams.append(engine.add_request(f"{request_id}-{i}", prompt, params,
-                                              max_tokens_must_fit=True))
+                                              max_tokens_must_fit=True, on_close=release))
     except BaseException as err:
+        if shares is not None:  # the queued ones give theirs back as they are aborted
+            shares.give_back(client, (len(prompts) - len(streams)) * params.n)
         for i in range(len(streams)):
             engine.abort(f"{request_id}-{i}")
         if isinstance(err, ValueError):
@@ -117,6 +141,14 @@ def start_prompts(engine: AsyncLLM, prompts: list[PromptType], params: SamplingP
             raise OpenAIError(str(err), 500) from None
         raise
     return streams
+
+
+def stream_error(err: Exception) -> OpenAIError:
+    """The error event that ends a stream: a request aborted for a client that did not read is
+    408, any other failure mid-stream 500."""
+    if isinstance(err, OpenAIError):
+        return err
+    return OpenAIError(str(err), 408 if isinstance(err, StreamBackloggedError) else 500)
 
 
 def prompt_logprobs_json(out: RequestOutput) -> Optional[list]:

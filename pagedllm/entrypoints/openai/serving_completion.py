@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.input_processor import no_tokens_error
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
-                                                        bad_request, check_n, new_id, now,
+                                                        bad_request, check_n,
+                                                        check_prompt_count, new_id, now,
                                                         prompt_logprobs_json, sse,
-                                                        start_prompts, usage)
+                                                        start_prompts, stream_error, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -116,14 +118,17 @@ class _Logprobs:
         return self.build(pairs, offset)
 
 
-async def create_completion(ctx: ServerContext, req: CompletionRequest):
-    """The JSON response, or an async iterator of SSE lines when req.stream."""
+async def create_completion(ctx: ServerContext, req: CompletionRequest,
+                            client: Optional[str] = None):
+    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
+    it, for --max-client-share."""
     model = ctx.check_model(req.model)
     prompts = _prompts(req)
+    check_prompt_count(ctx.engine, len(prompts))
     params = _params(ctx, req)
     prompts = await _engine_prompts(ctx, prompts)
     rid = new_id("cmpl")
-    gens = start_prompts(ctx.engine, prompts, params, rid)
+    gens = start_prompts(ctx, prompts, params, rid, client)
     if req.stream:
         return _stream(ctx, req, model, rid, gens)
     finals = await asyncio.gather(*(_last(g) for g in gens))
@@ -174,20 +179,23 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
     """Each output is a delta (RequestOutputKind.DELTA): a choice's new text, the tokens that
     made it and their logprobs; its first chunk carries the echoed prompt."""
     created = now()
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: when the client stops reading, the pumps stop taking from the engine's streams,
+    # whose own bound (--max-stream-backlog) then aborts the requests
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
     sent: dict[int, int] = {}  # choice index -> characters sent (logprobs' text_offset)
     tok = ctx.engine.tokenizer
     lps = _Logprobs(tok, req.return_tokens_as_token_ids)
     opts = req.stream_options
 
     async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        # cancelled (the response is over): nothing more is put, the queue may be full
         try:
-            async for out in gen:
-                await queue.put((i, out))
+            async with aclosing(gen):
+                async for out in gen:
+                    await queue.put((i, out))
         except Exception as err:  # forwarded to the response as an error event
             await queue.put((i, err))
-        finally:
-            await queue.put((i, None))
+        await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     open_prompts, prompt_tokens, completion_tokens = len(gens), 0, {}
@@ -198,8 +206,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 open_prompts -= 1
                 continue
             if isinstance(item, Exception):
-                err = item if isinstance(item, OpenAIError) else OpenAIError(str(item), 500)
-                yield sse(err.body())
+                yield sse(stream_error(item).body())
                 break
             if req.max_tokens == 0:
                 item = _prompt_only(item)

@@ -288,6 +288,9 @@ class EngineConfig:
     # into anonymous memory (worker/x8_weight_file.py)
     mmap_weights: bool = False
     eos_token_ids: tuple[int, ...] = ()  # model, generation_config and tokenizer ids together
+    # seconds a step may take, plus its work at a floor speed (executor/deadline.py), before
+    # the engine is declared hung; None or 0: steps are not timed
+    step_timeout: Optional[float] = 30.0
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

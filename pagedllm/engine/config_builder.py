@@ -237,6 +237,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
-        quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0)
+        quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
+        step_timeout=args.step_timeout)
 
 

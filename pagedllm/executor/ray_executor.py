@@ -25,7 +25,8 @@ stage, or the collectives) go over the same gloo process group and the same code
 executor's, the group's address being rank 0's node IP and a free port found there. With
 RAY_ADDRESS set the engine joins that cluster; else it starts a small local one, which shutdown
 stops. An actor that dies fails the engine with its rank named ("tensor parallel rank 1",
-"pipeline rank 0"), as a dead process does under mp.
+"pipeline rank 0"), as a dead process does under mp; so does one that does not answer a step
+within its deadline (executor/deadline.py), and every actor is then killed.
 
 Up to pipeline_parallel_size steps are in flight, as under mp: an actor runs its calls in the
 order this process submits them, so rank 0 computes step k+1 while rank 1 still computes step
@@ -39,6 +40,7 @@ import logging
 import os
 import re
 import socket
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,9 +57,10 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.deadline import StepDeadline, step_tokens
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         parallel_kind, partition_note, places_driver, rank_places,
-                                         start_worker)
+                                         WorkerHungError, hung_message, parallel_kind,
+                                         partition_note, places_driver, rank_places, start_worker)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")
@@ -132,6 +135,14 @@ class _Rank:
     place: RankPlace
     actor: Any  # ray.actor.ActorHandle
     where: Optional[ActorPlace] = None
+
+
+@dataclass(frozen=True)
+class _StepRefs:
+    """A step in flight: its answers' refs (one a rank) and how long they may take."""
+
+    refs: list
+    deadline_s: Optional[float]
 
 
 @dataclass
@@ -231,6 +242,8 @@ class RayExecutor(Executor):
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._steps = StepQueue(self._take_oldest)  # steps submitted, answers untaken
+        self._deadline = StepDeadline.of(self.config)
+        self._steps_sent = 0
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -261,17 +274,32 @@ class RayExecutor(Executor):
             for i, r in enumerate(self._ranks)))
 
     # ---- calls --------------------------------------------------------------
-    def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None) -> list[Any]:
+    def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None,
+                deadline_s: Optional[float] = None) -> list[Any]:
         """Each rank's answer, in rank order, taken as they come: a rank that fails is seen at
-        once, even while another still waits on it in a send or receive."""
+        once, even while another still waits on it in a send or receive. deadline_s: the
+        longest wait for the next answer (a step's); None: no limit."""
         pending = dict(zip(refs, ranks or self._ranks))
         values: dict[int, Any] = {}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            started = time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline_s)
+            if not ready:
+                self._hung(list(pending.values()), time.monotonic() - started, deadline_s)
             for ref in ready:
                 rank = pending.pop(ref)
                 values[rank.place.rank] = self._get(ref, rank, pending)
         return [values[r.place.rank] for r in (ranks or self._ranks)]
+
+    def _hung(self, pending: list[_Rank], waited: float, deadline_s: float) -> None:
+        """Fail the executor for actors that did not answer in time (the first named: the
+        later stages wait on it); shutdown kills every actor, which Ray does with SIGKILL."""
+        rank = pending[0]
+        where = f" ({rank.where})" if rank.where is not None else ""
+        others = "" if len(pending) == 1 else (
+            f" (like {', '.join(r.place.name for r in pending[1:])})")
+        self._fail(WorkerHungError(hung_message(f"Ray actor of {rank.place.name}{where}",
+                                                waited, deadline_s, others)))
 
     def _get(self, ref: Any, rank: _Rank, pending: dict) -> Any:
         """A ready answer; a rank that raised or died fails the executor."""
@@ -352,17 +380,20 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
+        deadline_s = None if self._deadline is None else self._deadline.seconds(
+            step_tokens(sched.num_scheduled_tokens), self._steps_sent)
+        self._steps_sent += 1
         sampled = self._steps.take_unsent()
-        return self._steps.submit([  # the step's answers' refs, one a rank
+        return self._steps.submit(_StepRefs([  # the step's answers' refs, one a rank
             r.actor.call.remote("execute_model", sched,
                                 None if r.place.rank == self._driver else sampled)
-            for r in self._ranks])
+            for r in self._ranks], deadline_s))
 
-    def _take_oldest(self, refs: list) -> ModelRunnerOutput:
-        """The driver's answer to the oldest step in flight (its refs); an actor that died
-        fails the executor (and so every step in flight)."""
+    def _take_oldest(self, step: "_StepRefs") -> ModelRunnerOutput:
+        """The driver's answer to the oldest step in flight; an actor that died, or did not
+        answer within the step's deadline, fails the executor (and so every step in flight)."""
         self._check_alive()
-        return self._gather(refs)[self._driver]
+        return self._gather(step.refs, deadline_s=step.deadline_s)[self._driver]
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]
@@ -377,6 +408,10 @@ class RayExecutor(Executor):
         """Kill the actors, remove the placement group, and leave Ray if this executor
         joined it."""
         self._finalizer()
+
+    @property
+    def watches_ranks(self) -> bool:
+        return self._deadline is not None
 
     @property
     def worker_places(self) -> list[ActorPlace]:

@@ -11,6 +11,7 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, S
                                                         bad_request, check_n, new_id, now,
                                                         prompt_logprobs_json, sse,
                                                         start_prompts, usage)
+from pagedllm.entrypoints.openai.serving_common import stream_error
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -191,8 +192,8 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                 yield sse(chunk)
     except OpenAIError as err:
         yield sse(err.body())
-    except Exception as err:  # the request or the engine failed mid-stream
-        yield sse(OpenAIError(str(err), 500).body())
+    except Exception as err:  # the request or the engine failed mid-stream, or the drain
+        yield sse(stream_error(err).body())
     else:
         if opts and opts.include_usage:
             yield sse({**head, "choices": [], "usage": usage_so_far()})

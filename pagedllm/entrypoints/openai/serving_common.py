@@ -8,7 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pagedllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
+from pagedllm.engine.async_engine import (AsyncLLM, EngineClosingError, EngineDeadError,
+                                          EngineOverloadedError)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
@@ -64,6 +65,14 @@ def bad_request(err: ValueError) -> OpenAIError:
     message = str(err)
     param = message.split(" ", 1)[0] if message and message[0].isalpha() else None
     return OpenAIError(message, 400, param)
+
+
+def stream_error(err: Exception) -> OpenAIError:
+    """The error event of a stream that failed mid-way: 503 when the server's drain cut it,
+    500 when the request or the engine failed."""
+    if isinstance(err, OpenAIError):
+        return err
+    return OpenAIError(str(err), 503 if isinstance(err, EngineClosingError) else 500)
 
 
 def check_n(n: int, best_of: Optional[int]) -> None:

@@ -11,6 +11,7 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, S
                                                         bad_request, check_n, new_id, now,
                                                         prompt_logprobs_json, sse,
                                                         start_prompts, usage)
+from pagedllm.entrypoints.openai.serving_common import stream_error
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -198,8 +199,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, model: str, rid: s
                 open_prompts -= 1
                 continue
             if isinstance(item, Exception):
-                err = item if isinstance(item, OpenAIError) else OpenAIError(str(item), 500)
-                yield sse(err.body())
+                yield sse(stream_error(item).body())
                 break
             if req.max_tokens == 0:
                 item = _prompt_only(item)

@@ -5,6 +5,9 @@ stops (a server answers /health 503 with the reason and exits 1, so a supervisor
 
     engine thread:  begin(8.2 s) ... step ... end()   begin(8.2 s) ... step (stuck) ...
     watchdog:               waits until end or 8.2 s                  8.2 s -> on_hung(reason)
+
+A step that returns past its deadline before this thread got to run (a loaded machine) is
+reported by end() itself: the rule is the deadline, whichever thread sees it broken first.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 logger = logging.getLogger("pagedllm")
+WHY = "(step_timeout plus its work at a floor speed)"
 
 
 class StepWatchdog:
@@ -36,9 +40,17 @@ class StepWatchdog:
             self._cond.notify()
 
     def end(self) -> None:
-        """The step returned (or raised)."""
+        """The step returned (or raised); late, it is reported here."""
         with self._cond:
+            now, due = time.monotonic(), self._due
             self._due = None
+            if due is None or now <= due or self._stopped:
+                return
+            self._stopped = True
+            took = now - due + self._deadline_s
+            reason = (f"an engine step returned after {took:.3g} s, past its deadline of "
+                      f"{self._deadline_s:.3g} s {WHY}: the engine is hung or too slow")
+        self._report(reason)
 
     def stop(self) -> None:
         """Stop watching (the engine shuts down)."""
@@ -57,11 +69,13 @@ class StepWatchdog:
                     self._cond.wait(left)  # woken early by the next begin() or stop()
                     continue
                 self._stopped = True
-                reason = (f"an engine step has not returned for {self._deadline_s:.1f} s, its "
-                          "deadline (step_timeout plus its work at a floor speed): the engine "
-                          "is hung")
+                reason = (f"an engine step has not returned within its deadline of "
+                          f"{self._deadline_s:.3g} s {WHY}: the engine is hung")
                 break
             else:
                 return
+        self._report(reason)
+
+    def _report(self, reason: str) -> None:
         logger.error("%s", reason)
         self._on_hung(reason)

@@ -30,7 +30,7 @@ async def drain(engine: AsyncLLM, timeout_s: float, forced: Callable[[], bool]) 
     engine.close("the server is shutting down; send the request to another server")
     started, open_at_start = time.monotonic(), engine.num_streams
     if open_at_start:
-        logger.info("shutting down: %d streams may finish within %.0f s (--shutdown-timeout)",
+        logger.info("shutting down: %d requests may finish within %.0f s (--shutdown-timeout)",
                     open_at_start, timeout_s)
     while (engine.num_streams and time.monotonic() - started < timeout_s and not forced()
            and engine.error is None):
@@ -39,8 +39,8 @@ async def drain(engine: AsyncLLM, timeout_s: float, forced: Callable[[], bool]) 
     if left:
         engine.fail_streams(f"the server is shutting down: the request did not finish within "
                             f"--shutdown-timeout {timeout_s:g} s")
-        logger.warning("shutting down: %d of %d streams did not finish within %.1f s; each "
-                       "got an error event", left, open_at_start, time.monotonic() - started)
+        logger.warning("shutting down: %d of %d requests did not finish within %.1f s; each "
+                       "got an error (a stream: an error event and [DONE])", left, open_at_start, time.monotonic() - started)
     elif open_at_start:
-        logger.info("shutting down: every stream finished, in %.1f s",
+        logger.info("shutting down: every request finished, in %.1f s",
                     time.monotonic() - started)

@@ -160,7 +160,7 @@ class WorkerHungError(RuntimeError):
 def hung_message(name: str, waited: float, deadline: float, state: str) -> str:
     """Why the executor gave up on a rank (the mp and the Ray executors say it alike)."""
     return (f"{name}{state} has not answered for {waited:.1f} s (this step's deadline: "
-            f"{deadline:.1f} s, from step_timeout): stopped or hung? The engine cannot "
+            f"{deadline:.3g} s, from step_timeout): stopped or hung? The engine cannot "
             "continue; its ranks are stopped")
 
 

@@ -1,5 +1,6 @@
-"""How long one step may take before the engine calls it hung: the executors' deadline on
-their ranks' replies and the engine's step watchdog (engine/step_watchdog.py) share it.
+"""How long one step may take before the engine calls it hung, and how a rank that misses it
+is reported (WorkerHungError): the executors' deadline on their ranks' replies and the
+engine's step watchdog (engine/step_watchdog.py) share it.
 
 A step's legitimate time grows with its work, so the deadline is `step_timeout` seconds plus
 the step's work at MIN_FLOPS. The slowest step this has to allow is a full prefill chunk of a
@@ -43,6 +44,28 @@ class StepDeadline:
         """How long a step of `tokens` tokens may take, after `steps_done` steps."""
         allowed = self.base_s + tokens * self.flops_per_token / MIN_FLOPS
         return allowed * FIRST_STEPS_FACTOR if steps_done < FIRST_STEPS else allowed
+
+
+class WorkerHungError(RuntimeError):
+    """A rank did not answer a step within its deadline (stopped or hung)."""
+
+
+def hung_message(name: str, waited: float, deadline: float, state: str) -> str:
+    """Why an executor gave up on a rank (the mp and the Ray executors say it alike)."""
+    return (f"{name}{state} has not answered for {waited:.1f} s (this step's deadline: "
+            f"{deadline:.3g} s, from step_timeout): stopped or hung? The engine cannot "
+            "continue; its ranks are stopped")
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, a debugger), not merely slow."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
+                                                 psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def step_tokens(num_scheduled_tokens: dict[str, int]) -> int:

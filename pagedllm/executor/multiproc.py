@@ -71,7 +71,8 @@ from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_part
                                        partition_spec)
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.deadline import StepDeadline, step_tokens
+from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
+                                        process_stopped, step_tokens)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -151,17 +152,6 @@ class WorkerDiedError(RuntimeError):
 
 class WorkerError(RuntimeError):
     """A worker process raised while serving a call."""
-
-
-class WorkerHungError(RuntimeError):
-    """A rank did not answer a step within its deadline (stopped or hung)."""
-
-
-def hung_message(name: str, waited: float, deadline: float, state: str) -> str:
-    """Why the executor gave up on a rank (the mp and the Ray executors say it alike)."""
-    return (f"{name}{state} has not answered for {waited:.1f} s (this step's deadline: "
-            f"{deadline:.3g} s, from step_timeout): stopped or hung? The engine cannot "
-            "continue; its ranks are stopped")
 
 
 @dataclass(frozen=True)
@@ -398,17 +388,6 @@ def _stop_ranks(ranks: list[_Rank], store_dir: str) -> None:
     shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _stopped(pid: int) -> bool:
-    """The process is stopped (SIGSTOP, a debugger), not merely slow."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED,
-                                                 psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False
-
-
 class MultiprocExecutor(Executor):
     """One Worker process per rank, joined by a gloo process group."""
 
@@ -469,7 +448,7 @@ class MultiprocExecutor(Executor):
     def _hung(self, pending: list[_Rank], waited: float, deadline_s: float) -> None:
         """Fail the executor for ranks that did not answer in time: name a stopped one if
         there is one (its peers only wait on it), else the first; kill them all."""
-        stopped = [r for r in pending if _stopped(r.process.pid)]
+        stopped = [r for r in pending if process_stopped(r.process.pid)]
         rank = (stopped or pending)[0]
         state = " is stopped (SIGSTOP) and" if stopped else ""
         for r in self._ranks:  # SIGKILL: a stopped process acts on nothing else

@@ -57,10 +57,11 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.deadline import StepDeadline, step_tokens
+from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
+                                        step_tokens)
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         WorkerHungError, hung_message, parallel_kind,
-                                         partition_note, places_driver, rank_places, start_worker)
+                                         parallel_kind, partition_note, places_driver, rank_places,
+                                         start_worker)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")

@@ -230,7 +230,7 @@ def test_a_stopped_rank_fails_generate_within_the_step_deadline_and_is_killed(sm
     """SIGSTOP of stage 0 mid-generation: it stays alive and silent, so only the reply deadline
     (step_timeout=1: at most 4 s in the first steps, then ~1 s) sees it; the error names the
     stopped rank, and both ranks are killed (a stopped one would wait for SIGCONT forever)."""
-    from pagedllm.executor.multiproc import WorkerHungError
+    from pagedllm.executor.deadline import WorkerHungError
 
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, step_timeout=1, **ENGINE)
     pids = llm.llm_engine.engine_core.executor.worker_pids

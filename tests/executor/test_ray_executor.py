@@ -188,7 +188,7 @@ def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_addr
 def test_a_stopped_actor_fails_generate_within_the_step_deadline(smollm_gguf, ray_address):
     """SIGSTOP of the last stage's actor: ray.wait's timeout (the step deadline, step_timeout=1)
     fails the step with the rank named, and every actor is killed, the stopped one too."""
-    from pagedllm.executor.multiproc import WorkerHungError
+    from pagedllm.executor.deadline import WorkerHungError
 
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, step_timeout=1,
               distributed_executor_backend="ray", **ENGINE)

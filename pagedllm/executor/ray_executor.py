@@ -70,6 +70,7 @@ PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for ev
 # after a rank raised, how long to look for a peer that died (the likelier cause: a rank whose
 # peer is gone fails its send, receive or collective)
 DEATH_GRACE_S = 5.0
+PING_S = 2.0  # how long an actor that missed a step's deadline may take to answer a ping
 # a local cluster's object store: the calls carry only small messages (activations go by gloo)
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the tracebacks it carries
@@ -87,13 +88,21 @@ class ActorPlace:
         return f"pid {self.pid} on node {self.node_ip}"
 
 
-@ray.remote
+# the probe's thread of its own: a rank's calls still run one at a time, in order, on the
+# default group's one thread
+@ray.remote(concurrency_groups={"probe": 1})
 class RankActor:
     """A rank (pipeline stage or tensor parallel rank) in a Ray actor: its Worker, once
     start() has run."""
 
     def __init__(self) -> None:
         self.worker: Any = None
+
+    @ray.method(concurrency_group="probe")
+    def ping(self) -> int:
+        """Answered on a thread of its own, even while a call waits on a peer: an actor that
+        does not answer is stopped or hung itself."""
+        return os.getpid()
 
     def where(self) -> ActorPlace:
         """This actor's process, node and pagedllm."""
@@ -293,14 +302,17 @@ class RayExecutor(Executor):
         return [values[r.place.rank] for r in (ranks or self._ranks)]
 
     def _hung(self, pending: list[_Rank], waited: float, deadline_s: float) -> None:
-        """Fail the executor for actors that did not answer in time (the first named: the
-        later stages wait on it); shutdown kills every actor, which Ray does with SIGKILL."""
-        rank = pending[0]
+        """Fail the executor for actors that did not answer in time, naming one that does not
+        answer a ping either (its peers only wait on it), else the first; shutdown kills every
+        actor, which Ray does with SIGKILL."""
+        pings = {r.actor.ping.remote(): r for r in pending}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_S)
+        silent = [r for ref, r in pings.items() if ref not in ready]
+        rank = (silent or pending)[0]
         where = f" ({rank.where})" if rank.where is not None else ""
-        others = "" if len(pending) == 1 else (
-            f" (like {', '.join(r.place.name for r in pending[1:])})")
+        state = f" does not answer a ping in {PING_S:.0f} s either and" if silent else ""
         self._fail(WorkerHungError(hung_message(f"Ray actor of {rank.place.name}{where}",
-                                                waited, deadline_s, others)))
+                                                waited, deadline_s, state)))
 
     def _get(self, ref: Any, rank: _Rank, pending: dict) -> Any:
         """A ready answer; a rank that raised or died fails the executor."""

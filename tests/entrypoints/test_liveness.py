@@ -23,14 +23,14 @@ DEADLINE_S = 60  # a hang fails the test instead of blocking the suite
 class Stream:
     """A streaming completion read on a thread: its data lines, and when the first came."""
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict, path: str = "/v1/completions") -> None:
         self.lines: list[str] = []
         self.first = threading.Event()
-        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(url + path, body), daemon=True)
         self.thread.start()
 
     def _read(self, url: str, body: dict) -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+        with httpx.stream("POST", url, json={**body, "stream": True},
                           timeout=DEADLINE_S) as resp:
             for line in resp.iter_lines():
                 if line:
@@ -132,8 +132,10 @@ def test_sigterm_drains_short_streams_and_ends_the_rest_with_an_error_and_done()
     try:
         short = [Stream(srv.url, {"prompt": f"Story {i}:", "max_tokens": 24,
                                   "ignore_eos": True}) for i in range(2)]
-        long = [Stream(srv.url, {"prompt": f"Tale {i}:", "max_tokens": 1500,
-                                 "ignore_eos": True}) for i in range(2)]
+        long = [Stream(srv.url, {"prompt": "Tale:", "max_tokens": 1500, "ignore_eos": True}),
+                Stream(srv.url, {"messages": [{"role": "user", "content": "Tell a tale."}],
+                                 "max_tokens": 1500, "ignore_eos": True},
+                       "/v1/chat/completions")]
         plain: dict = {}
         waiter = threading.Thread(target=lambda: plain.update(r=httpx.post(
             f"{srv.url}/v1/completions", timeout=DEADLINE_S,

@@ -17,7 +17,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # under Kubernetes' default 30 s grace before SIGKILL
-FATAL_LINGER_S = 1.0
+FATAL_LINGER_S = 0.5
 POLL_S = 0.05
 
 

@@ -295,6 +295,9 @@ class EngineConfig:
     # the Ray node each rank's memory was planned on (executor/ray_nodes.py), in global rank
     # order; the Ray executor puts each rank there. Empty: not planned per node
     rank_nodes: tuple[str, ...] = ()
+    # seconds a step may take, plus its work at a floor speed (executor/deadline.py), before
+    # the engine is declared hung; None or 0: steps are not timed
+    step_timeout: Optional[float] = 30.0
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

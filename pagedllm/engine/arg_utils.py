@@ -125,6 +125,10 @@ class EngineArgs:
     # who drives the engine, as vLLM's UsageContext: "llm" (offline LLM class) or "api_server";
     # it picks the default token budget (a server keeps steps short for time to first token)
     usage_context: str = "llm"
+    # seconds a step may take, plus its work at a floor speed (executor/deadline.py: 195 s
+    # more for a 256-token prefill chunk of a 7B), before the engine is declared hung (a rank
+    # stopped, a kernel stuck): the requests fail and a server exits 1; None or 0: no deadline
+    step_timeout: Optional[float] = 30.0
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -167,6 +171,11 @@ class EngineArgs:
         if self.usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got "
                              f"{self.usage_context!r}")
+        timeout = self.step_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout >= 0):
+            raise ValueError(f"step_timeout must be a number of seconds >= 0 (0: no deadline) "
+                             f"or None, got {timeout!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

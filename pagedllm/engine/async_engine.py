@@ -9,6 +9,10 @@ A caller that stops taking its stream's outputs (an HTTP client that does not re
 its queue grow by one output a step and hold its sequence slots to max_tokens: past
 max_stream_backlog outputs not taken, and nothing taken for BACKLOG_GRACE_S, the request is
 aborted and its queue emptied.
+
+A watchdog thread (engine/step_watchdog.py) times each step: one that outlives its deadline
+fails every open stream with EngineHungError and calls on_fatal, as an engine thread that
+raised does. close() and fail_streams() are the server's drain on SIGTERM.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Protocol
 from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.step_watchdog import StepWatchdog
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,6 +59,15 @@ class EngineOverloadedError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error."""
+
+
+class EngineHungError(RuntimeError):
+    """A step outlived its deadline: the engine is stuck and stops."""
+
+
+class EngineClosingError(EngineOverloadedError):
+    """The engine's owner is shutting it down: no new requests, or one cut at the end of the
+    drain (served as 503, as an overload is)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -104,6 +118,11 @@ class AsyncLLM:
         # called once, on the engine thread, if it stops (e.g. serve exits so a supervisor
         # restarts it)
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
+        self._closing: Optional[str] = None  # why new requests are refused (close())
+        self._watchdog: Optional[StepWatchdog] = None
+        if engine.engine_core.deadline is not None:
+            self._watchdog = StepWatchdog(lambda reason: self._fail_all(EngineHungError(reason)))
+            engine.engine_core.watch = self._watchdog
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -163,6 +182,8 @@ class AsyncLLM:
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        if self._closing is not None:
+            raise EngineClosingError(self._closing)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         with self._lock:
@@ -200,6 +221,8 @@ class AsyncLLM:
                 if isinstance(item, RequestFailedError):
                     finished = True  # the engine has forgotten it already
                     raise item
+                if isinstance(item, EngineClosingError):
+                    raise item  # cut by the drain: the finally aborts it
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}")
                 if item.error is not None:
@@ -262,10 +285,41 @@ class AsyncLLM:
             f"request {request_id} was aborted: its client did not take its output (more than "
             f"{self.max_stream_backlog} outputs waited; --max-stream-backlog)"))
 
+    @property
+    def num_streams(self) -> int:
+        """Requests whose outputs a caller still reads."""
+        return len(self._streams)
+
+    @property
+    def closing(self) -> Optional[str]:
+        """Why new requests are refused (close()), or None."""
+        return self._closing
+
+    def close(self, reason: str) -> None:
+        """Refuse new requests from now on (EngineClosingError with `reason`); the open
+        streams go on."""
+        self._closing = reason
+
+    def fail_streams(self, reason: str) -> int:
+        """End every open stream with EngineClosingError(reason) (its request is aborted);
+        how many there were."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineClosingError(reason))
+        return len(streams)
+
     def shutdown(self) -> None:
         """Stop the engine thread."""
         self._stop = True
         self._wake.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if isinstance(self.error, EngineHungError):
+            # the engine thread waits on a step that will not come: stop the ranks first (the
+            # wait then fails) and do not wait long for the thread
+            self.engine.shutdown()
+            self._thread.join(timeout=1)
+            return
         self._thread.join(timeout=10)
         self.engine.shutdown()  # worker processes, with several ranks
 
@@ -310,8 +364,17 @@ class AsyncLLM:
                     self._wake.clear()
         except BaseException as err:  # fail every open stream instead of hanging it
             logger.exception("engine thread stopped")
+            self._fail_all(err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        """The engine cannot go on (engine thread or watchdog): record why, fail every open
+        stream, call on_fatal; only the first failure counts."""
+        with self._lock:
+            if self.error is not None:
+                return
             self.error = err
-            for stream in list(self._streams.values()):
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
-            if self.on_fatal is not None:
-                self.on_fatal(err)
+        self._stop = True  # a hung step that returns after all runs no further step
+        for stream in list(self._streams.values()):
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+        if self.on_fatal is not None:
+            self.on_fatal(err)

@@ -6,12 +6,17 @@ batch queue): while there is room and schedulable work it submits a batch and re
 outputs; when the queue is full or nothing more can be scheduled it waits for the oldest batch,
 updates from it and submits the next before returning its progress (the caller detokenizes
 while the stages compute). Stage 0 then computes batch k+1 while stage 1 computes batch k.
+
+With a watch (the server's step watchdog), every wait on the executor is timed against the
+step's deadline (executor/deadline.py): a step that does not come back in time is reported
+from the watch's own thread, since the waiting thread is the one that is stuck.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Iterable, Optional
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Optional, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -21,8 +26,17 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor import Executor, executor_class as default_executor_class
 from pagedllm.executor.abstract import StepFuture
+from pagedllm.executor.deadline import WATCHDOG_GRACE_S, StepDeadline, step_tokens
 
 logger = logging.getLogger("pagedllm")
+
+
+class StepWatch(Protocol):
+    """Times each wait on the executor (engine/step_watchdog.py's StepWatchdog)."""
+
+    def begin(self, deadline_s: float) -> None: ...
+
+    def end(self) -> None: ...
 
 
 class EngineCore:
@@ -45,6 +59,9 @@ class EngineCore:
         self.batch_queue: Optional[deque[tuple[SchedulerOutput, StepFuture]]] = (
             deque() if self.executor.max_concurrent_batches > 1 else None)
         self.max_batches_in_flight = 0  # the most batches seen in flight at once
+        self.deadline = StepDeadline.of(config)
+        self.watch: Optional[StepWatch] = None  # set by whoever watches for a hung step
+        self._steps_timed = 0
 
     def _initialize_kv_cache(self) -> int:
         """Size the KV cache from what the workers may hold, allocate it; the number of blocks."""
@@ -73,8 +90,26 @@ class EngineCore:
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
         sched = self.scheduler.schedule()
-        out = self.executor.execute_model(sched)
+        with self._timed(sched):
+            out = self.executor.execute_model(sched)
         return self.scheduler.update_from_output(sched, out)
+
+    @contextmanager
+    def _timed(self, sched: SchedulerOutput) -> Iterator[None]:
+        """Let the watch time the executor's answer to `sched` against its deadline (a little
+        longer where the executor times its ranks itself, so that its failure, naming the rank,
+        comes first)."""
+        watch, deadline = self.watch, self.deadline
+        if watch is None or deadline is None:
+            yield
+            return
+        seconds = deadline.seconds(step_tokens(sched.num_scheduled_tokens), self._steps_timed)
+        watch.begin(seconds + (WATCHDOG_GRACE_S if self.executor.watches_ranks else 0.0))
+        try:
+            yield
+        finally:
+            watch.end()
+            self._steps_timed += 1
 
     def _step_with_batch_queue(
             self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> list[EngineCoreOutput]:
@@ -86,7 +121,9 @@ class EngineCore:
         if not queue:
             return []
         sched, future = queue.popleft()
-        outputs = self.scheduler.update_from_output(sched, future.result())
+        with self._timed(sched):
+            out = future.result()
+        outputs = self.scheduler.update_from_output(sched, out)
         self._submit(queue)
         return outputs
 

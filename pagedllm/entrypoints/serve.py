@@ -9,6 +9,7 @@ import functools
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Awaitable, Callable, Optional
@@ -18,6 +19,7 @@ import uvicorn
 from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG, QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
                                        add_ignored_cli_args, ignored_cli_values)
+from pagedllm.entrypoints.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CLIENT_SHARE,
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
@@ -89,6 +91,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                    help="seconds the server waits on a client's request headers or body "
                    "bytes; then 408 or the connection is closed")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds the streams in flight may take to finish (new "
+                   "requests get 503 at once); then each left gets an error event and [DONE] "
+                   "and the server exits 0")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")
     p.add_argument("--enable-log-requests", action="store_true", help="vLLM's switch for the "
@@ -144,6 +150,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "rank on the Ray cluster at RAY_ADDRESS (else a local one; needs "
                    "pagedllm[ray]); uni: the model in the server's process (default: mp with "
                    "several ranks, else uni)")
+    p.add_argument("--step-timeout", type=float, default=EngineArgs.step_timeout,
+                   help="seconds a step may take, plus its work at 20 GFLOP/s (195 s more for "
+                   "a 256-token prefill of a 7B), before the engine is declared hung: /health "
+                   "answers 503 with the reason, the requests fail and the server exits 1 "
+                   "(0: no deadline)")
 
 
 def _add_slot_flags(p: argparse.ArgumentParser) -> None:
@@ -180,6 +191,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        step_timeout=args.step_timeout,
         **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 
@@ -286,6 +298,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     gc.disable()
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.drain import drain
     from pagedllm.entrypoints.openai.api_server import build_app, load_chat_template
     from pagedllm.entrypoints.openai.bounded_http import uvicorn_options
     from pagedllm.entrypoints.openai.client_share import ClientShares
@@ -313,7 +326,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                      banner(name, args.host, args.port, api_key), stats,
                      on_started=functools.partial(ctx.engine.warm_up_grammars,
                                                   busy=ctx.tokens.busy),
-                     on_shutdown=ctx.engine.shutdown)
+                     on_shutdown=ctx.engine.shutdown,
+                     drain=functools.partial(drain, ctx.engine, args.shutdown_timeout))
     # an engine that stopped cannot recover: shut down and exit non-zero, so a supervisor
     # (systemd, Kubernetes) restarts the server
     ctx.engine.on_fatal = lambda err: setattr(server, "should_exit", True)
@@ -332,19 +346,30 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
 class _Server(uvicorn.Server):
     """uvicorn's server that prints the banner once it listens, calls `on_started` (work that
-    need not delay readiness), runs `background` (the throughput line) while it serves, and
-    calls `on_shutdown` once it has stopped serving."""
+    need not delay readiness), runs `background` (the throughput line) while it serves, runs
+    `drain` (entrypoints/drain.py) before it stops serving, and calls `on_shutdown` once it
+    has stopped."""
 
     def __init__(self, config: uvicorn.Config, banner_text: str,
                  background: Optional[Callable[[], Awaitable[None]]],
                  on_started: Optional[Callable[[], None]] = None,
-                 on_shutdown: Optional[Callable[[], None]] = None) -> None:
+                 on_shutdown: Optional[Callable[[], None]] = None,
+                 drain: Optional[Callable[[Callable[[], bool]], Awaitable[None]]] = None) -> None:
         super().__init__(config)
         self.banner_text = banner_text
         self.background = background
         self.on_started = on_started
         self.on_shutdown = on_shutdown
+        self.drain = drain
         self._task: Optional[asyncio.Future] = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM:
+            # drained, then a normal exit with serve's own status: uvicorn would re-raise the
+            # signal once run() ends (exit 143)
+            self.should_exit = True
+            return
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets: Optional[list[socket.socket]] = None) -> None:
         await super().startup(sockets=sockets)
@@ -359,6 +384,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self.drain is not None:  # still listening: new requests are answered 503
+            await self.drain(lambda: self.force_exit)
         await super().shutdown(sockets=sockets)
         if self.on_shutdown is not None:
             # here, not after run(): on SIGTERM uvicorn re-raises the signal once run() ends,

@@ -68,6 +68,13 @@ class Executor(ABC):
         complete in the order they were submitted. Here: it runs now."""
         return DoneStep(self.execute_model(sched))
 
+    @property
+    def watches_ranks(self) -> bool:
+        """Whether this executor fails a step whose ranks do not answer within its deadline
+        (executor/deadline.py), naming the rank; the engine's watchdog then waits a little
+        longer, so that this more precise failure comes first."""
+        return False
+
     @abstractmethod
     def decode_path(self) -> str:
         """What runs decode-only steps on the workers, and why (one line for the log)."""

@@ -10,7 +10,10 @@ rank) on this machine.
 Control (each step's SchedulerOutput, the KV sizing calls) goes to every rank over its own
 pipe, so all ranks keep the same request state; activations go stage to stage over a gloo
 process group; the last rank's reply is the step's output. A rank that dies is seen by its
-pipe or its process, and the executor then fails with the rank named, instead of waiting.
+pipe or its process, and the executor then fails with the rank named, instead of waiting. A
+rank that stays alive but does not answer a step within its deadline (executor/deadline.py:
+stopped by SIGSTOP, or hung) fails it the same way, and every rank is then killed: a stopped
+process would never act on a request to stop.
 
 Up to pipeline_parallel_size steps are in flight (execute_model_async): each rank serves its
 calls in order, so rank 0 computes step k+1 while rank 1 still computes step k, and the
@@ -51,6 +54,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -67,6 +71,8 @@ from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_part
                                        partition_spec)
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
+                                        process_stopped, step_tokens)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -396,6 +402,8 @@ class MultiprocExecutor(Executor):
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._steps = StepQueue(self._take_oldest)  # steps sent, replies unread
+        self._deadline = StepDeadline.of(self.config)
+        self._steps_sent = 0
         # a file store: no port to find free and no port race between two engines
         self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
         init_method = Path(self._store_dir, "store").as_uri()
@@ -422,19 +430,39 @@ class MultiprocExecutor(Executor):
         except OSError:
             self._died(rank)
 
-    def _gather(self) -> list[Any]:
+    def _gather(self, deadline_s: Optional[float] = None) -> list[Any]:
         """Every rank's answer to its last call, in rank order, taken as they come: a rank
-        that fails is seen at once even while another waits on it in a send or receive."""
+        that fails is seen at once even while another waits on it in a send or receive.
+        deadline_s: the longest wait for the next answer (a step's); None: no limit."""
         pending = {r.conn: r for r in self._ranks}
         values: dict[int, Any] = {}
+        since = time.monotonic()  # the last answer (or the start)
         while pending:
-            for conn in wait(list(pending), timeout=POLL_S):
+            left = None if deadline_s is None else since + deadline_s - time.monotonic()
+            for conn in wait(list(pending), timeout=POLL_S if left is None
+                             else max(0.0, min(POLL_S, left))):
                 rank = pending.pop(conn)
                 values[rank.place.rank] = self._read(rank)
+                since = time.monotonic()
             for rank in pending.values():
                 if not rank.alive():
                     self._died(rank)
+            if pending and deadline_s is not None and time.monotonic() - since >= deadline_s:
+                self._hung(list(pending.values()), time.monotonic() - since, deadline_s)
         return [values[r.place.rank] for r in self._ranks]
+
+    def _hung(self, pending: list[_Rank], waited: float, deadline_s: float) -> None:
+        """Fail the executor for ranks that did not answer in time: name a stopped one if
+        there is one (its peers only wait on it), else the first; kill them all."""
+        stopped = [r for r in pending if process_stopped(r.process.pid)]
+        rank = (stopped or pending)[0]
+        state = " is stopped (SIGSTOP) and" if stopped else ""
+        for r in self._ranks:  # SIGKILL: a stopped process acts on nothing else
+            if r.alive():
+                r.process.kill()
+        self._fail(WorkerHungError(hung_message(
+            f"worker process of {rank.place.name} (pid {rank.process.pid})", waited,
+            deadline_s, state)))
 
     def _read(self, rank: _Rank) -> Any:
         """A rank's ready reply; a rank that failed fails the executor (the ranks' request
@@ -511,6 +539,9 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
+        deadline_s = None if self._deadline is None else self._deadline.seconds(
+            step_tokens(sched.num_scheduled_tokens), self._steps_sent)
+        self._steps_sent += 1
         sampled = self._steps.take_unsent()
         payloads = {driver: pickle.dumps(WorkerCall("execute_model", (sched, sampled_before)),
                                          protocol=pickle.HIGHEST_PROTOCOL)
@@ -519,13 +550,14 @@ class MultiprocExecutor(Executor):
             self._steps.drain()
         for rank in self._ranks:
             self._send_bytes(rank, payloads[rank.place.rank == self._driver])
-        return self._steps.submit(None)  # the replies are read from the pipes, in order
+        # the replies are read from the pipes, in order; the handle: how long they may take
+        return self._steps.submit(deadline_s)
 
-    def _take_oldest(self, _handle: None) -> ModelRunnerOutput:
-        """The driver's reply to the oldest step in flight; a rank that died fails the executor
-        (and so every step in flight)."""
+    def _take_oldest(self, deadline_s: Optional[float]) -> ModelRunnerOutput:
+        """The driver's reply to the oldest step in flight; a rank that died, or did not
+        answer within the step's deadline, fails the executor (and so every step in flight)."""
         self._check_alive()
-        return self._gather()[self._driver]
+        return self._gather(deadline_s)[self._driver]
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]
@@ -539,6 +571,10 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Stop every rank's process and remove the process group's store."""
         self._finalizer()
+
+    @property
+    def watches_ranks(self) -> bool:
+        return self._deadline is not None
 
     @property
     def worker_pids(self) -> list[int]:

@@ -25,7 +25,8 @@ stage, or the collectives) go over the same gloo process group and the same code
 executor's, the group's address being rank 0's node IP and a free port found there. With
 RAY_ADDRESS set the engine joins that cluster; else it starts a small local one, which shutdown
 stops. An actor that dies fails the engine with its rank named ("tensor parallel rank 1",
-"pipeline rank 0"), as a dead process does under mp.
+"pipeline rank 0"), as a dead process does under mp; so does one that does not answer a step
+within its deadline (executor/deadline.py), and every actor is then killed.
 
 Up to pipeline_parallel_size steps are in flight, as under mp: an actor runs its calls in the
 order this process submits them, so rank 0 computes step k+1 while rank 1 still computes step
@@ -39,6 +40,7 @@ import logging
 import os
 import re
 import socket
+import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -55,6 +57,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
+                                        step_tokens)
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
                                          own_memory, parallel_kind, partition_note,
                                          places_driver, rank_places, start_worker)
@@ -66,6 +70,7 @@ PLACEMENT_TIMEOUT_S = 120.0  # how long the cluster may take to find room for ev
 # after a rank raised, how long to look for a peer that died (the likelier cause: a rank whose
 # peer is gone fails its send, receive or collective)
 DEATH_GRACE_S = 5.0
+PING_S = 2.0  # how long an actor that missed a step's deadline may take to answer a ping
 # a local cluster's object store: the calls carry only small messages (activations go by gloo)
 LOCAL_OBJECT_STORE_BYTES = 200 * 2**20
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the tracebacks it carries
@@ -83,13 +88,21 @@ class ActorPlace:
         return f"pid {self.pid} on node {self.node_ip}"
 
 
-@ray.remote
+# the probe's thread of its own: a rank's calls still run one at a time, in order, on the
+# default group's one thread
+@ray.remote(concurrency_groups={"probe": 1})
 class RankActor:
     """A rank (pipeline stage or tensor parallel rank) in a Ray actor: its Worker, once
     start() has run."""
 
     def __init__(self) -> None:
         self.worker: Any = None
+
+    @ray.method(concurrency_group="probe")
+    def ping(self) -> int:
+        """Answered on a thread of its own, even while a call waits on a peer: an actor that
+        does not answer is stopped or hung itself."""
+        return os.getpid()
 
     def where(self) -> ActorPlace:
         """This actor's process, node and pagedllm."""
@@ -140,6 +153,14 @@ class _Rank:
     place: RankPlace
     actor: Any  # ray.actor.ActorHandle
     where: Optional[ActorPlace] = None
+
+
+@dataclass(frozen=True)
+class _StepRefs:
+    """A step in flight: its answers' refs (one a rank) and how long they may take."""
+
+    refs: list
+    deadline_s: Optional[float]
 
 
 @dataclass
@@ -261,6 +282,8 @@ class RayExecutor(Executor):
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._steps = StepQueue(self._take_oldest)  # steps submitted, answers untaken
+        self._deadline = StepDeadline.of(self.config)
+        self._steps_sent = 0
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -293,17 +316,35 @@ class RayExecutor(Executor):
             for i, r in enumerate(self._ranks)))
 
     # ---- calls --------------------------------------------------------------
-    def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None) -> list[Any]:
+    def _gather(self, refs: list, ranks: Optional[list[_Rank]] = None,
+                deadline_s: Optional[float] = None) -> list[Any]:
         """Each rank's answer, in rank order, taken as they come: a rank that fails is seen at
-        once, even while another still waits on it in a send or receive."""
+        once, even while another still waits on it in a send or receive. deadline_s: the
+        longest wait for the next answer (a step's); None: no limit."""
         pending = dict(zip(refs, ranks or self._ranks))
         values: dict[int, Any] = {}
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            started = time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline_s)
+            if not ready:
+                self._hung(list(pending.values()), time.monotonic() - started, deadline_s)
             for ref in ready:
                 rank = pending.pop(ref)
                 values[rank.place.rank] = self._get(ref, rank, pending)
         return [values[r.place.rank] for r in (ranks or self._ranks)]
+
+    def _hung(self, pending: list[_Rank], waited: float, deadline_s: float) -> None:
+        """Fail the executor for actors that did not answer in time, naming one that does not
+        answer a ping either (its peers only wait on it), else the first; shutdown kills every
+        actor, which Ray does with SIGKILL."""
+        pings = {r.actor.ping.remote(): r for r in pending}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_S)
+        silent = [r for ref, r in pings.items() if ref not in ready]
+        rank = (silent or pending)[0]
+        where = f" ({rank.where})" if rank.where is not None else ""
+        state = f" does not answer a ping in {PING_S:.0f} s either and" if silent else ""
+        self._fail(WorkerHungError(hung_message(f"Ray actor of {rank.place.name}{where}",
+                                                waited, deadline_s, state)))
 
     def _get(self, ref: Any, rank: _Rank, pending: dict) -> Any:
         """A ready answer; a rank that raised or died fails the executor."""
@@ -384,17 +425,20 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
+        deadline_s = None if self._deadline is None else self._deadline.seconds(
+            step_tokens(sched.num_scheduled_tokens), self._steps_sent)
+        self._steps_sent += 1
         sampled = self._steps.take_unsent()
-        return self._steps.submit([  # the step's answers' refs, one a rank
+        return self._steps.submit(_StepRefs([  # the step's answers' refs, one a rank
             r.actor.call.remote("execute_model", sched,
                                 None if r.place.rank == self._driver else sampled)
-            for r in self._ranks])
+            for r in self._ranks], deadline_s))
 
-    def _take_oldest(self, refs: list) -> ModelRunnerOutput:
-        """The driver's answer to the oldest step in flight (its refs); an actor that died
-        fails the executor (and so every step in flight)."""
+    def _take_oldest(self, step: "_StepRefs") -> ModelRunnerOutput:
+        """The driver's answer to the oldest step in flight; an actor that died, or did not
+        answer within the step's deadline, fails the executor (and so every step in flight)."""
         self._check_alive()
-        return self._gather(refs)[self._driver]
+        return self._gather(step.refs, deadline_s=step.deadline_s)[self._driver]
 
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]
@@ -409,6 +453,10 @@ class RayExecutor(Executor):
         """Kill the actors, remove the placement group, and leave Ray if this executor
         joined it."""
         self._finalizer()
+
+    @property
+    def watches_ranks(self) -> bool:
+        return self._deadline is not None
 
     @property
     def worker_places(self) -> list[ActorPlace]:

@@ -33,10 +33,11 @@ def gone(pids: list[int]) -> bool:
     return True
 
 
-def kill_mid_generation(llm: LLM, prompts: list[str], pid: int,
-                        max_tokens: int = 200) -> Optional[BaseException]:
-    """Run generate over prompts in a thread, SIGKILL pid once a step has run, and return what
-    generate raised (None if it returned); generate must end within DEADLINE_S."""
+def kill_mid_generation(llm: LLM, prompts: list[str], pid: int, max_tokens: int = 200,
+                        sig: int = signal.SIGKILL) -> Optional[BaseException]:
+    """Run generate over prompts in a thread, send pid `sig` (SIGKILL; SIGSTOP: a hung rank)
+    once a step has run, and return what generate raised (None if it returned); generate must
+    end within DEADLINE_S."""
     result: dict = {}
 
     def generate() -> None:
@@ -51,9 +52,9 @@ def kill_mid_generation(llm: LLM, prompts: list[str], pid: int,
     while not len(llm.llm_engine.engine_core.scheduler.running) and runner.is_alive():
         time.sleep(0.05)  # until a step has run
     time.sleep(0.3)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     runner.join(DEADLINE_S)
-    assert not runner.is_alive(), f"generate hung after pid {pid} was killed"
+    assert not runner.is_alive(), f"generate hung after pid {pid} got signal {sig}"
     return result.get("error")
 
 

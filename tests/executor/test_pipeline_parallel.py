@@ -226,6 +226,34 @@ def test_a_killed_rank_fails_generate_with_its_rank_named_and_leaves_no_process(
     llm.llm_engine.shutdown()  # a second stop is harmless
 
 
+def test_a_stopped_rank_fails_generate_within_the_step_deadline_and_is_killed(smollm_gguf):
+    """SIGSTOP of stage 0 mid-generation: it stays alive and silent, so only the reply deadline
+    (step_timeout=1: at most 4 s in the first steps, then ~1 s) sees it; the error names the
+    stopped rank, and both ranks are killed (a stopped one would wait for SIGCONT forever)."""
+    from pagedllm.executor.deadline import WorkerHungError
+
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, step_timeout=1, **ENGINE)
+    pids = llm.llm_engine.engine_core.executor.worker_pids
+    try:
+        started = time.monotonic()
+        err = kill_mid_generation(llm, PROMPTS, pids[0], max_tokens=400, sig=signal.SIGSTOP)
+        assert isinstance(err, WorkerHungError), err
+        assert time.monotonic() - started < 20
+        assert f"pipeline rank 0 (pid {pids[0]}) is stopped (SIGSTOP)" in str(err), err
+        assert "has not answered for" in str(err)
+        deadline = time.monotonic() + 15
+        while not gone(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(pids), "a rank's process outlived the failure"
+        with pytest.raises(WorkerHungError, match="pipeline rank 0"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        for pid in pids:
+            if not gone([pid]):
+                os.kill(pid, signal.SIGKILL)
+        llm.llm_engine.shutdown()
+
+
 def test_a_rank_that_fails_to_load_fails_the_start_with_its_rank_named(tmp_path, smollm_gguf):
     """A NaN in layer 20's norm: rank 1 (layers 15-29) refuses it while loading; the engine
     reports that rank's error and no rank's process is left."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -181,6 +182,33 @@ def test_a_killed_actor_fails_generate_with_its_rank_named(smollm_gguf, ray_addr
     finally:
         llm.llm_engine.shutdown()  # a second stop is harmless
     assert _wait_gone(pids), "an actor's process outlived the failure"
+    _cluster_is_free(ray_address)
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_actor_fails_generate_within_the_step_deadline(smollm_gguf, ray_address,
+                                                                 stopped):
+    """SIGSTOP of a stage's actor: ray.wait's timeout (the step deadline, step_timeout=1)
+    fails the step with the stopped rank named (the other one, waiting on it, still answers a
+    ping), and every actor is killed, the stopped one too."""
+    from pagedllm.executor.deadline import WorkerHungError
+
+    llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2, step_timeout=1,
+              distributed_executor_backend="ray", **ENGINE)
+    pids = [p.pid for p in llm.llm_engine.engine_core.executor.worker_places]
+    try:
+        started = time.monotonic()
+        err = kill_mid_generation(llm, PROMPTS, pids[stopped], sig=signal.SIGSTOP)
+        assert isinstance(err, WorkerHungError), err
+        assert time.monotonic() - started < 20
+        assert f"Ray actor of pipeline rank {stopped} (pid {pids[stopped]} on node " in str(err)
+        assert "does not answer a ping in 2 s either and has not answered for" in str(err), err
+        assert _wait_gone(pids), "an actor's process outlived the failure"
+    finally:
+        for pid in pids:
+            if not gone([pid]):
+                os.kill(pid, signal.SIGKILL)
+        llm.llm_engine.shutdown()
     _cluster_is_free(ray_address)
 
 

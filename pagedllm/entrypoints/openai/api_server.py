@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedllm.engine.async_engine import (AsyncLLM, EngineClosingError, EngineDeadError,
+                                          RequestFailedError)
 from pagedllm.entrypoints.openai.auth import ApiKeyAuth
 from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
 from pagedllm.entrypoints.openai.limits import HttpLimits
@@ -95,6 +96,10 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
         # this request failed on its own, or the engine stopped (serve then exits)
         return JSONResponse(OpenAIError(str(err), 500).body(), status_code=500)
 
+    @app.exception_handler(EngineClosingError)
+    async def _closing(_: Request, err: EngineClosingError) -> JSONResponse:
+        return JSONResponse(OpenAIError(str(err), 503).body(), status_code=503)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         message, field = _validation_message(err)
@@ -120,7 +125,10 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if ctx.engine.error else 200)
+        problem = unhealthy(ctx.engine)
+        if problem is None:
+            return Response(status_code=200)
+        return JSONResponse(OpenAIError(problem, 503).body(), status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -185,6 +193,13 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 def _client(request: Request) -> Optional[str]:
     """Who sent the request, for --max-client-share: the peer's address (client_share)."""
     return request.client.host if request.client is not None else None
+
+
+def unhealthy(engine: AsyncLLM) -> Optional[str]:
+    """Why /health answers 503 (the engine stopped or hung, the server drains), or None."""
+    if engine.error is not None:
+        return f"the engine stopped: {type(engine.error).__name__}: {engine.error}"
+    return engine.closing
 
 
 def _respond(result: Any):

@@ -191,7 +191,9 @@ async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                 if opts and opts.continuous_usage_stats:
                     chunk["usage"] = usage_so_far()
                 yield sse(chunk)
-    except Exception as err:  # the request or the engine failed mid-stream
+    except OpenAIError as err:
+        yield sse(err.body())
+    except Exception as err:  # the request or the engine failed mid-stream, or the drain
         yield sse(stream_error(err).body())
     else:
         if opts and opts.include_usage:

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from pagedllm.engine.async_engine import (AsyncLLM, EngineDeadError, EngineOverloadedError,
-                                          StreamBackloggedError)
+from pagedllm.engine.async_engine import (AsyncLLM, EngineClosingError, EngineDeadError,
+                                          EngineOverloadedError, StreamBackloggedError)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
@@ -145,10 +145,13 @@ def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: Samplin
 
 def stream_error(err: Exception) -> OpenAIError:
     """The error event that ends a stream: a request aborted for a client that did not read is
-    408, any other failure mid-stream 500."""
+    408, one the server's drain cut 503, any other failure mid-stream (the request's or the
+    engine's) 500."""
     if isinstance(err, OpenAIError):
         return err
-    return OpenAIError(str(err), 408 if isinstance(err, StreamBackloggedError) else 500)
+    status = (408 if isinstance(err, StreamBackloggedError)
+              else 503 if isinstance(err, EngineClosingError) else 500)
+    return OpenAIError(str(err), status)
 
 
 def prompt_logprobs_json(out: RequestOutput) -> Optional[list]:

@@ -314,7 +314,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                         engine.config.scheduler.max_model_len, chat_template, parser,
                         _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
                         ClientShares(slots.max_client_share,
-                                     engine.config.scheduler.max_num_seqs))
+                                     engine.config.scheduler.max_num_seqs, args.max_waiting))
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

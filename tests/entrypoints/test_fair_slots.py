@@ -7,6 +7,8 @@ Clients are told apart by source address: each binds its own 127.0.0.x (the whol
 loopback)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import json
 import re
 import socket
@@ -145,19 +147,17 @@ def test_one_clients_sequences_are_held_to_its_share(slots):
         try:
             _wait_for(lambda: slots.metrics()["vllm:num_requests_running"] == cap, 30,
                       "the held request runs")
-            r = a.post(f"{slots.url}/v1/completions", json=short)
-            assert r.status_code == 429, r.text
-            err = r.json()["error"]
-            assert err["code"] == 429 and err["param"] == "n"
-            assert f"at most {cap} sequences in flight (--max-client-share 0.5 of " \
-                   f"--max-num-seqs {MAX_NUM_SEQS})" in err["message"]
-            assert b.post(f"{slots.url}/v1/completions", json=short).status_code == 200
+            # past its share, a's next request waits for a's own sequences, not b's
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(a.post, f"{slots.url}/v1/completions", json=short)
+                assert b.post(f"{slots.url}/v1/completions", json=short).status_code == 200
+                time.sleep(1.0)
+                assert not waiting.done()
+                assert slots.metrics()["vllm:num_requests_running"] == cap
+                held.close()  # its client gone, the held request's sequences are given back
+                assert waiting.result(timeout=30).status_code == 200
         finally:
             held.close()
-        # its client gone, the held request's sequences are given back
-        assert _wait_for(lambda: a.post(f"{slots.url}/v1/completions",
-                                        json=short).status_code == 200, 10,
-                         "the closed request's sequences given back")
         r = b.post(f"{slots.url}/v1/completions", json={**short, "n": cap + 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         r = b.post(f"{slots.url}/v1/completions", json={**short, "prompt": ["a"] * (cap + 1)})

@@ -123,7 +123,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     # the template and the tokenizing on the tokenizer's thread: the event loop stays free
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     rid = new_id("chatcmpl")
-    (gen,) = start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client)
+    (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client)
     if req.stream:
         head = _head(rid, model)
         if plan is not None and plan.choice != "none":

@@ -109,16 +109,18 @@ def check_prompt_count(engine: AsyncLLM, count: int) -> None:
                           "many per request", 400, "prompt")
 
 
-def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: SamplingParams,
-                  request_id: str, client: Optional[str] = None
-                  ) -> list[AsyncIterator[RequestOutput]]:
+async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: SamplingParams,
+                        request_id: str, client: Optional[str] = None
+                        ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt (sub-request ids request_id-0, -1, ...) or none: a bad prompt is a
     400 and the ones already queued are aborted. The sequences count against client's share
-    (ClientShares: 429 past it) until each sub-request's stream ends."""
+    (ClientShares: past it the request waits for the client's own; 429 when too many wait)
+    until each sub-request's stream ends."""
     engine, shares = ctx.engine, ctx.client_shares if client is not None else None
     if shares is not None:
         try:
-            shares.take(client, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
+            await shares.take(client, len(prompts) * params.n,
+                              "prompt" if len(prompts) > 1 else "n")
         except ShareRefused as err:
             raise OpenAIError(str(err), err.status, err.param,
                               "rate_limit_exceeded" if err.status == 429 else None) from None

@@ -128,7 +128,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     params = _params(ctx, req)
     prompts = await _engine_prompts(ctx, prompts)
     rid = new_id("cmpl")
-    gens = start_prompts(ctx, prompts, params, rid, client)
+    gens = await start_prompts(ctx, prompts, params, rid, client)
     if req.stream:
         return _stream(ctx, req, model, rid, gens)
     finals = await asyncio.gather(*(_last(g) for g in gens))

@@ -275,6 +275,33 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """What one request's output constraint may cost: caps on its spec checked before the
+    grammar compiler sees it, the compile's time limit, the time of one step's mask, and the
+    bytes of compiled grammars kept (docs/structured_outputs.md has the measurements)."""
+
+    max_grammar_bytes: int = 256 * 1024  # a spec's UTF-8 bytes (schema JSON, grammar, regex, choices)
+    max_grammar_rules: int = 2000  # rules of a Lark or GBNF grammar
+    max_json_schema_nodes: int = 2000  # objects and arrays in a JSON schema
+    max_guided_choices: int = 1000  # strings of a choice constraint
+    grammar_compile_timeout: float = 10.0  # seconds one compile may take
+    max_grammar_mask_ms: float = 25.0  # CPU ms one request's masks may take in one step
+    grammar_cache_bytes: int = 256 * 1024**2  # estimated bytes of compiled grammars kept
+
+    def __post_init__(self) -> None:
+        for name in ("max_grammar_bytes", "max_grammar_rules", "max_json_schema_nodes",
+                     "max_guided_choices", "grammar_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("grammar_compile_timeout", "max_grammar_mask_ms"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to be built."""
 
@@ -287,6 +314,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     max_logprobs: int = 20
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4" or "none"
     # the kept GGUF blocks mapped, regrouped, from a cache file (page cache) instead of read
     # into anonymous memory (worker/x8_weight_file.py)

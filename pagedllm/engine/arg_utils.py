@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
-from pagedllm.config import ParallelConfig, check_quantization
+from pagedllm.config import ParallelConfig, StructuredOutputsConfig, check_quantization
 
 if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
     import torch
@@ -89,6 +89,38 @@ def ignored_cli_values(args: argparse.Namespace,
             if name not in exclude and getattr(args, name, None) is not None}
 
 
+_SO = StructuredOutputsConfig()  # the defaults of the structured-output limits
+# the help of each structured-output limit (the field names of StructuredOutputsConfig)
+STRUCTURED_OUTPUT_HELP: dict[str, str] = {
+    "max_grammar_bytes": "largest constraint a request may send, in UTF-8 bytes (a JSON "
+                         "schema's text, a grammar, a regex, the choices together)",
+    "max_grammar_rules": "most rules in a Lark or GBNF grammar",
+    "max_json_schema_nodes": "most objects and arrays in a JSON schema",
+    "max_guided_choices": "most strings in a choice constraint (guided_choice)",
+    "grammar_compile_timeout": "seconds a constraint may take to compile; a longer one is "
+                               "refused (HTTP 400)",
+    "max_grammar_mask_ms": "CPU milliseconds one request's allowed-token masks (all its n "
+                           "samples) may take in one step; a request over it is stopped with "
+                           "an error, so that it cannot slow the others' steps",
+    "grammar_cache_bytes": "estimated bytes of compiled grammars kept for reuse",
+}
+
+
+def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the structured-output limits (--max-grammar-bytes, ...), in a group."""
+    group = parser.add_argument_group("structured outputs", "what one request's constraint may "
+                                      "cost; each refusal names its limit")
+    for name, text in STRUCTURED_OUTPUT_HELP.items():
+        default = getattr(_SO, name)
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=type(default),
+                           default=default, help=text)
+
+
+def structured_output_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The structured-output limits parsed by add_structured_output_args, by field name."""
+    return {name: getattr(args, name) for name in STRUCTURED_OUTPUT_HELP}
+
+
 @dataclass
 class EngineArgs:
     """Options for building an engine; LLM(...) keyword arguments map onto these fields."""
@@ -129,6 +161,15 @@ class EngineArgs:
     # more for a 256-token prefill chunk of a 7B), before the engine is declared hung (a rank
     # stopped, a kernel stuck): the requests fail and a server exits 1; None or 0: no deadline
     step_timeout: Optional[float] = 30.0
+    # structured outputs: caps on a request's constraint, checked before it is compiled (each
+    # refusal names its cap), the compile's time limit, one mask's CPU time, the grammar cache
+    max_grammar_bytes: int = _SO.max_grammar_bytes
+    max_grammar_rules: int = _SO.max_grammar_rules
+    max_json_schema_nodes: int = _SO.max_json_schema_nodes
+    max_guided_choices: int = _SO.max_guided_choices
+    grammar_compile_timeout: float = _SO.grammar_compile_timeout
+    max_grammar_mask_ms: float = _SO.max_grammar_mask_ms
+    grammar_cache_bytes: int = _SO.grammar_cache_bytes
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -149,6 +190,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
         self.parallel_config()  # a ValueError naming the field
+        self.structured_outputs_config()
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -183,3 +225,8 @@ class EngineArgs:
         """The ranks asked for, checked."""
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                               self.distributed_executor_backend)
+
+    def structured_outputs_config(self) -> StructuredOutputsConfig:
+        """The structured-output limits asked for, checked."""
+        return StructuredOutputsConfig(**{f.name: getattr(self, f.name)
+                                          for f in fields(StructuredOutputsConfig)})

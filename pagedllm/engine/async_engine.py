@@ -30,6 +30,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.step_watchdog import StepWatchdog
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_output.grammar import CompiledGrammar
 
 logger = logging.getLogger("pagedllm")
 
@@ -169,9 +170,18 @@ class AsyncLLM:
         return EngineStats(self.engine.num_running, self.engine.num_waiting,
                            self.engine.kv_cache_usage)
 
+    async def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
+        """The request's constraint compiled on a grammar worker while the event loop goes on
+        (None without one); ValueError naming the field, CompileBusyError. Pass it to
+        add_request."""
+        if params.structured_outputs is None:
+            return None
+        return await self.engine.input_processor.grammars.compile_async(params.structured_outputs)
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     max_tokens_must_fit: bool = False,
-                    on_close: Optional[Callable[[], None]] = None) -> AsyncIterator[RequestOutput]:
+                    on_close: Optional[Callable[[], None]] = None,
+                    grammar: Optional[CompiledGrammar] = None) -> AsyncIterator[RequestOutput]:
         """Validate and queue now (ValueError, EngineOverloadedError); return the output stream.
 
         Iterate the stream to the end or close it: closing it early aborts the request. The
@@ -179,6 +189,8 @@ class AsyncLLM:
         if it was left untaken), EngineDeadError if the engine stops. max_tokens_must_fit:
         refuse a max_tokens the context cannot hold (the server's rule) instead of capping it.
         on_close: called once, on the event loop, when the stream ends, closes or is aborted.
+        grammar: from compile_grammar (without it a constrained request waits here for its
+        compile).
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
@@ -193,7 +205,8 @@ class AsyncLLM:
             self._pending += 1
         try:
             processed = self.engine.input_processor.process(
-                request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit)
+                request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit,
+                grammar=grammar)
         except BaseException:
             with self._lock:
                 self._pending -= 1

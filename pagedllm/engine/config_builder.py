@@ -281,6 +281,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
+        structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
         step_timeout=args.step_timeout)

@@ -5,10 +5,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Union
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.core.request import Request
 from pagedllm.engine.chat_messages import render_chat
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
-from pagedllm.structured_output.grammar import GrammarCompiler
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.grammar import CompiledGrammar
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -26,21 +28,25 @@ class InputProcessor:
     """Tokenizes prompts and checks them against the model's limits."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: frozenset[int], block_size: int, max_logprobs: int = 20) -> None:
+                 eos_token_ids: frozenset[int], block_size: int, max_logprobs: int = 20,
+                 structured_outputs: Optional[StructuredOutputsConfig] = None) -> None:
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, structured_outputs)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                max_tokens_must_fit: bool = False) -> ProcessedPrompt:
+                max_tokens_must_fit: bool = False,
+                grammar: Optional[CompiledGrammar] = None) -> ProcessedPrompt:
         """Validate and tokenize; n > 1 becomes n child requests with distinct seeds.
 
         max_tokens is capped at what the context leaves after the prompt; with
-        max_tokens_must_fit (the server's rule, as vLLM's) a larger one is refused instead."""
+        max_tokens_must_fit (the server's rule, as vLLM's) a larger one is refused instead.
+        grammar: params.structured_outputs compiled already (the server awaits
+        grammars.compile_async); None compiles it here, waiting on a grammar worker."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -52,9 +58,13 @@ class InputProcessor:
         self._check_vocab_ids("allowed_token_ids", params.allowed_token_ids or ())
         text, ids = self._tokenize(prompt)
         self._check_length(ids)
-        # compiled here, on the caller's thread (a 400 for an invalid spec; never the engine's)
-        grammar = (self.grammars.compile(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
+        # never on the engine's thread: a 400 for an invalid spec, not a failed step
+        if params.structured_outputs is None:
+            grammar = None
+        elif grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        if grammar is not None and params.allowed_token_ids:
+            _check_allowed_ids(grammar, params)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             if max_tokens_must_fit and params.max_tokens > max_tokens:
@@ -65,6 +75,7 @@ class InputProcessor:
                     f"{self.max_model_len} - {len(ids)})")
             max_tokens = min(max_tokens, params.max_tokens)
         now = time.monotonic()
+        budget = grammar.new_budget() if grammar is not None else None  # shared by the n samples
         requests = []
         for i in range(params.n):
             child_params = params
@@ -73,7 +84,7 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(child_id, list(ids), child_params, max_tokens,
                               self.eos_token_ids, self.block_size, now)
-            request.grammar = grammar.new_state() if grammar is not None else None
+            request.grammar = grammar.new_state(budget) if grammar is not None else None
             requests.append(request)
         return ProcessedPrompt(text, ids, requests)
 
@@ -133,6 +144,14 @@ def no_tokens_error(field: str) -> ValueError:
     """The refusal of a text prompt that tokenizes to nothing (the engine's and the server's)."""
     return ValueError(f"{field} tokenizes to no tokens (the tokenizer drops every character of "
                       "it); send text the tokenizer keeps, or token ids")
+
+
+def _check_allowed_ids(grammar: CompiledGrammar, params: SamplingParams) -> None:
+    """The constraint and allowed_token_ids must leave a first token (else no step can sample)."""
+    if not grammar.allows_any(params.allowed_token_ids):
+        raise ValueError(f"allowed_token_ids excludes every token that "
+                         f"{params.structured_outputs.label} allows first: no output can satisfy "
+                         "both; widen allowed_token_ids or drop one of them")
 
 
 def _child_seed(seed: int, index: int) -> int:

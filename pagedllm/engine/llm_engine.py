@@ -38,7 +38,8 @@ class LLMEngine:
         cache = self.config.cache
         self.input_processor = InputProcessor(tokenizer, self.config.scheduler.max_model_len,
                                               config.arch.vocab_size, frozenset(self.eos_token_ids),
-                                              cache.block_size, config.max_logprobs)
+                                              cache.block_size, config.max_logprobs,
+                                              config.structured_outputs)
         self.output_processor = OutputProcessor(tokenizer)
 
     @classmethod

@@ -18,7 +18,8 @@ import uvicorn
 
 from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG, QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
-                                       add_ignored_cli_args, ignored_cli_values)
+                                       add_ignored_cli_args, add_structured_output_args,
+                                       ignored_cli_values, structured_output_values)
 from pagedllm.entrypoints.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CLIENT_SHARE,
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
@@ -155,6 +156,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "a 256-token prefill of a 7B), before the engine is declared hung: /health "
                    "answers 503 with the reason, the requests fail and the server exits 1 "
                    "(0: no deadline)")
+    add_structured_output_args(p)
 
 
 def _add_slot_flags(p: argparse.ArgumentParser) -> None:
@@ -192,7 +194,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         step_timeout=args.step_timeout,
-        **ignored_cli_values(args, HONORED_VLLM_ARGS))
+        **structured_output_values(args), **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 
 def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:

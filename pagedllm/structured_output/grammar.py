@@ -5,7 +5,7 @@ x86-64 the xgrammar wheel requires triton, which adds ~1 GB to a CPU-only instal
 venv is ~1.2 GB without it), while llguidance is one 3 MB wheel with no dependencies. Its mask
 over Qwen2's 152k-token vocabulary takes ~0.1 ms per request and step here.
 
-    request constraint --compile (caller's thread, cached by spec)--> CompiledGrammar
+    request constraint --compile (compiler.py: a large-stack worker, cached)--> CompiledGrammar
     CompiledGrammar --new_state()--> GrammarState (one per sequence; lives on the Request)
     each step: GrammarState.fill_bitmask -> sampler masks logits -> GrammarState.accept(token)
 """
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
-from collections import OrderedDict
+import math
+import time
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import llguidance
 import torch
@@ -24,27 +25,80 @@ from llguidance import LLMatcher
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
-CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
+# what llguidance may spend: its defaults, spelled out (vLLM's guidance backend uses them too).
+# The step limits bound one mask's work inside the Rust code; max_items_in_row is why a choice
+# of more than ~2,000 strings, or an object of more than ~500 optional properties, stops at run
+# time ("Current row has N items")
+PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000,
+                     step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=250_000,
+                     max_grammar_size=500_000)
+
+
+class MaskTooSlowError(RuntimeError):
+    """A request's masks took more than max_grammar_mask_ms of CPU in one step: it is stopped so
+    that it does not slow every other request's steps."""
+
+
+class MaskBudget:
+    """The CPU time one request's sequences (its n samples) may spend on masks in one step.
+
+    A step is recognised by its bitmask tensor (one per step; held weakly, so a new step's
+    tensor never passes for the old one's). Once over, every later mask of the request fails
+    without being computed."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._step: Optional[weakref.ref] = None
+        self._spent = 0.0
+        self._over: Optional[str] = None
+
+    def check(self) -> None:
+        """MaskTooSlowError if the request went over in an earlier step."""
+        if self._over is not None:
+            raise MaskTooSlowError(self._over)
+
+    def charge(self, bitmask: torch.Tensor, seconds: float) -> None:
+        """Count one mask of this step; MaskTooSlowError once the step's total is over."""
+        if self._step is None or self._step() is not bitmask:
+            self._step, self._spent = weakref.ref(bitmask), 0.0
+        self._spent += seconds
+        if self._spent > self.limit_s:
+            self._over = (f"the grammar's allowed-token masks took {self._spent * 1e3:.0f} ms of "
+                          f"CPU in one step, more than max_grammar_mask_ms="
+                          f"{self.limit_s * 1e3:g} (--max-grammar-mask-ms); the request was "
+                          "stopped so that it does not slow the others")
+            self.check()
 
 
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher: LLMatcher) -> None:
+    def __init__(self, matcher: LLMatcher, first_mask: Optional[torch.Tensor] = None,
+                 budget: Optional[MaskBudget] = None) -> None:
         self._matcher = matcher
+        self._first_mask = first_mask  # the mask at the start, computed when compiled
+        self._budget = budget or MaskBudget(math.inf)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the ids allowed next into bitmask[row] (int32 words on the CPU).
+        """Write the ids allowed next into bitmask[row] (int32 words on the CPU);
+        MaskTooSlowError once the request's masks are over its CPU budget for a step.
 
         What llguidance.torch.fill_next_token_bitmask does, without importing that module: it
         pulls in torch's compiler (torch._dynamo), ~1.9 s of every start-up."""
         words = bitmask[row]
         if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
             raise ValueError("the grammar bitmask must be contiguous int32 rows on the CPU")
+        if self._first_mask is not None:  # the first step: the compile worker's mask
+            words.copy_(self._first_mask)
+            return
+        self._budget.check()
+        started = time.thread_time()  # CPU time: a busy machine's waits are not the grammar's
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self._budget.charge(bitmask, time.thread_time() - started)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar rejects it."""
+        self._first_mask = None
         return bool(self._matcher.consume_token(token_id))
 
     @property
@@ -60,14 +114,28 @@ class GrammarState:
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A validated grammar and a matcher to copy for each sequence."""
+    """A validated grammar, a matcher to copy for each sequence, and its first mask."""
 
     spec: str  # llguidance's grammar text
     _prototype: LLMatcher
+    first_mask: torch.Tensor  # [ceil(V / 32)] int32: the ids allowed at the start
+    max_mask_s: float = math.inf  # CPU seconds one request's masks may take in a step
+    num_bytes: int = 0  # estimated memory held (for the cache's byte bound)
 
-    def new_state(self) -> GrammarState:
-        """A fresh state at the grammar's start."""
-        return GrammarState(self._prototype.deep_copy())
+    def new_budget(self) -> MaskBudget:
+        """The mask budget one request's sequences share."""
+        return MaskBudget(self.max_mask_s)
+
+    def new_state(self, budget: Optional[MaskBudget] = None) -> GrammarState:
+        """A fresh state at the grammar's start, charging its masks to budget."""
+        return GrammarState(self._prototype.deep_copy(), self.first_mask,
+                            budget or self.new_budget())
+
+    def allows_any(self, token_ids: Iterable[int]) -> bool:
+        """Whether any of token_ids may come first."""
+        ids = torch.tensor(list(token_ids), dtype=torch.int64)
+        ids = ids[(ids >= 0) & (ids < 32 * self.first_mask.numel())]
+        return bool(((self.first_mask[ids // 32] >> (ids % 32).int()) & 1).any())
 
 
 def _closed(schema: Any) -> Any:
@@ -94,7 +162,7 @@ def _json_grammar(schema: dict, params: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_json_schema(schema, overrides=overrides or None)
 
 
-def _grammar_text(params: StructuredOutputsParams) -> str:
+def grammar_text(params: StructuredOutputsParams) -> str:
     """llguidance's grammar for a constraint (ValueError naming the field if malformed)."""
     kind, value = params.kind, getattr(params, params.kind)
     try:
@@ -120,56 +188,3 @@ def tokenizer_json(tokenizer: Any) -> str:
     backend.no_padding()
     backend.no_truncation()
     return backend.to_str()
-
-
-class GrammarCompiler:
-    """Compiles constraints against one tokenizer; a bounded LRU cache keyed by the spec."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = CACHE_SIZE) -> None:
-        self._hf_tokenizer, self._vocab_size = tokenizer, vocab_size
-        self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()  # the server compiles on its handlers' threads
-
-    @property
-    def warm(self) -> bool:
-        """Whether the vocabulary view is built."""
-        return self._ll_tokenizer is not None
-
-    def _tokenizer(self) -> llguidance.LLTokenizer:
-        # built on first use (~1.3 s for a 152k vocabulary), not at start-up
-        if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.LLTokenizer(
-                tokenizer_json(self._hf_tokenizer), n_vocab=self._vocab_size,
-                eos_token=self._hf_tokenizer.eos_token_id)
-        return self._ll_tokenizer
-
-    def warm_up(self) -> None:
-        """Build the grammar engine's vocabulary view now (a server does, on a side thread, so
-        that its first constrained request does not wait ~1.3 s for it)."""
-        with self._lock:
-            self._tokenizer()
-
-    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of a constraint; ValueError naming the field if it is invalid."""
-        spec = _grammar_text(params)
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                return hit
-            tokenizer = self._tokenizer()
-            error = LLMatcher.validate_grammar(spec, tokenizer)
-            if error:
-                raise ValueError(f"{params.label} is not a valid {params.kind}: {error.strip()}")
-            compiled = CompiledGrammar(spec, LLMatcher(tokenizer, spec))
-            self._cache[spec] = compiled
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return compiled
-
-    @property
-    def cache_len(self) -> int:
-        """Grammars held in the cache."""
-        return len(self._cache)

@@ -8,7 +8,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from pagedllm.structured_output.bitmask import allocate_bitmask, apply_bitmask_, bitmask_to_bool
-from pagedllm.structured_output.grammar import GrammarCompiler
+from pagedllm.structured_output.compiler import GrammarCompiler
 
 
 @pytest.fixture(scope="module")

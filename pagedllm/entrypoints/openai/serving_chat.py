@@ -8,7 +8,8 @@ from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
-                                                        bad_request, check_n, new_id, now,
+                                                        bad_request, check_n, compile_grammar,
+                                                        new_id, now,
                                                         prompt_logprobs_json, sse,
                                                         start_prompts, stream_error, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -122,8 +123,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = _params(ctx, req, plan)
     # the template and the tokenizing on the tokenizer's thread: the event loop stays free
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
+    grammar = await compile_grammar(ctx.engine, params)
     rid = new_id("chatcmpl")
-    (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client)
+    (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client, grammar)
     if req.stream:
         head = _head(rid, model)
         if plan is not None and plan.choice != "none":

@@ -16,6 +16,8 @@ from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.compile_pool import CompileBusyError
+from pagedllm.structured_output.grammar import CompiledGrammar
 
 
 class OpenAIError(Exception):
@@ -109,13 +111,25 @@ def check_prompt_count(engine: AsyncLLM, count: int) -> None:
                           "many per request", 400, "prompt")
 
 
+async def compile_grammar(engine: AsyncLLM, params: SamplingParams) -> Optional[CompiledGrammar]:
+    """The request's constraint compiled off the event loop: a 400 naming the field (invalid,
+    over a cap, over the time limit), a 503 when every grammar worker is busy."""
+    try:
+        return await engine.compile_grammar(params)
+    except ValueError as err:
+        raise bad_request(err) from None
+    except CompileBusyError as err:
+        raise OpenAIError(str(err), 503) from None
+
+
 async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: SamplingParams,
-                        request_id: str, client: Optional[str] = None
+                        request_id: str, client: Optional[str] = None,
+                        grammar: Optional[CompiledGrammar] = None
                         ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt (sub-request ids request_id-0, -1, ...) or none: a bad prompt is a
     400 and the ones already queued are aborted. The sequences count against client's share
     (ClientShares: past it the request waits for the client's own; 429 when too many wait)
-    until each sub-request's stream ends."""
+    until each sub-request's stream ends. grammar: from compile_grammar."""
     engine, shares = ctx.engine, ctx.client_shares if client is not None else None
     if shares is not None:
         try:
@@ -129,7 +143,8 @@ async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: S
     try:
         for i, prompt in enumerate(prompts):
             streams.append(engine.add_request(f"{request_id}-{i}", prompt, params,
-                                              max_tokens_must_fit=True, on_close=release))
+                                              max_tokens_must_fit=True, on_close=release,
+                                              grammar=grammar))
     except BaseException as err:
         if shares is not None:  # the queued ones give theirs back as they are aborted
             shares.give_back(client, (len(prompts) - len(streams)) * params.n)
@@ -137,7 +152,7 @@ async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: S
             engine.abort(f"{request_id}-{i}")
         if isinstance(err, ValueError):
             raise bad_request(err) from None
-        if isinstance(err, EngineOverloadedError):
+        if isinstance(err, (EngineOverloadedError, CompileBusyError)):
             raise OpenAIError(str(err), 503) from None
         if isinstance(err, EngineDeadError):
             raise OpenAIError(str(err), 500) from None

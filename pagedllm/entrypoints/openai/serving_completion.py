@@ -10,7 +10,8 @@ from pagedllm.engine.input_processor import no_tokens_error
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
                                                         bad_request, check_n,
-                                                        check_prompt_count, new_id, now,
+                                                        check_prompt_count, compile_grammar,
+                                                        new_id, now,
                                                         prompt_logprobs_json, sse,
                                                         start_prompts, stream_error, usage)
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -127,8 +128,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     check_prompt_count(ctx.engine, len(prompts))
     params = _params(ctx, req)
     prompts = await _engine_prompts(ctx, prompts)
+    grammar = await compile_grammar(ctx.engine, params)
     rid = new_id("cmpl")
-    gens = await start_prompts(ctx, prompts, params, rid, client)
+    gens = await start_prompts(ctx, prompts, params, rid, client, grammar)
     if req.stream:
         return _stream(ctx, req, model, rid, gens)
     finals = await asyncio.gather(*(_last(g) for g in gens))

@@ -19,6 +19,10 @@ MIN_MODEL_LEN = 2048  # a default max_model_len is shrunk to fit, but not below 
 # the advice offers a GGUF with its blocks mapped from a file when the page cache would hold at
 # least this share of them (below, each token re-reads too much from disk)
 MAPPED_MIN_SHARE = 0.75
+# what a re-read costs, for the warning of a forced mapped plan (mmap_weights=True): the rate at
+# which page faults read the mapped blocks back (a 2-vCPU cloud VM's virtio disk read the
+# regrouped file at 200-210 MB/s in 128 KiB-1 MiB O_DIRECT reads, docs/small-machine.md)
+DISK_READ_BYTES_PER_S = 200_000_000
 
 # Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
 FAMILY_SIZES = {
@@ -96,9 +100,14 @@ class MemoryPlan:
     ranks: tuple["MemoryPlan", ...] = ()  # each rank's own plan, when each has its own memory
 
     def page_cache_room(self) -> int:
-        """Bytes of the planned memory left for the page cache to hold mapped weights."""
+        """Bytes of page cache left for mapped weights once the engine's own memory is resident."""
         used = self.weight_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
         return max(0, int(self.available.available_bytes * MEMORY_UTILIZATION) - used)
+
+    def reread_bytes_per_step(self) -> int:
+        """Bytes of the mapped weights that each decode step is expected to read from disk again:
+        every step reads all of them in the same order, and the page cache keeps what fits."""
+        return max(0, self.mapped_bytes - self.page_cache_room())
 
     def mapped_note(self) -> str:
         """What the mapped weights cost, or "" when none are mapped."""
@@ -109,8 +118,19 @@ class MemoryPlan:
             return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, and the "
                     f"page cache has room for all of them ({fmt_bytes(room)} left)")
         return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, of which the "
-                f"page cache can hold ~{fmt_bytes(room)}: each decode step re-reads up to "
-                f"~{fmt_bytes(self.mapped_bytes - room)} from disk")
+                f"page cache can hold ~{fmt_bytes(room)}: each decode step re-reads "
+                f"~{fmt_bytes(self.reread_bytes_per_step())} from disk")
+
+    def reread_warning(self) -> str:
+        """The warning of a mapped plan whose page cache is short: the expected re-read per
+        step and the decode rate it allows at DISK_READ_BYTES_PER_S."""
+        reread = self.reread_bytes_per_step()
+        rate = DISK_READ_BYTES_PER_S / max(1, reread)
+        return (f"mmap_weights=True{_where_of(self.where)}: the page cache can hold ~"
+                f"{fmt_bytes(self.page_cache_room())} of the {fmt_bytes(self.mapped_bytes)} of "
+                f"mapped GGUF blocks, so each decode step is expected to re-read "
+                f"~{reread / 2**20:.0f} MiB/step from disk: at most ~{rate:.1f} tok/s per "
+                f"sequence at {DISK_READ_BYTES_PER_S / 1e9:.1f} GB/s of disk reads")
 
     def summary(self) -> str:
         """One log line (one per rank when each rank has its own memory)."""
@@ -177,8 +197,11 @@ def _ffn_width(a: ModelArchConfig) -> int:
 def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                 max_model_len: Optional[int], max_num_seqs: int, max_num_batched_tokens: int,
                 kv_cache_bytes: Optional[int] = None, num_blocks: Optional[int] = None,
-                overhead_bytes: int = RUNTIME_OVERHEAD_BYTES) -> MemoryPlan:
-    """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain."""
+                overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
+                mapped_forced: bool = False) -> MemoryPlan:
+    """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain.
+    mapped_forced (mmap_weights=True): a mapped plan whose page cache is short is kept, and its
+    reread_warning() says what it costs, instead of refused."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
                          f"({fp.max_len_supported} positions)")
@@ -233,7 +256,7 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
                       overhead_bytes, mem, fp.mapped_bytes, fp.where)
     room = plan.page_cache_room()
-    if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes:
+    if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes and not mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
         raise refusal(anon, short_len,
                       f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
@@ -331,7 +354,11 @@ def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
 
 def _where(fp: ModelFootprint) -> str:
     """" (pipeline rank 1 of 2: layers 14-27, head)" for a share of the model, else ""."""
-    return f" ({fp.where})" if fp.where else ""
+    return _where_of(fp.where)
+
+
+def _where_of(where: str) -> str:
+    return f" ({where})" if where else ""
 
 
 def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs: int,

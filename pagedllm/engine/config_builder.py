@@ -152,7 +152,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if args.mmap_weights:  # asked for: kept even where the page cache is short, with a warning
         result = plan(dtype, mapped=True, forced=True)
         for share in result.ranks or (result,):
-            if share.reread_bytes_per_step():
+            if share.mapped_tight():
                 logger.warning("%s", share.reread_warning())
         return result, dtype
     try:

@@ -23,6 +23,15 @@ MAPPED_MIN_SHARE = 0.75
 # which page faults read the mapped blocks back (a 2-vCPU cloud VM's virtio disk read the
 # regrouped file at 200-210 MB/s in 128 KiB-1 MiB O_DIRECT reads, docs/small-machine.md)
 DISK_READ_BYTES_PER_S = 200_000_000
+# what decoding keeps resident besides the weights and the KV cache (Python, torch, the
+# tokenizer, a step's buffers) once planned: a 7B Q2_K engine decoding in a 3.49 GiB cgroup held 585 MiB
+# anonymous = ~150 MiB before planning + 224 MiB of KV cache + ~210 MiB (docs/small-machine.md)
+DECODE_RESIDENT_BYTES = 224 * 1024 ** 2
+# (share of the mapped bytes the page cache is short of, share of them re-read each decode
+# step), measured on that engine in cgroups of 3.00, 2.88 and 2.75 GiB: while the shortfall is
+# small the kernel's LRU keeps a stable set and re-reads about the rest; beyond, pages are
+# evicted before their next use and the re-read grows ~10x as fast, to all of them
+REREAD_CURVE = ((0.0, 0.0), (0.069, 0.057), (0.123, 0.40), (0.172, 0.93), (0.18, 1.0))
 
 # Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
 FAMILY_SIZES = {
@@ -104,33 +113,53 @@ class MemoryPlan:
         used = self.weight_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
         return max(0, int(self.available.available_bytes * MEMORY_UTILIZATION) - used)
 
+    def mapped_tight(self) -> bool:
+        """Whether the planner would refuse to map these weights by itself (the page cache it
+        plans holds under MAPPED_MIN_SHARE of them); mmap_weights=True maps them anyway."""
+        return bool(self.mapped_bytes) and self.page_cache_room() < MAPPED_MIN_SHARE * self.mapped_bytes
+
+    def expected_page_cache(self) -> int:
+        """Bytes of page cache a decode step of one sequence finds for the mapped weights: the
+        kernel fills the cgroup (or machine) to its limit with file pages, not to the plan's
+        share, beside what decoding keeps resident (measured, DECODE_RESIDENT_BYTES)."""
+        resident = self.weight_bytes + self.kv_cache_bytes + DECODE_RESIDENT_BYTES
+        return max(0, self.available.available_bytes - resident)
+
     def reread_bytes_per_step(self) -> int:
-        """Bytes of the mapped weights that each decode step is expected to read from disk again:
-        every step reads all of them in the same order, and the page cache keeps what fits."""
-        return max(0, self.mapped_bytes - self.page_cache_room())
+        """Bytes of the mapped weights each decode step reads from disk again: every step reads
+        all of them in the same order, and what the page cache is short of them costs
+        REREAD_CURVE's share (measured)."""
+        if not self.mapped_bytes:
+            return 0
+        short = max(0, self.mapped_bytes - self.expected_page_cache()) / self.mapped_bytes
+        return int(self.mapped_bytes * _interpolate(REREAD_CURVE, short))
 
     def mapped_note(self) -> str:
         """What the mapped weights cost, or "" when none are mapped."""
         if not self.mapped_bytes:
             return ""
-        room = self.page_cache_room()
-        if room >= self.mapped_bytes:
+        cache = self.expected_page_cache()
+        if cache >= self.mapped_bytes:
             return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, and the "
-                    f"page cache has room for all of them ({fmt_bytes(room)} left)")
+                    f"page cache has room for all of them (~{fmt_bytes(cache)} when decoding)")
         return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, of which the "
-                f"page cache can hold ~{fmt_bytes(room)}: each decode step re-reads "
-                f"~{fmt_bytes(self.reread_bytes_per_step())} from disk")
+                f"page cache can hold ~{fmt_bytes(cache)} when decoding: each decode step "
+                f"re-reads ~{fmt_bytes(self.reread_bytes_per_step())} from disk")
 
     def reread_warning(self) -> str:
-        """The warning of a mapped plan whose page cache is short: the expected re-read per
-        step and the decode rate it allows at DISK_READ_BYTES_PER_S."""
+        """The warning of a mapped plan the planner would not choose (mmap_weights=True): the
+        expected re-read per step, and the decode rate it allows at DISK_READ_BYTES_PER_S."""
         reread = self.reread_bytes_per_step()
-        rate = DISK_READ_BYTES_PER_S / max(1, reread)
-        return (f"mmap_weights=True{_where_of(self.where)}: the page cache can hold ~"
-                f"{fmt_bytes(self.page_cache_room())} of the {fmt_bytes(self.mapped_bytes)} of "
-                f"mapped GGUF blocks, so each decode step is expected to re-read "
-                f"~{reread / 2**20:.0f} MiB/step from disk: at most ~{rate:.1f} tok/s per "
-                f"sequence at {DISK_READ_BYTES_PER_S / 1e9:.1f} GB/s of disk reads")
+        note = (f"each decode step is expected to re-read ~{reread / 2**20:.0f} MiB/step from "
+                f"disk: at most ~{DISK_READ_BYTES_PER_S / max(1, reread):.1f} tok/s per sequence "
+                f"at {DISK_READ_BYTES_PER_S / 1e6:.0f} MB/s of disk reads" if reread else
+                "decoding should find them all in the page cache, but a longer prompt or more "
+                "sequences leave it less")
+        return (f"mmap_weights=True{_where_of(self.where)}: the planner would not map the "
+                f"{fmt_bytes(self.mapped_bytes)} of GGUF blocks (it plans ~"
+                f"{fmt_bytes(self.page_cache_room())} of page cache for them, under "
+                f"{MAPPED_MIN_SHARE:.0%}); the page cache can hold ~"
+                f"{fmt_bytes(self.expected_page_cache())} when decoding, so {note}")
 
     def summary(self) -> str:
         """One log line (one per rank when each rank has its own memory)."""
@@ -256,7 +285,7 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
                       overhead_bytes, mem, fp.mapped_bytes, fp.where)
     room = plan.page_cache_room()
-    if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes and not mapped_forced:
+    if plan.mapped_tight() and not mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
         raise refusal(anon, short_len,
                       f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
@@ -355,6 +384,16 @@ def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
 def _where(fp: ModelFootprint) -> str:
     """" (pipeline rank 1 of 2: layers 14-27, head)" for a share of the model, else ""."""
     return _where_of(fp.where)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The piecewise-linear curve through points (x ascending) at x, flat past its ends."""
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[0][1]
 
 
 def _where_of(where: str) -> str:

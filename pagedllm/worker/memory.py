@@ -287,12 +287,15 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
     room = plan.page_cache_room()
     if plan.mapped_tight() and not mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
+        reread = plan.reread_bytes_per_step()
+        cost = (f"each decode step would re-read ~{fmt_bytes(reread)} from disk" if reread else
+                "decoding may still find them all in the page cache")
         raise refusal(anon, short_len,
                       f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
                       f"file (mmap_weights) the page cache could hold only ~{fmt_bytes(room)} of "
                       f"their {fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; "
-                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): each decode step would "
-                      f"re-read ~{fmt_bytes(fp.mapped_bytes - room)} from disk\n",
+                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): {cost}; "
+                      f"mmap_weights=True maps them anyway\n",
                       page_cache=True)
     return plan
 

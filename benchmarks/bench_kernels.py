@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_kernels.py [--rows 1 4 16 64 512]
     .venv/bin/python benchmarks/bench_kernels.py --isa avx2 avx512vnni --rows 1 32 128
-    .venv/bin/python benchmarks/bench_kernels.py --low-bit --isa avxvnni avx512vnni --rows 1 --threads 1
+    .venv/bin/python benchmarks/bench_kernels.py --low-bit --isa avxvnni avx512vnni --threads 1
 
 
 For each GGML type and shape: the x8 int8-activation kernel (what every batch size uses on

@@ -24,8 +24,9 @@ MAPPED_MIN_SHARE = 0.75
 # regrouped file at 200-210 MB/s in 128 KiB-1 MiB O_DIRECT reads, docs/small-machine.md)
 DISK_READ_BYTES_PER_S = 200_000_000
 # what decoding keeps resident besides the weights and the KV cache (Python, torch, the
-# tokenizer, a step's buffers) once planned: a 7B Q2_K engine decoding in a 3.49 GiB cgroup held 585 MiB
-# anonymous = ~150 MiB before planning + 224 MiB of KV cache + ~210 MiB (docs/small-machine.md)
+# tokenizer, a step's buffers) once planned: a 7B Q2_K engine decoding in a 3.49 GiB cgroup
+# held 585 MiB anonymous = ~150 MiB before planning + 224 MiB of KV cache + ~210 MiB
+# (docs/small-machine.md)
 DECODE_RESIDENT_BYTES = 224 * 1024 ** 2
 # (share of the mapped bytes the page cache is short of, share of them re-read each decode
 # step), measured on that engine in cgroups of 3.00, 2.88 and 2.75 GiB: while the shortfall is
@@ -109,14 +110,16 @@ class MemoryPlan:
     ranks: tuple["MemoryPlan", ...] = ()  # each rank's own plan, when each has its own memory
 
     def page_cache_room(self) -> int:
-        """Bytes of page cache left for mapped weights once the engine's own memory is resident."""
+        """Bytes of the planned memory left for the page cache to hold mapped weights: the
+        planner's cautious share, which its own choice to map them follows."""
         used = self.weight_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
         return max(0, int(self.available.available_bytes * MEMORY_UTILIZATION) - used)
 
     def mapped_tight(self) -> bool:
         """Whether the planner would refuse to map these weights by itself (the page cache it
         plans holds under MAPPED_MIN_SHARE of them); mmap_weights=True maps them anyway."""
-        return bool(self.mapped_bytes) and self.page_cache_room() < MAPPED_MIN_SHARE * self.mapped_bytes
+        room = self.page_cache_room()
+        return bool(self.mapped_bytes) and room < MAPPED_MIN_SHARE * self.mapped_bytes
 
     def expected_page_cache(self) -> int:
         """Bytes of page cache a decode step of one sequence finds for the mapped weights: the

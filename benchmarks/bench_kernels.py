@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_kernels.py [--rows 1 4 16 64 512]
     .venv/bin/python benchmarks/bench_kernels.py --isa avx2 avx512vnni --rows 1 32 128
+    .venv/bin/python benchmarks/bench_kernels.py --low-bit --isa avxvnni avx512vnni --threads 1
 
 
 For each GGML type and shape: the x8 int8-activation kernel (what every batch size uses on
@@ -29,7 +30,12 @@ from pagedllm.layers.ggml_linear import dequantize
 # (type, out_features, in_features) of Qwen2.5-Coder-0.5B's Q4_K_M mix
 SHAPES = [(T.Q5_0, 4864, 896), (T.Q6_K, 896, 4864), (T.Q4_K, 896, 4864), (T.Q5_0, 896, 896),
           (T.Q8_0, 128, 896), (T.Q8_0, 151936, 896)]
-HALF_FIELDS = {T.Q5_0: [0], T.Q8_0: [0], T.Q6_K: [208], T.Q4_K: [0, 2]}
+# --low-bit: a Qwen2-7B's Q2_K / Q3_K matrices (attention q, the MLP's gate and down), the
+# 256-row part of one that stays in L2 (docs/small-machine.md)
+LOW_BIT_SHAPES = [(t, n, k) for t in (T.Q2_K, T.Q3_K)
+                  for n, k in ((3584, 3584), (18944, 3584), (3584, 18944), (256, 3584))]
+HALF_FIELDS = {T.Q5_0: [0], T.Q8_0: [0], T.Q6_K: [208], T.Q4_K: [0, 2], T.Q2_K: [80, 82],
+               T.Q3_K: [108]}
 
 
 def random_blocks(qtype: T, rows: int, cols: int) -> torch.Tensor:
@@ -51,12 +57,12 @@ def timed(fn, min_time: float = 0.3) -> float:
     return (time.perf_counter() - start) / n
 
 
-def compare_variants(variants: list[str], rows: list[int], rounds: int) -> None:
+def compare_variants(variants: list[str], rows: list[int], rounds: int, shapes=SHAPES) -> None:
     """Each variant's time per shape and row count, and its ratio to the first variant's."""
     ops = torch.ops.pagedllm
     print(f"{'type':6} {'shape':>13} {'M':>4} " + " ".join(f"{v + ' ms':>14}" for v in variants)
           + " " + " ".join(f"{v + '/' + variants[0]:>22}" for v in variants[1:]))
-    for qtype, n, k in SHAPES:
+    for qtype, n, k in shapes:
         packed = ops.ggml_pack_x8(random_blocks(qtype, n, k), int(qtype), k)
         for m in rows:
             x = torch.randn(m, k)
@@ -76,15 +82,17 @@ def main() -> None:
     ap.add_argument("--isa", nargs="+", help="compare these x8 kernel variants (e.g. avx2 avx512vnni)")
     ap.add_argument("--rounds", type=int, default=5, help="turns per variant with --isa")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    ap.add_argument("--low-bit", action="store_true", help="a 7B's Q2_K and Q3_K shapes instead")
     args = ap.parse_args()
+    shapes = LOW_BIT_SHAPES if args.low_bit else SHAPES
     if args.threads:
         torch.set_num_threads(args.threads)
     load_kernels()
     if args.isa:
-        compare_variants(args.isa, args.rows, args.rounds)
+        compare_variants(args.isa, args.rows, args.rounds, shapes)
         return
     print(f"{'type':6} {'shape':>13} {'M':>4} {'kernel ms':>10} {'GF/s':>6} {'f32 ms':>8} {'GF/s':>6}")
-    for qtype, n, k in SHAPES:
+    for qtype, n, k in shapes:
         w = random_blocks(qtype, n, k)
         wf = dequantize(w, qtype, k)
         packed = torch.ops.pagedllm.ggml_pack_x8(w, int(qtype), k)

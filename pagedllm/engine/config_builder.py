@@ -166,7 +166,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
-    def plan(dt: torch.dtype, mapped: bool = False) -> MemoryPlan:
+    def plan(dt: torch.dtype, mapped: bool = False, forced: bool = False) -> MemoryPlan:
         itemsize = torch.empty((), dtype=dt).element_size()
         # int8/int4 quantize after a float load: plan for the float weights (the load peak)
         weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
@@ -181,7 +181,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                      kv_cache_bytes=args.kv_cache_memory_bytes,
-                     num_blocks=args.num_gpu_blocks_override)
+                     num_blocks=args.num_gpu_blocks_override, mapped_forced=forced)
         if world > 1:
             return plan_pipeline_memory(fp, world, mem, rank_mems, tp_size, **sizes)
         return plan_memory(fp, mem, **sizes)
@@ -191,8 +191,12 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         raise ValueError("mmap_weights=True maps a GGUF's kept blocks on the CPU; this engine "
                          f"runs a {ckpt.kind} checkpoint with quantization {quantization!r} on "
                          f"the {platform.name}")
-    if args.mmap_weights:
-        return plan(dtype, mapped=True), dtype
+    if args.mmap_weights:  # asked for: kept even where the page cache is short, with a warning
+        result = plan(dtype, mapped=True, forced=True)
+        for share in result.ranks or (result,):
+            if share.mapped_tight():
+                logger.warning("%s", share.reread_warning())
+        return result, dtype
     try:
         return plan(dtype), dtype
     except InsufficientMemoryError as err:

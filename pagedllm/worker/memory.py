@@ -19,6 +19,20 @@ MIN_MODEL_LEN = 2048  # a default max_model_len is shrunk to fit, but not below 
 # the advice offers a GGUF with its blocks mapped from a file when the page cache would hold at
 # least this share of them (below, each token re-reads too much from disk)
 MAPPED_MIN_SHARE = 0.75
+# what a re-read costs, for the warning of a forced mapped plan (mmap_weights=True): the rate at
+# which page faults read the mapped blocks back (a 2-vCPU cloud VM's virtio disk read the
+# regrouped file at 200-210 MB/s in 128 KiB-1 MiB O_DIRECT reads, docs/small-machine.md)
+DISK_READ_BYTES_PER_S = 200_000_000
+# what decoding keeps resident besides the weights and the KV cache (Python, torch, the
+# tokenizer, a step's buffers) once planned: a 7B Q2_K engine decoding in a 3.49 GiB cgroup
+# held 585 MiB anonymous = ~150 MiB before planning + 224 MiB of KV cache + ~210 MiB
+# (docs/small-machine.md)
+DECODE_RESIDENT_BYTES = 224 * 1024 ** 2
+# (share of the mapped bytes the page cache is short of, share of them re-read each decode
+# step), measured on that engine in cgroups of 3.00, 2.88 and 2.75 GiB: while the shortfall is
+# small the kernel's LRU keeps a stable set and re-reads about the rest; beyond, pages are
+# evicted before their next use and the re-read grows ~10x as fast, to all of them
+REREAD_CURVE = ((0.0, 0.0), (0.069, 0.057), (0.123, 0.40), (0.172, 0.93), (0.18, 1.0))
 
 # Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
 FAMILY_SIZES = {
@@ -96,21 +110,59 @@ class MemoryPlan:
     ranks: tuple["MemoryPlan", ...] = ()  # each rank's own plan, when each has its own memory
 
     def page_cache_room(self) -> int:
-        """Bytes of the planned memory left for the page cache to hold mapped weights."""
+        """Bytes of the planned memory left for the page cache to hold mapped weights: the
+        planner's cautious share, which its own choice to map them follows."""
         used = self.weight_bytes + self.kv_cache_bytes + self.activation_bytes + self.overhead_bytes
         return max(0, int(self.available.available_bytes * MEMORY_UTILIZATION) - used)
+
+    def mapped_tight(self) -> bool:
+        """Whether the planner would refuse to map these weights by itself (the page cache it
+        plans holds under MAPPED_MIN_SHARE of them); mmap_weights=True maps them anyway."""
+        room = self.page_cache_room()
+        return bool(self.mapped_bytes) and room < MAPPED_MIN_SHARE * self.mapped_bytes
+
+    def expected_page_cache(self) -> int:
+        """Bytes of page cache a decode step of one sequence finds for the mapped weights: the
+        kernel fills the cgroup (or machine) to its limit with file pages, not to the plan's
+        share, beside what decoding keeps resident (measured, DECODE_RESIDENT_BYTES)."""
+        resident = self.weight_bytes + self.kv_cache_bytes + DECODE_RESIDENT_BYTES
+        return max(0, self.available.available_bytes - resident)
+
+    def reread_bytes_per_step(self) -> int:
+        """Bytes of the mapped weights each decode step reads from disk again: every step reads
+        all of them in the same order, and what the page cache is short of them costs
+        REREAD_CURVE's share (measured)."""
+        if not self.mapped_bytes:
+            return 0
+        short = max(0, self.mapped_bytes - self.expected_page_cache()) / self.mapped_bytes
+        return int(self.mapped_bytes * _interpolate(REREAD_CURVE, short))
 
     def mapped_note(self) -> str:
         """What the mapped weights cost, or "" when none are mapped."""
         if not self.mapped_bytes:
             return ""
-        room = self.page_cache_room()
-        if room >= self.mapped_bytes:
+        cache = self.expected_page_cache()
+        if cache >= self.mapped_bytes:
             return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, and the "
-                    f"page cache has room for all of them ({fmt_bytes(room)} left)")
+                    f"page cache has room for all of them (~{fmt_bytes(cache)} when decoding)")
         return (f"; GGUF blocks {fmt_bytes(self.mapped_bytes)} mapped from a file, of which the "
-                f"page cache can hold ~{fmt_bytes(room)}: each decode step re-reads up to "
-                f"~{fmt_bytes(self.mapped_bytes - room)} from disk")
+                f"page cache can hold ~{fmt_bytes(cache)} when decoding: each decode step "
+                f"re-reads ~{fmt_bytes(self.reread_bytes_per_step())} from disk")
+
+    def reread_warning(self) -> str:
+        """The warning of a mapped plan the planner would not choose (mmap_weights=True): the
+        expected re-read per step, and the decode rate it allows at DISK_READ_BYTES_PER_S."""
+        reread = self.reread_bytes_per_step()
+        note = (f"each decode step is expected to re-read ~{reread / 2**20:.0f} MiB/step from "
+                f"disk: at most ~{DISK_READ_BYTES_PER_S / max(1, reread):.1f} tok/s per sequence "
+                f"at {DISK_READ_BYTES_PER_S / 1e6:.0f} MB/s of disk reads" if reread else
+                "decoding should find them all in the page cache, but a longer prompt or more "
+                "sequences leave it less")
+        return (f"mmap_weights=True{_where_of(self.where)}: the planner would not map the "
+                f"{fmt_bytes(self.mapped_bytes)} of GGUF blocks (it plans ~"
+                f"{fmt_bytes(self.page_cache_room())} of page cache for them, under "
+                f"{MAPPED_MIN_SHARE:.0%}); the page cache can hold ~"
+                f"{fmt_bytes(self.expected_page_cache())} when decoding, so {note}")
 
     def summary(self) -> str:
         """One log line (one per rank when each rank has its own memory)."""
@@ -177,8 +229,11 @@ def _ffn_width(a: ModelArchConfig) -> int:
 def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                 max_model_len: Optional[int], max_num_seqs: int, max_num_batched_tokens: int,
                 kv_cache_bytes: Optional[int] = None, num_blocks: Optional[int] = None,
-                overhead_bytes: int = RUNTIME_OVERHEAD_BYTES) -> MemoryPlan:
-    """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain."""
+                overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
+                mapped_forced: bool = False) -> MemoryPlan:
+    """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain.
+    mapped_forced (mmap_weights=True): a mapped plan whose page cache is short is kept, and its
+    reread_warning() says what it costs, instead of refused."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
                          f"({fp.max_len_supported} positions)")
@@ -233,14 +288,17 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
                       overhead_bytes, mem, fp.mapped_bytes, fp.where)
     room = plan.page_cache_room()
-    if fp.mapped_bytes and room < MAPPED_MIN_SHARE * fp.mapped_bytes:
+    if plan.mapped_tight() and not mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
+        reread = plan.reread_bytes_per_step()
+        cost = (f"each decode step would re-read ~{fmt_bytes(reread)} from disk" if reread else
+                "decoding may still find them all in the page cache")
         raise refusal(anon, short_len,
                       f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
                       f"file (mmap_weights) the page cache could hold only ~{fmt_bytes(room)} of "
                       f"their {fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; "
-                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): each decode step would "
-                      f"re-read ~{fmt_bytes(fp.mapped_bytes - room)} from disk\n",
+                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): {cost}; "
+                      f"mmap_weights=True maps them anyway\n",
                       page_cache=True)
     return plan
 
@@ -331,7 +389,21 @@ def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
 
 def _where(fp: ModelFootprint) -> str:
     """" (pipeline rank 1 of 2: layers 14-27, head)" for a share of the model, else ""."""
-    return f" ({fp.where})" if fp.where else ""
+    return _where_of(fp.where)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The piecewise-linear curve through points (x ascending) at x, flat past its ends."""
+    if x >= points[-1][0]:
+        return points[-1][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[0][1]
+
+
+def _where_of(where: str) -> str:
+    return f" ({where})" if where else ""
 
 
 def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs: int,

@@ -14,12 +14,12 @@ from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
 from pagedllm.platforms.cpu import CpuPlatform
-from pagedllm.platforms.interface import MemoryInfo
+from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.model_loader import load_model
 from pagedllm.distributed.stage import PipelineStage
-from pagedllm.worker.memory import (MEMORY_UTILIZATION, InsufficientMemoryError, footprint,
-                                    kv_bytes_per_token, plan_memory, plan_pipeline_memory,
-                                    stage_footprint, tp_share)
+from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION,
+                                    InsufficientMemoryError, footprint, kv_bytes_per_token,
+                                    plan_memory, plan_pipeline_memory, stage_footprint, tp_share)
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -207,3 +207,53 @@ def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
     # rank 0 gains 4 layers' weights, rank 1 loses them
     assert plan.ranks[0].weight_bytes > even.ranks[0].weight_bytes
     assert plan.ranks[1].weight_bytes < even.ranks[1].weight_bytes
+
+
+def test_mmap_weights_true_keeps_a_mapped_plan_the_page_cache_cannot_hold_and_warns():
+    """A 7B's 2.58 GiB of Q2_K blocks mapped in a 3.00 GiB cgroup: refused when the planner
+    chooses (the page cache holds under 75 %), kept when asked for, with the re-read per step."""
+    fp = qwen7b_footprint(4, "float32 with GGUF blocks kept")
+    mapped = dataclasses.replace(fp, weight_bytes=300 << 20, mapped_bytes=int(2.58 * GiB))
+    tight = MemoryInfo(3 * GiB, int(2.85 * GiB), "cgroup v1 limit 3.00 GiB, 2.85 GiB free")
+    sizes = dict(block_size=16, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=512)
+    with pytest.raises(InsufficientMemoryError, match="the page cache could hold only") as err:
+        plan_memory(mapped, tight, **sizes)
+    assert err.value.page_cache
+    plan = plan_memory(mapped, tight, mapped_forced=True, **sizes)
+    assert plan.mapped_bytes == mapped.mapped_bytes and plan.max_model_len == 2048
+    assert plan.mapped_tight()
+    reread = plan.reread_bytes_per_step()
+    # short of 18 % of them, decoding cycles nearly all of them through the page cache
+    assert mapped.mapped_bytes - plan.expected_page_cache() < reread <= mapped.mapped_bytes
+    warning = plan.reread_warning()
+    assert warning.startswith("mmap_weights=True: the planner would not map the 2.58 GiB")
+    assert f"re-read ~{reread / 2**20:.0f} MiB/step from disk" in warning
+    assert f"at most ~{DISK_READ_BYTES_PER_S / reread:.1f} tok/s per sequence" in warning
+    assert f"re-reads ~{fmt_bytes(reread)}" in plan.summary()
+    # forcing changes nothing where the anonymous part itself does not fit
+    with pytest.raises(InsufficientMemoryError, match="does not fit in memory"):
+        plan_memory(dataclasses.replace(mapped, weight_bytes=3 * GiB), tight,
+                    mapped_forced=True, **sizes)
+
+
+# A Qwen2-7B-shaped Q2_K GGUF (2.58 GiB of blocks mapped) decoding in cgroups of these limits:
+# (limit GiB, free GiB when planned, MiB read from disk a decode step: lowest, highest), from
+# /proc/self/io read_bytes over 8-token runs (docs/small-machine.md)
+MEASURED_REREADS = [(3.49, 3.34, 0, 0), (3.25, 3.09, 0, 0), (3.00, 2.84, 132, 169),
+                    (2.88, 2.70, 1026, 1080), (2.75, 2.57, 2406, 2493)]
+
+
+@pytest.mark.parametrize("limit, free, low, high", MEASURED_REREADS)
+def test_reread_estimate_follows_what_was_measured(limit, free, low, high):
+    fp = qwen7b_footprint(4, "float32 with GGUF blocks kept")
+    mapped = dataclasses.replace(fp, weight_bytes=1 << 20, mapped_bytes=int(2.58 * GiB))
+    mem = MemoryInfo(int(limit * GiB), int(free * GiB), f"cgroup v1 limit {limit:.2f} GiB")
+    plan = plan_memory(mapped, mem, block_size=16, max_model_len=None, max_num_seqs=64,
+                       max_num_batched_tokens=512, mapped_forced=True)
+    estimate = plan.reread_bytes_per_step() / 2**20
+    if high == 0:
+        assert estimate == 0
+    else:  # within the spread of the runs, give or take a fifth
+        assert 0.8 * low <= estimate <= 1.2 * high, estimate
+    # what the planner plans for them is more cautious than what decoding finds
+    assert plan.page_cache_room() < plan.expected_page_cache()

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
-from pagedllm.platforms.interface import MemoryInfo
+from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker import x8_weight_file
-from pagedllm.worker.memory import footprint, plan_memory
+from pagedllm.worker.memory import InsufficientMemoryError, footprint, plan_memory
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -113,8 +116,14 @@ def test_plan_with_mapped_blocks_leaves_the_page_cache_room_and_says_what_it_cos
     assert plan.max_model_len == 2048  # one short sequence of KV: the rest is for the blocks
     assert plan.kv_cache_bytes == 2048 * fp.kv_bytes_per_token
     assert 0 < plan.page_cache_room() < blocks
+    # decoding, the kernel fills the cgroup with file pages: all of them fit (measured: 0 MiB
+    # read a step at this limit); at 3.00 GiB they do not
+    assert plan.reread_bytes_per_step() == 0 and "room for all of them" in plan.summary()
+    tight = MemoryInfo(3 * GiB, int(2.84 * GiB), "cgroup v1 limit 3.00 GiB, 2.84 GiB free")
+    plan = plan_memory(mapped, tight, block_size=16, max_model_len=None, max_num_seqs=64,
+                       max_num_batched_tokens=512, mapped_forced=True)
     assert "mapped from a file, of which the page cache can hold" in plan.summary()
-    assert "re-reads up to" in plan.summary()
+    assert f"re-reads ~{fmt_bytes(plan.reread_bytes_per_step())}" in plan.summary()
     roomy = dataclasses.replace(SMALL_VM, available_bytes=20 * GiB)
     plan = plan_memory(mapped, roomy, block_size=16, max_model_len=None, max_num_seqs=64,
                        max_num_batched_tokens=512)
@@ -136,3 +145,22 @@ def test_pipeline_stages_map_their_own_parts(qwen_gguf, weight_cache, monkeypatc
             shutil.rmtree(p, ignore_errors=True)
         if parts[0].parent.is_dir() and not any(parts[0].parent.iterdir()):
             parts[0].parent.rmdir()
+
+
+def test_mmap_weights_true_is_honoured_where_the_planner_would_not_map(smollm_gguf, monkeypatch,
+                                                                       caplog):
+    """In a memory whose page cache the planner judges short for the blocks, the default
+    refuses; mmap_weights=True maps them anyway and warns what each decode step re-reads
+    (here none: decoding keeps less resident than the planner plans for)."""
+    small = MemoryInfo(625 << 20, 625 << 20, "test: 625 MiB")
+    monkeypatch.setattr(CpuPlatform, "memory", lambda self: small)
+    ckpt = resolve_checkpoint(smollm_gguf)
+    with pytest.raises(InsufficientMemoryError, match="the page cache could hold only") as err:
+        make_engine_config(EngineArgs(model=str(smollm_gguf), max_model_len=512), ckpt)
+    assert err.value.page_cache
+    caplog.set_level("WARNING", logger="pagedllm")
+    config = make_engine_config(EngineArgs(model=str(smollm_gguf), max_model_len=512,
+                                           mmap_weights=True), ckpt)
+    assert config.mmap_weights
+    assert "mmap_weights=True: the planner would not map the " in caplog.text
+    assert "decoding should find them all in the page cache" in caplog.text

@@ -186,3 +186,19 @@ def test_auto_refusals_name_only_what_is_missing():
     assert "--no-enable-auto-tool-choice" in off.value.message
     assert "--tool-call-parser" not in off.value.message
     assert plan_tools(req, "hermes", True).choice == "auto"
+
+
+def test_a_tool_name_over_openais_64_characters_is_a_400_naming_tools():
+    from pagedllm.entrypoints.openai.chat_tools import plan_tools
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.serving_common import OpenAIError
+
+    def req(name):
+        tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool],
+                                     tool_choice="required")
+
+    assert plan_tools(req("f" * 64), "hermes", True).choice == "required"
+    with pytest.raises(OpenAIError) as err:
+        plan_tools(req("f" * 10_000), "hermes", True)
+    assert err.value.param == "tools" and "at most 64 characters" in err.value.message

@@ -73,6 +73,9 @@ class _WholeOutput:
         return StreamDelta(content=content or "", calls=calls)
 
 
+MAX_TOOL_NAME_CHARS = 64
+
+
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or not tools:
         raise OpenAIError("tools must be a non-empty list of function tools", 400, "tools")
@@ -84,6 +87,10 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise OpenAIError(f"tools[{i}].function.name must be a non-empty string", 400,
                               "tools")
+        if len(fn["name"]) > MAX_TOOL_NAME_CHARS:
+            # OpenAI's own limit; a 10 kB name made every step of tool_choice "required" slow
+            raise OpenAIError(f"tools[{i}].function.name must be at most {MAX_TOOL_NAME_CHARS} "
+                              f"characters (OpenAI's limit), got {len(fn['name'])}", 400, "tools")
         if not isinstance(fn.get("parameters", {}), dict):
             raise OpenAIError(f"tools[{i}].function.parameters must be a JSON schema object",
                               400, "tools")

@@ -97,20 +97,28 @@ def test_invalid_constraint_is_refused_before_anything_runs(llm):
 
 
 def test_constraints_that_allow_no_token_fail_that_request_alone(llm):
-    """allowed_token_ids disjoint from the grammar's: the request finishes with "error" saying
-    so (it used to emit an arbitrary token), and the requests beside it are untouched. (A
-    grammar that can only end stops the request even under min_tokens: its output is whole.)"""
+    """allowed_token_ids disjoint from the grammar's first tokens is refused before anything
+    runs (ValueError naming allowed_token_ids; a 400 on the server); disjoint only later, the
+    request finishes with "error" saying so (it used to emit an arbitrary token), and the
+    requests beside it are untouched. (A grammar that can only end stops the request even under
+    min_tokens: its output is whole.)"""
     tok = llm.get_tokenizer()
     x_id = tok.encode("x")[0]
     disjoint = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[x_id],
                               structured_outputs=SO(choice=["yes", "no"]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["Answer:"], disjoint, use_tqdm=False)
+    yes_ids = tok.encode("yes")  # allowed first, then nothing the grammar wants next
+    later = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=yes_ids,
+                           structured_outputs=SO(choice=["yes or no"]))
     whole = SamplingParams(temperature=0, max_tokens=8, min_tokens=6,
                            structured_outputs=SO(choice=["yes"]))
     free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     alone = llm.generate(["Once upon a time"], free, use_tqdm=False)[0].outputs[0].token_ids
-    outs = llm.generate(["Answer:", "Answer:", "Once upon a time"], [disjoint, whole, free],
+    outs = llm.generate(["Answer:", "Answer:", "Once upon a time"], [later, whole, free],
                         use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[0].outputs[0].token_ids == yes_ids[:1]
     assert outs[0].error.startswith("no token is allowed")
     assert (outs[1].outputs[0].text, outs[1].outputs[0].finish_reason) == ("yes", "stop")
     assert outs[2].outputs[0].token_ids == alone and outs[2].error is None

@@ -214,6 +214,9 @@ class Scheduler:
                 self._finish(request, status)
                 core_out.finish_reason = status.finish_reason
                 core_out.stop_reason = request.stop_reason
+                if status == RequestStatus.FINISHED_ERROR:
+                    logger.error("request %s failed: %s", req_id, request.error)
+                    core_out.error = request.error
         return core_out
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
@@ -227,11 +230,16 @@ class Scheduler:
     # ---- helpers ------------------------------------------------------------
     def _check_stop(self, request: Request, token: int) -> Optional[RequestStatus]:
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.error is not None:
+            # the grammar engine gave up (e.g. llguidance's row limit): the output is not whole,
+            # so it must not look like a complete one ("stop")
+            first_line = request.grammar.error.strip().splitlines()[0][:300]
+            request.error = f"the grammar engine stopped: {first_line}"
+            return RequestStatus.FINISHED_ERROR
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.grammar is not None and (request.grammar.is_terminated
-                                            or request.grammar.error is not None):
-            return RequestStatus.FINISHED_STOPPED  # the output is complete (or cannot go on)
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the output is complete
         if request.num_output_tokens < params.min_tokens:
             return None
         if not params.ignore_eos and token in request.eos_token_ids:

@@ -143,7 +143,8 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         started = time.monotonic()
         spec = grammar_text(params)
-        matcher = LLMatcher(tokenizer, spec, limits=LLParserLimits(**PARSER_LIMITS))
+        # log_level 0: its errors reach the request's error (and pagedllm's log) instead
+        matcher = LLMatcher(tokenizer, spec, log_level=0, limits=LLParserLimits(**PARSER_LIMITS))
         first_mask = allocate_bitmask(1, self._vocab_size)[0]
         if not matcher.is_error():
             matcher.unsafe_compute_mask_ptr(first_mask.data_ptr(), first_mask.numel() * 4)

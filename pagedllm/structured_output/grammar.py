@@ -29,9 +29,11 @@ from pagedllm.sampling_params import StructuredOutputsParams
 # The step limits bound one mask's work inside the Rust code; max_items_in_row is why a choice
 # of more than ~2,000 strings, or an object of more than ~500 optional properties, stops at run
 # time ("Current row has N items")
+# verbose_errors off: llguidance's verbose error carries the parser state and the whole
+# grammar (MBs for a large one) into every message and log line
 PARSER_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000,
                      step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=250_000,
-                     max_grammar_size=500_000)
+                     max_grammar_size=500_000, verbose_errors=False)
 
 
 class MaskTooSlowError(RuntimeError):

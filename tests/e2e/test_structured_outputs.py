@@ -122,3 +122,18 @@ def test_constraints_that_allow_no_token_fail_that_request_alone(llm):
     assert outs[0].error.startswith("no token is allowed")
     assert (outs[1].outputs[0].text, outs[1].outputs[0].finish_reason) == ("yes", "stop")
     assert outs[2].outputs[0].token_ids == alone and outs[2].error is None
+
+
+def test_a_grammar_the_engine_gives_up_on_is_an_error_not_a_stop(llm):
+    """One rule of 2,500 alternatives passes the caps but exceeds llguidance's row limit (2,000
+    items) once parsing starts: the request must end with "error" naming it, not with "stop"
+    and a text that no alternative matches (what it did before)."""
+    grammar = "start: " + " | ".join(f'"option number {i}"' for i in range(2500))
+    params = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=SO(grammar=grammar))
+    free = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate(["Answer:", "Once upon a time"], [params, free], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error", outs[0].outputs[0]
+    assert "the grammar engine stopped" in outs[0].error and "max is 2000" in outs[0].error
+    assert "<grammar>" not in outs[0].error  # the short message, not the whole grammar
+    assert len(outs[1].outputs[0].token_ids) == 4 and outs[1].error is None

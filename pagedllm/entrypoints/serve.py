@@ -164,7 +164,9 @@ def _add_slot_flags(p: argparse.ArgumentParser) -> None:
     (limits.HttpLimits, limits.SlotLimits; docs/server_limits.md)."""
     p.add_argument("--max-client-share", type=float, default=DEFAULT_MAX_CLIENT_SHARE,
                    help="share of --max-num-seqs one client (peer address) may have in flight, "
-                   "n x prompts over its requests; past it HTTP 429; 1 turns the cap off")
+                   "n x prompts over its requests; past it the client's next request waits for "
+                   "its own to finish (HTTP 429 once more than --max-waiting of its sequences "
+                   "wait); 1 turns the cap off")
     p.add_argument("--max-stream-backlog", type=int, default=DEFAULT_MAX_STREAM_BACKLOG,
                    help="outputs (one per step) a stream may have waiting that its client has "
                    "not taken, for over a second; then the request is aborted, its slots freed")

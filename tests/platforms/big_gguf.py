@@ -2,9 +2,11 @@
 tests/data), written one tensor at a time: the Q2_K file is ~2.8 GB, never all in memory."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import gguf
 import numpy as np
@@ -106,3 +108,18 @@ def write_qwen7b_gguf(path: Path, qtype: T = T.Q2_K, head_type: T = T.Q6_K, seed
     writer.close()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ensure_model(QWEN) / name, path.parent / name)
+
+
+@contextlib.contextmanager
+def temporary_qwen7b_q4_k(directory: Path) -> Iterator[Path]:
+    """The 7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random) in `directory`; it,
+    the directory and its regrouped x8 copies are removed after."""
+    from pagedllm.worker.x8_weight_file import cache_path
+
+    path = directory / "qwen2-7b-random-q4_k.gguf"
+    write_qwen7b_gguf(path, qtype=T.Q4_K, head_type=T.Q6_K)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -24,17 +23,10 @@ def qwen7b_q4_k(tmp_path_factory) -> Iterator[Path]:
     """The GGUF in a temporary directory; it and its regrouped copies are removed after."""
     if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
         pytest.skip("needs root and a cgroup v1 memory hierarchy")
-    from big_gguf import write_qwen7b_gguf
-    from gguf import GGMLQuantizationType as T
-    from pagedllm.worker.x8_weight_file import cache_path
+    from big_gguf import temporary_qwen7b_q4_k
 
-    path = tmp_path_factory.mktemp("qwen7b-q4-ray") / "qwen2-7b-random-q4_k.gguf"
-    write_qwen7b_gguf(path, qtype=T.Q4_K, head_type=T.Q6_K)
-    try:
+    with temporary_qwen7b_q4_k(tmp_path_factory.mktemp("qwen7b-q4-ray")) as path:
         yield path
-    finally:
-        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
-        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def test_qwen7b_q4_k_pp2_serves_on_two_ray_nodes_in_3_49_gib_each(qwen7b_q4_k, tmp_path):

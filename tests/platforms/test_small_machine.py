@@ -225,17 +225,10 @@ def test_qwen7b_q2_k_generates_in_3_49_gib(load, qwen7b_q2_k, tmp_path):
 @pytest.fixture(scope="module")
 def qwen7b_q4_k(tmp_path_factory) -> Iterator[Path]:
     """The GGUF in a temporary directory; it and its regrouped copies are removed after."""
-    from big_gguf import write_qwen7b_gguf
-    from gguf import GGMLQuantizationType as T
-    from pagedllm.worker.x8_weight_file import cache_path
+    from big_gguf import temporary_qwen7b_q4_k
 
-    path = tmp_path_factory.mktemp("qwen7b-q4") / "qwen2-7b-random-q4_k.gguf"
-    write_qwen7b_gguf(path, qtype=T.Q4_K, head_type=T.Q6_K)
-    try:
+    with temporary_qwen7b_q4_k(tmp_path_factory.mktemp("qwen7b-q4")) as path:
         yield path
-    finally:
-        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
-        shutil.rmtree(path.parent, ignore_errors=True)
 
 
 @pytest.fixture

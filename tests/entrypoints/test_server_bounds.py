@@ -282,6 +282,10 @@ def test_routing_auth_and_malformed_http_errors_are_openai_error_objects(bounded
 @pytest.mark.parametrize("flag,value,message", [
     ("--max-request-body-bytes", "0", "max_body_bytes must be >= 1, got 0"),
     ("--request-read-timeout", "0", "read_timeout_s must be > 0, got 0.0"),
+    # the slot limits (test_fair_slots.py)
+    ("--max-client-share", "0", "max_client_share must be in (0, 1], got 0.0"),
+    ("--max-stream-backlog", "0", "max_stream_backlog must be >= 1, got 0"),
+    ("--send-stall-timeout", "0", "send_stall_timeout_s must be > 0, got 0.0"),
 ])
 def test_bad_limits_stop_serve_before_loading(flag, value, message):
     proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", flag, value],

@@ -316,9 +316,13 @@ class AsyncLLM:
     def fail_streams(self, reason: str) -> int:
         """End every open stream with EngineClosingError(reason) (its request is aborted);
         how many there were."""
+        return self._put_all(EngineClosingError(reason))
+
+    def _put_all(self, item: BaseException) -> int:
+        """Queue item on every open stream (from any thread); how many there were."""
         streams = list(self._streams.values())
         for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineClosingError(reason))
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         return len(streams)
 
     def shutdown(self) -> None:
@@ -387,7 +391,6 @@ class AsyncLLM:
                 return
             self.error = err
         self._stop = True  # a hung step that returns after all runs no further step
-        for stream in list(self._streams.values()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+        self._put_all(err)
         if self.on_fatal is not None:
             self.on_fatal(err)

@@ -121,7 +121,7 @@ class AsyncLLM:
         self.on_fatal: Optional[Callable[[BaseException], None]] = None
         self._closing: Optional[str] = None  # why new requests are refused (close())
         self._watchdog: Optional[StepWatchdog] = None
-        if engine.engine_core.deadline is not None:
+        if engine.engine_core.deadlines.enabled:
             self._watchdog = StepWatchdog(lambda reason: self._fail_all(EngineHungError(reason)))
             engine.engine_core.watch = self._watchdog
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)

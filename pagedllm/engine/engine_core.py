@@ -26,7 +26,7 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor import Executor, executor_class as default_executor_class
 from pagedllm.executor.abstract import StepFuture
-from pagedllm.executor.deadline import WATCHDOG_GRACE_S, StepDeadline, step_tokens
+from pagedllm.executor.deadline import WATCHDOG_GRACE_S, StepDeadlines
 
 logger = logging.getLogger("pagedllm")
 
@@ -59,9 +59,8 @@ class EngineCore:
         self.batch_queue: Optional[deque[tuple[SchedulerOutput, StepFuture]]] = (
             deque() if self.executor.max_concurrent_batches > 1 else None)
         self.max_batches_in_flight = 0  # the most batches seen in flight at once
-        self.deadline = StepDeadline.of(config)
+        self.deadlines = StepDeadlines(config)
         self.watch: Optional[StepWatch] = None  # set by whoever watches for a hung step
-        self._steps_timed = 0
 
     def _initialize_kv_cache(self) -> int:
         """Size the KV cache from what the workers may hold, allocate it; the number of blocks."""
@@ -99,17 +98,16 @@ class EngineCore:
         """Let the watch time the executor's answer to `sched` against its deadline (a little
         longer where the executor times its ranks itself, so that its failure, naming the rank,
         comes first)."""
-        watch, deadline = self.watch, self.deadline
-        if watch is None or deadline is None:
+        watch = self.watch
+        if watch is None or not self.deadlines.enabled:
             yield
             return
-        seconds = deadline.seconds(step_tokens(sched.num_scheduled_tokens), self._steps_timed)
+        seconds = self.deadlines.next(sched.num_scheduled_tokens)
         watch.begin(seconds + (WATCHDOG_GRACE_S if self.executor.watches_ranks else 0.0))
         try:
             yield
         finally:
             watch.end()
-            self._steps_timed += 1
 
     def _step_with_batch_queue(
             self, queue: deque[tuple[SchedulerOutput, StepFuture]]) -> list[EngineCoreOutput]:

@@ -46,6 +46,29 @@ class StepDeadline:
         return allowed * FIRST_STEPS_FACTOR if steps_done < FIRST_STEPS else allowed
 
 
+class StepDeadlines:
+    """The deadline of each step in the order its owner meets them (the first FIRST_STEPS
+    longer): one count of steps, for an executor's replies or the engine's watchdog."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._deadline = StepDeadline.of(config)
+        self._steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steps are timed (step_timeout set)."""
+        return self._deadline is not None
+
+    def next(self, num_scheduled_tokens: dict[str, int]) -> Optional[float]:
+        """The deadline of the next step (SchedulerOutput.num_scheduled_tokens); None: not
+        timed."""
+        if self._deadline is None:
+            return None
+        seconds = self._deadline.seconds(step_tokens(num_scheduled_tokens), self._steps)
+        self._steps += 1
+        return seconds
+
+
 class WorkerHungError(RuntimeError):
     """A rank did not answer a step within its deadline (stopped or hung)."""
 

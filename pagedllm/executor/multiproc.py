@@ -71,8 +71,8 @@ from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_part
                                        partition_spec)
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
-                                        process_stopped, step_tokens)
+from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message,
+                                        process_stopped)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -402,8 +402,7 @@ class MultiprocExecutor(Executor):
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._steps = StepQueue(self._take_oldest)  # steps sent, replies unread
-        self._deadline = StepDeadline.of(self.config)
-        self._steps_sent = 0
+        self._deadlines = StepDeadlines(self.config)
         # a file store: no port to find free and no port race between two engines
         self._store_dir = tempfile.mkdtemp(prefix="pagedllm-pg-")
         init_method = Path(self._store_dir, "store").as_uri()
@@ -539,9 +538,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
-        deadline_s = None if self._deadline is None else self._deadline.seconds(
-            step_tokens(sched.num_scheduled_tokens), self._steps_sent)
-        self._steps_sent += 1
+        deadline_s = self._deadlines.next(sched.num_scheduled_tokens)
         sampled = self._steps.take_unsent()
         payloads = {driver: pickle.dumps(WorkerCall("execute_model", (sched, sampled_before)),
                                          protocol=pickle.HIGHEST_PROTOCOL)
@@ -574,7 +571,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def watches_ranks(self) -> bool:
-        return self._deadline is not None
+        return self._deadlines.enabled
 
     @property
     def worker_pids(self) -> list[int]:

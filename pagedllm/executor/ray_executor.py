@@ -57,8 +57,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.deadline import (StepDeadline, WorkerHungError, hung_message,
-                                        step_tokens)
+from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message)
 from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
                                          own_memory, parallel_kind, partition_note,
                                          places_driver, rank_places, start_worker)
@@ -282,8 +281,7 @@ class RayExecutor(Executor):
         self._driver = places_driver(places)  # TP rank 0 of the last stage samples
         self._failure: Optional[RuntimeError] = None  # once set, every call raises it again
         self._steps = StepQueue(self._take_oldest)  # steps submitted, answers untaken
-        self._deadline = StepDeadline.of(self.config)
-        self._steps_sent = 0
+        self._deadlines = StepDeadlines(self.config)
         self._cluster = _Cluster()
         self._finalizer = weakref.finalize(self, _release, self._cluster)
         self._ranks = self._cluster.ranks
@@ -425,9 +423,7 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
-        deadline_s = None if self._deadline is None else self._deadline.seconds(
-            step_tokens(sched.num_scheduled_tokens), self._steps_sent)
-        self._steps_sent += 1
+        deadline_s = self._deadlines.next(sched.num_scheduled_tokens)
         sampled = self._steps.take_unsent()
         return self._steps.submit(_StepRefs([  # the step's answers' refs, one a rank
             r.actor.call.remote("execute_model", sched,
@@ -456,7 +452,7 @@ class RayExecutor(Executor):
 
     @property
     def watches_ranks(self) -> bool:
-        return self._deadline is not None
+        return self._deadlines.enabled
 
     @property
     def worker_places(self) -> list[ActorPlace]:

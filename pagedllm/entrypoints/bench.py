@@ -81,8 +81,8 @@ def add_bench_parser(sub) -> None:
                            help="pipeline stages, one process each (reports the stage-to-stage "
                                 "send/recv time per step)")
             p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
-                           help="tensor-parallel ranks, one process each (not together with "
-                                "-pp: refused, as LLM() refuses it)")
+                           help="tensor-parallel ranks, one process each (with -pp: tp x pp "
+                                "processes, each stage split over tp ranks)")
             p.add_argument("--distributed-executor-backend", default=None,
                            choices=("mp", "ray", "uni"),
                            help="mp: one process per rank; ray: one Ray actor per rank, on the "

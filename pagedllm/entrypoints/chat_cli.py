@@ -12,8 +12,9 @@ from pagedllm.loader.model_store import DEFAULT_MODEL
 CHAT_HELP = """commands (never sent to the model):
   /help   this list
   /clear  forget the conversation (the --system prompt stays)
-  /exit   quit (also /quit, Ctrl-D)
+  /bye    quit (also /exit, /quit, Ctrl-D)
 Ctrl-C stops a reply and keeps the chat going."""
+QUIT_COMMANDS = ("/bye", "/exit", "/quit")  # /bye as in Ollama
 
 
 def _add_backend_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[int]) -> None:
@@ -22,6 +23,11 @@ def _add_backend_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[
     p.add_argument("--model", default=None, help="model name on the server, or path/name to "
                    f"load in-process (default: the server's first model, or {DEFAULT_MODEL})")
     p.add_argument("--api-key", default=None, help="the server's key (default: no key)")
+    add_reply_flags(p, default_max_tokens)
+
+
+def add_reply_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[int]) -> None:
+    """--max-tokens, --temperature and --device: how an in-process or served reply is made."""
     p.add_argument("--max-tokens", type=int, default=default_max_tokens,
                    help="most tokens per reply" + ("" if default_max_tokens else
                                                    " (default: up to the context length)"))
@@ -41,7 +47,7 @@ def add_client_parsers(sub) -> None:
     _add_backend_flags(complete, 256)
 
 
-def _catch_ctrl_c() -> None:
+def catch_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored (e.g. as a
     background job), because here it means "stop this reply"."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -58,7 +64,7 @@ def _backend(args: argparse.Namespace):
 
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout."""
-    _catch_ctrl_c()
+    catch_ctrl_c()
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise ValueError("the prompt is empty: pass PROMPT or send it on stdin")
@@ -75,12 +81,17 @@ def run_complete(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Interactive multi-turn chat with streaming replies."""
-    _catch_ctrl_c()
-    backend = _backend(args)
+    catch_ctrl_c()
+    return chat_loop(_backend(args), args)
+
+
+def chat_loop(backend, args: argparse.Namespace) -> int:
+    """Read lines from stdin and stream each reply to stdout, keeping the conversation (with
+    args.system first, if set); the quit commands or Ctrl-D end it. Also `pagedllm run`'s loop."""
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("chat ready — /help lists commands, Ctrl-C stops a reply, Ctrl-D or /exit quits",
+    print("chat ready — /help lists commands, Ctrl-C stops a reply, Ctrl-D or /bye quits",
           file=sys.stderr, flush=True)
     while True:
         try:
@@ -89,7 +100,7 @@ def run_chat(args: argparse.Namespace) -> int:
             print()
             return 0
         command = line.strip()
-        if command in ("/exit", "/quit"):
+        if command in QUIT_COMMANDS:
             return 0
         if command.startswith("/") and " " not in command:
             _chat_command(command, history)
@@ -97,7 +108,7 @@ def run_chat(args: argparse.Namespace) -> int:
         if not command:
             continue
         history.append({"role": "user", "content": line})
-        reply = _stream_reply(backend, history, args)
+        reply = stream_reply(backend, history, args)
         history.append({"role": "assistant", "content": reply})
 
 
@@ -114,7 +125,8 @@ def _chat_command(command: str, history: list[dict[str, str]]) -> None:
               flush=True)
 
 
-def _stream_reply(backend, history: list[dict[str, str]], args: argparse.Namespace) -> str:
+def stream_reply(backend, history: list[dict[str, str]], args: argparse.Namespace) -> str:
+    """Stream the backend's reply to `history` onto stdout (Ctrl-C stops it); its text."""
     pieces: list[str] = []
     stream = None
     try:

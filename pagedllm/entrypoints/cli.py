@@ -14,6 +14,8 @@ from typing import Any, Callable, NoReturn, Optional
 from pagedllm.engine.arg_utils import DEVICE_HELP, DTYPE_CHOICES
 from pagedllm.entrypoints.bench import add_bench_parser, run_bench
 from pagedllm.entrypoints.chat_cli import add_client_parsers, run_chat, run_complete
+from pagedllm.entrypoints.models_cli import (add_models_parsers, run_list, run_pull, run_rm,
+                                             run_run)
 from pagedllm.entrypoints.serve import add_serve_parser, run_serve
 from pagedllm.logger import DATE_FORMAT, LOG_FORMAT, env_level
 from pagedllm.version import __version__
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(commands=sub.choices)  # for an unknown flag's error to name its command
     add_serve_parser(sub)
     add_client_parsers(sub)
+    add_models_parsers(sub)
     add_bench_parser(sub)
     doctor = sub.add_parser("doctor", help="report this machine and whether MODEL fits",
                             description="Report device probes, CPU, memory and, for MODEL, "
@@ -79,7 +82,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "serve": run_serve, "chat": run_chat, "complete": run_complete, "bench": run_bench,
-    "doctor": _run_doctor}
+    "doctor": _run_doctor, "pull": run_pull, "list": run_list, "rm": run_rm, "run": run_run}
 
 
 def refusal_message(err: BaseException) -> Optional[str]:

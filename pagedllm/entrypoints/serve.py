@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
                                                 SlotLimits)
 from pagedllm.loader.model_store import DEFAULT_MODEL
+from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, parser_for_template
 
 logger = logging.getLogger("pagedllm")
 STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
@@ -82,6 +83,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: the one the chat "
                    "template implies, if any)")
+    p.add_argument("--reasoning-parser", default=None, choices=[*REASONING_PARSERS, "none"],
+                   help="split a thinking model's <think> ... </think> from its answer "
+                   "(message.reasoning); structured outputs and tool calls apply to the answer "
+                   "(default: the one the chat template implies, if any; none: off)")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
@@ -195,8 +200,22 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        step_timeout=args.step_timeout,
+        step_timeout=args.step_timeout, reasoning_parser=_reasoning_parser(args),
         **structured_output_values(args), **ignored_cli_values(args, HONORED_VLLM_ARGS))
+
+
+def _reasoning_parser(args: argparse.Namespace) -> Optional[str]:
+    """--reasoning-parser, else the one a --chat-template file implies (logged); None lets the
+    engine pick from the model's own template."""
+    if args.reasoning_parser is not None or args.chat_template is None:
+        return args.reasoning_parser
+    from pagedllm.entrypoints.openai.api_server import load_chat_template
+
+    picked = parser_for_template(load_chat_template(args.chat_template))
+    if picked:
+        logger.info("reasoning: using the %r parser (the --chat-template's <think> tags); "
+                    "--reasoning-parser overrides it", picked)
+    return picked or "none"
 
 
 def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:
@@ -318,7 +337,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                         engine.config.scheduler.max_model_len, chat_template, parser,
                         _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
                         ClientShares(slots.max_client_share,
-                                     engine.config.scheduler.max_num_seqs, args.max_waiting))
+                                     engine.config.scheduler.max_num_seqs, args.max_waiting),
+                        engine.input_processor.reasoning)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

@@ -25,6 +25,8 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
                                                 SlotLimits)
+from pagedllm.entrypoints.openai.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES,
+                                                        ResponseStore)
 from pagedllm.loader.model_store import DEFAULT_MODEL
 from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, parser_for_template
 
@@ -87,6 +89,12 @@ def add_serve_parser(sub) -> None:
                    help="split a thinking model's <think> ... </think> from its answer "
                    "(message.reasoning); structured outputs and tool calls apply to the answer "
                    "(default: the one the chat template implies, if any; none: off)")
+    p.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                   help="most /v1/responses responses kept in memory for GET and "
+                   "previous_response_id (store=true); the least recently used go first")
+    p.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="most JSON bytes of stored /v1/responses responses and their "
+                   "conversations kept in memory")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
@@ -329,6 +337,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
     chat_template = load_chat_template(args.chat_template)
+    store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes)
     engine = LLMEngine.from_engine_args(engine_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
@@ -338,7 +347,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                         _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
                         ClientShares(slots.max_client_share,
                                      engine.config.scheduler.max_num_seqs, args.max_waiting),
-                        engine.input_processor.reasoning)
+                        engine.input_processor.reasoning, store)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template, then generation, streaming or not."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from pagedllm.engine.chat_messages import template_messages
@@ -135,23 +136,49 @@ def request_reasoning(ctx: ServerContext, ids: list[int]) -> Optional[ReasoningP
     return ReasoningParser(ctx.reasoning, ctx.engine.tokenizer, ids)
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
-                                 client: Optional[str] = None):
-    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
-    it, for --max-client-share."""
+@dataclass
+class ChatRun:
+    """A chat request started on the engine: what its answer is built from."""
+
+    model: str  # the served name it asked for
+    request_id: str
+    prompt_token_ids: list[int]
+    plan: Optional[ToolPlan]
+    reasoning: Optional[ReasoningParser]
+    gen: AsyncIterator[RequestOutput]
+
+    def choice_stream(self, ctx: ServerContext, req: ChatCompletionRequest) -> "_ChoiceStream":
+        """A fresh splitter (reasoning, answer, tool calls) of one streamed choice."""
+        tools = self.plan if self.plan is not None and self.plan.choice != "none" else None
+        return _ChoiceStream(ctx.engine.tokenizer, req, tools, self.reasoning)
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, client: Optional[str] = None,
+                     prefix: str = "chatcmpl") -> ChatRun:
+    """The one chat input path: tools planned, sampling checked, the conversation templated
+    and tokenized, the constraint compiled, the request queued (400s name the field)."""
     model = ctx.check_model(req.model)
     plan = _plan(ctx, req)
     params = _params(ctx, req, plan)
     # the template and the tokenizing on the tokenizer's thread: the event loop stays free
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     grammar = await compile_grammar(ctx.engine, params)
-    rid = new_id("chatcmpl")
-    reasoning = request_reasoning(ctx, ids)
+    rid = new_id(prefix)
     (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client, grammar)
+    return ChatRun(model, rid, ids, plan, request_reasoning(ctx, ids), gen)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 client: Optional[str] = None):
+    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
+    it, for --max-client-share."""
+    run = await start_chat(ctx, req, client)
+    model, rid, ids, plan, reasoning, gen = (run.model, run.request_id, run.prompt_token_ids,
+                                             run.plan, run.reasoning, run.gen)
     if req.stream:
         head = _head(rid, model)
         if (plan is not None and plan.choice != "none") or reasoning is not None:
-            return _stream_split(ctx, req, head, gen, plan, reasoning, ids)
+            return _stream_split(ctx, req, head, run)
         return _stream(ctx, req, head, gen, ids)
     final: Optional[RequestOutput] = None
     async for final in gen:
@@ -314,13 +341,9 @@ class _ChoiceStream:
 
 
 def _stream_split(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
-                  gen: AsyncIterator[RequestOutput], plan: Optional[ToolPlan],
-                  reasoning: Optional[ReasoningParser],
-                  prompt_token_ids: list[int]) -> AsyncIterator[str]:
+                  run: ChatRun) -> AsyncIterator[str]:
     """A stream with tools (auto, required or named) or a reasoning parser: _ChoiceStream."""
-    tools = plan if plan is not None and plan.choice != "none" else None
-    choices = {i: _ChoiceStream(ctx.engine.tokenizer, req, tools, reasoning)
-               for i in range(req.n)}
+    choices = {i: run.choice_stream(ctx, req) for i in range(req.n)}
 
     def choices_of(delta: RequestOutput) -> list[dict[str, Any]]:
         return [c for comp in delta.outputs for c in choices[comp.index].step(comp)]
@@ -328,5 +351,5 @@ def _stream_split(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str
     def reasoning_tokens() -> int:
         return sum(c.reasoning_tokens for c in choices.values())
 
-    return _framed(req, head, gen, choices_of, prompt_token_ids,
-                   reasoning_tokens if reasoning is not None else None)
+    return _framed(req, head, run.gen, choices_of, run.prompt_token_ids,
+                   reasoning_tokens if run.reasoning is not None else None)

@@ -14,6 +14,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compile_pool import CompileBusyError
@@ -52,6 +53,8 @@ class ServerContext:
     client_shares: Optional[ClientShares] = None  # --max-client-share; None: no cap
     # --reasoning-parser's tags (or the chat template's): reasoning split from the answer
     reasoning: Optional[ReasoningTokens] = None
+    # /v1/responses: stored responses (store=true) and the running ones (cancel)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
 
     def __post_init__(self) -> None:

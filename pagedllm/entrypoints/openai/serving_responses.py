@@ -322,7 +322,9 @@ async def _events(ctx: ServerContext, req: ResponsesRequest, chat: Any, run: Cha
     if req.store and not cancelled:
         ctx.responses.put(body, conversation + [_assistant(message)])
     kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-            "failed": "response.failed", "cancelled": "response.cancelled"}[body["status"]]
+            "failed": "response.failed",
+            # the API streams no event of its own for a cancel: the stream ends incomplete
+            "cancelled": "response.incomplete"}[body["status"]]
     yield writer.event(kind, response=body)
 
 

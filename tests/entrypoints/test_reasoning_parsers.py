@@ -134,3 +134,9 @@ def test_without_a_parser_the_grammar_holds_from_the_first_token(thinking_dir):
     params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=YES_NO)
     (out,) = llm.chat(ASK, params, use_tqdm=False)
     assert out.outputs[0].text == '"yes"'
+
+
+def test_unknown_parser_is_refused_before_loading():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1 or "
+                       "'none', got 'qwen4'"):
+        LLM(model="/nonexistent", reasoning_parser="qwen4")

@@ -175,3 +175,17 @@ def test_responses_json_schema_and_tool_call_after_the_thinking(client, stream):
         else:
             (call,) = [item for item in out.output if item.type == "function_call"]
             assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_reasoning_parser_none_leaves_the_tags_in_the_answer(thinking_dir):
+    srv = Server("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
+                 "--reasoning-parser", "none", model=str(thinking_dir))
+    try:
+        plain = OpenAI(base_url=f"{srv.url}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        out = _chat(plain)
+        assert out.choices[0].message.content == f"<think>{REASONING}</think>\n\n{ANSWER}"
+        assert "reasoning" not in (out.choices[0].message.model_extra or {})
+        assert out.usage.completion_tokens_details is None
+        assert "reasoning: using" not in srv.log_tail(20000)
+    finally:
+        srv.stop()

@@ -12,7 +12,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import (ReasoningDelta, Reaso
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.reasoning import (Phase, PhaseTracker, ReasoningTokens,
                                                   check_parser_name, parser_for_template)
-from thinking_model import ANSWER, REASONING, TEMPLATE, build_thinking_qwen3
+from thinking_model import ANSWER, REASONING, TEMPLATE
 
 QWEN3 = ReasoningTokens("qwen3", "<think>", "</think>", 1, 2, True)
 R1 = ReasoningTokens("deepseek_r1", "<think>", "</think>", 1, 2, False)
@@ -74,11 +74,6 @@ def test_parser_names_and_the_templates_that_imply_them():
     check_parser_name("none")
     with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
         check_parser_name("qwen4")
-
-
-@pytest.fixture(scope="module")
-def thinking_dir(qwen_hf_dir, tmp_path_factory):
-    return build_thinking_qwen3(qwen_hf_dir, tmp_path_factory.mktemp("thinking-qwen3"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import Server
-from thinking_model import ANSWER, REASONING, build_thinking_qwen3, hf_greedy
+from thinking_model import ANSWER, REASONING, hf_greedy
 
 MODEL = "thinker"
 ASK = [{"role": "user", "content": "hi"}]
@@ -19,11 +19,6 @@ YES_NO = {"type": "string", "enum": ["yes", "no"]}
 CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
     "required": ["city"]}}}
-
-
-@pytest.fixture(scope="module")
-def thinking_dir(qwen_hf_dir, tmp_path_factory):
-    return build_thinking_qwen3(qwen_hf_dir, tmp_path_factory.mktemp("thinking-qwen3"))
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from pydantic import ConfigDict, ValidationError
+
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Float, Int, RequestBody,
                                                   _described)
 from pagedllm.entrypoints.openai.serving_common import OpenAIError
 
-# fields that change nothing in the answer: accepted quietly
-_INFORMATIONAL = {"metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key"}
 # fields the Responses API defines whose neutral value is accepted and any other refused
 _NEUTRAL = {"include": (None, []), "background": (None, False), "truncation": (None, "disabled"),
             "top_logprobs": (None, 0), "max_tool_calls": (None,), "prompt": (None,),
@@ -27,30 +27,53 @@ _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(RequestBody):
-    """The body of POST /v1/responses."""
+_TOOL = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string", "minLength": 1},
+    "description": {"type": "string"}, "parameters": {"type": "object"}}}
+_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text",
+                                                                             "json_object"]}}},
+    {"type": "object", "required": ["type", "schema"], "properties": {
+        "type": {"const": "json_schema"}, "name": {"type": "string"},
+        "schema": {"type": "object"}, "strict": {"type": "boolean"}}}]}
 
+
+class ResponsesRequest(RequestBody):
+    """The body of POST /v1/responses. The schema states what is served (no other field: the
+    API's other fields are 400s naming them, check_fields)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]] = _described(...)
     instructions: Optional[str] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = _described(items=_TOOL)
+    tool_choice: Optional[Union[str, dict[str, Any]]] = _described(
+        anyOf=[{"enum": ["auto", "none", "required"]},
+               {"type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}])
     parallel_tool_calls: Optional[bool] = True
-    text: Optional[dict[str, Any]] = None
+    text: Optional[dict[str, Any]] = _described(properties={"format": _FORMAT},
+                                                additionalProperties=False)
     max_output_tokens: Optional[Int] = _described(minimum=1)
     temperature: Optional[Float] = _described(minimum=0, maximum=2)
     top_p: Optional[Float] = _described(exclusiveMinimum=0, maximum=1)
-    reasoning: Optional[dict[str, Any]] = None
+    reasoning: Optional[dict[str, Any]] = _described(
+        properties={"effort": {"type": "null"}, "summary": {"type": "null"}},
+        additionalProperties=False)
     stream: bool = False
     store: bool = True
-    previous_response_id: Optional[str] = None
+    previous_response_id: Optional[str] = _described(pattern="^resp-[0-9a-f]{32}$")
+    # informational: they change nothing in the answer
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
 
     def check_fields(self) -> None:
         """A 400 naming the first field pagedllm does not implement (set to other than its
         neutral value), or that the Responses API does not define."""
         for name, value in (self.model_extra or {}).items():
-            if name in _INFORMATIONAL:
-                continue
             if name in _NEUTRAL and value in _NEUTRAL[name]:
                 continue
             raise OpenAIError(f"{name} is not supported by pagedllm's /v1/responses", 400, name)
@@ -61,8 +84,8 @@ class ResponsesRequest(RequestBody):
                                   f"reasoning.{key}")
 
     def chat_request(self, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-        """The chat request this one is, after history (a stored response's conversation)."""
-        self.check_fields()
+        """The chat request this one is, after history (a stored response's conversation);
+        check_fields first."""
         messages = ([{"role": "system", "content": self.instructions}]
                     if self.instructions is not None else [])
         messages += history + input_messages(self.input)
@@ -70,14 +93,20 @@ class ResponsesRequest(RequestBody):
             "model": self.model, "messages": messages, "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
             "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls}
-        if self.tools is not None:
+        if self.tools:  # [] is no tools, as OpenAI takes it
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
             body["tool_choice"] = _chat_tool_choice(self.tool_choice)
         fmt = _response_format(self.text)
         if fmt is not None:
             body["response_format"] = fmt
-        return ChatCompletionRequest.model_validate(body)
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(x) for x in first.get("loc", ())) or "input"
+            raise OpenAIError(f"{where}: {first.get('msg', 'invalid value')}", 400,
+                              where) from None
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -61,13 +61,14 @@ def _skeleton(rid: str, model: str, req: ResponsesRequest) -> dict[str, Any]:
             "temperature": req.temperature, "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-            "truncation": "disabled", "metadata": (req.model_extra or {}).get("metadata") or {},
+            "truncation": "disabled", "metadata": req.metadata or {},
             "usage": None}
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest,
                           client: Optional[str] = None):
     """The response object, or an async iterator of its events when req.stream."""
+    req.check_fields()  # before the renaming below: these already speak the Responses API
     history = _history(ctx, req.previous_response_id)
     try:
         chat = req.chat_request(history)
@@ -286,8 +287,9 @@ async def _events(ctx: ServerContext, req: ResponsesRequest, chat: Any, run: Cha
     finish, tokens, error = None, 0, None
     yield writer.event("response.created", response=body)
     yield writer.event("response.in_progress", response=body)
+    outputs = _outputs(run.gen, running.cancelled)
     try:
-        async for out in _outputs(run.gen, running.cancelled):
+        async for out in outputs:
             comp = out.outputs[0]
             tokens += len(comp.token_ids)
             error = out.error or error
@@ -308,8 +310,9 @@ async def _events(ctx: ServerContext, req: ResponsesRequest, chat: Any, run: Cha
                         yield line
     except Exception as err:  # the request or the engine failed mid-stream
         finish, error = "error", stream_error(err).message
-    finally:
+    finally:  # also when the client went away: the request is aborted at once
         ctx.responses.running.pop(run.request_id, None)
+        await outputs.aclose()
     for line in writer.close():
         yield line
     cancelled = running.cancelled.is_set()

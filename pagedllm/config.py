@@ -287,8 +287,14 @@ class StructuredOutputsConfig:
     grammar_compile_timeout: float = 10.0  # seconds one compile may take
     max_grammar_mask_ms: float = 25.0  # CPU ms one request's masks may take in one step
     grammar_cache_bytes: int = 256 * 1024**2  # estimated bytes of compiled grammars kept
+    # a thinking model's tags (structured_output/reasoning.py): a constraint starts after the
+    # thinking; None: no parser (the engine may pick one from the chat template)
+    reasoning_parser: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ValueError(f"reasoning_parser must be a parser name, got "
+                             f"{self.reasoning_parser!r}")
         for name in ("max_grammar_bytes", "max_grammar_rules", "max_json_schema_nodes",
                      "max_guided_choices", "grammar_cache_bytes"):
             value = getattr(self, name)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from pagedllm.config import ParallelConfig, StructuredOutputsConfig, check_quantization
+from pagedllm.structured_output.reasoning import check_parser_name
 
 if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
     import torch
@@ -170,6 +171,9 @@ class EngineArgs:
     grammar_compile_timeout: float = _SO.grammar_compile_timeout
     max_grammar_mask_ms: float = _SO.max_grammar_mask_ms
     grammar_cache_bytes: int = _SO.grammar_cache_bytes
+    # a thinking model's reasoning parser (qwen3, deepseek_r1): structured outputs start after
+    # the thinking, and the server splits it from the answer; None: picked from the chat template
+    reasoning_parser: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -191,6 +195,7 @@ class EngineArgs:
         check_quantization(self.quantization)
         self.parallel_config()  # a ValueError naming the field
         self.structured_outputs_config()
+        check_parser_name(self.reasoning_parser)
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

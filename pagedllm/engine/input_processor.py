@@ -11,6 +11,8 @@ from pagedllm.engine.chat_messages import render_chat
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar import CompiledGrammar
+from pagedllm.structured_output.reasoning import (Phase, PhaseTracker, ReasoningGate,
+                                                  ReasoningTokens, pick_reasoning)
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -37,6 +39,9 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.grammars = GrammarCompiler(tokenizer, vocab_size, structured_outputs)
+        # a thinking model's tags: a constraint starts after the thinking (None: no parser)
+        self.reasoning: Optional[ReasoningTokens] = pick_reasoning(
+            tokenizer, structured_outputs.reasoning_parser if structured_outputs else None)
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                 max_tokens_must_fit: bool = False,
@@ -84,9 +89,21 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(child_id, list(ids), child_params, max_tokens,
                               self.eos_token_ids, self.block_size, now)
-            request.grammar = grammar.new_state(budget) if grammar is not None else None
+            request.grammar = None if grammar is None else self._grammar_state(grammar,
+                                                                                budget, ids)
             requests.append(request)
         return ProcessedPrompt(text, ids, requests)
+
+    def _grammar_state(self, grammar: CompiledGrammar, budget: Any, ids: list[int]) -> Any:
+        """A sequence's grammar state; with a reasoning parser, gated to start after the
+        thinking unless the prompt already ended it (enable_thinking=false)."""
+        state = grammar.new_state(budget)
+        if self.reasoning is None:
+            return state
+        phase = self.reasoning.first_phase(ids, self.tokenizer)
+        if phase is Phase.ANSWER:
+            return state
+        return ReasoningGate(state, PhaseTracker(self.reasoning, phase))
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         """Token ids of a conversation through the chat template (engine/chat_messages.py's

@@ -25,7 +25,10 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
                                                 SlotLimits)
+from pagedllm.entrypoints.openai.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES,
+                                                        ResponseStore)
 from pagedllm.loader.model_store import DEFAULT_MODEL
+from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, parser_for_template
 
 logger = logging.getLogger("pagedllm")
 STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
@@ -82,6 +85,16 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: the one the chat "
                    "template implies, if any)")
+    p.add_argument("--reasoning-parser", default=None, choices=[*REASONING_PARSERS, "none"],
+                   help="split a thinking model's <think> ... </think> from its answer "
+                   "(message.reasoning); structured outputs and tool calls apply to the answer "
+                   "(default: the one the chat template implies, if any; none: off)")
+    p.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
+                   help="most /v1/responses responses kept in memory for GET and "
+                   "previous_response_id (store=true); the least recently used go first")
+    p.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="most JSON bytes of stored /v1/responses responses and their "
+                   "conversations kept in memory")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='do not render tools in the prompt when tool_choice is "none"')
     p.add_argument("--max-waiting", type=int, default=256,
@@ -195,8 +208,22 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         pipeline_parallel_size=args.pipeline_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        step_timeout=args.step_timeout,
+        step_timeout=args.step_timeout, reasoning_parser=_reasoning_parser(args),
         **structured_output_values(args), **ignored_cli_values(args, HONORED_VLLM_ARGS))
+
+
+def _reasoning_parser(args: argparse.Namespace) -> Optional[str]:
+    """--reasoning-parser, else the one a --chat-template file implies (logged); None lets the
+    engine pick from the model's own template."""
+    if args.reasoning_parser is not None or args.chat_template is None:
+        return args.reasoning_parser
+    from pagedllm.entrypoints.openai.api_server import load_chat_template
+
+    picked = parser_for_template(load_chat_template(args.chat_template))
+    if picked:
+        logger.info("reasoning: using the %r parser (the --chat-template's <think> tags); "
+                    "--reasoning-parser overrides it", picked)
+    return picked or "none"
 
 
 def _tool_parser(args: argparse.Namespace, template: Optional[str]) -> Optional[str]:
@@ -310,6 +337,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     from pagedllm.entrypoints.openai.serving_common import ServerContext
 
     chat_template = load_chat_template(args.chat_template)
+    store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes)
     engine = LLMEngine.from_engine_args(engine_args(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
@@ -318,7 +346,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                         engine.config.scheduler.max_model_len, chat_template, parser,
                         _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
                         ClientShares(slots.max_client_share,
-                                     engine.config.scheduler.max_num_seqs, args.max_waiting))
+                                     engine.config.scheduler.max_num_seqs, args.max_waiting),
+                        engine.input_processor.reasoning, store)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

@@ -99,6 +99,14 @@ def server(smollm_gguf):
 
 
 @pytest.fixture(scope="session")
+def thinking_dir(qwen_hf_dir, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny thinking Qwen3 of thinking_model.py (Qwen3's template, a known output)."""
+    from thinking_model import build_thinking_qwen3
+
+    return build_thinking_qwen3(qwen_hf_dir, tmp_path_factory.mktemp("thinking-qwen3"))
+
+
+@pytest.fixture(scope="session")
 def huge_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen2-shaped checkpoint (config and index, no weights) of 2**50 bytes: no machine
     holds it, and planning reads only its metadata."""

@@ -15,7 +15,8 @@ from conftest import API_KEY, MODEL
 
 schemathesis = pytest.importorskip("schemathesis")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+             "/detokenize")
 EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
 MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -25,7 +26,9 @@ def _short(case):
     """The case with at most MAX_TOKENS generated (chat's default runs to max_model_len)."""
     body = case.body
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        names = (("max_output_tokens",) if case.operation.path == "/v1/responses"
+                 else ("max_tokens", "max_completion_tokens"))
+        for name in names:
             if not _at_most(body.get(name), MAX_TOKENS):
                 body[name] = MAX_TOKENS
         if "min_tokens" in body and not _at_most(body["min_tokens"], MAX_TOKENS):
@@ -46,6 +49,10 @@ def _check_error_object(status: int, text: str) -> None:
 
 def _check_stream(text: str) -> None:
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    if events and '"sequence_number"' in events[0]:  # the Responses API's typed events
+        last = json.loads(events[-1])
+        assert last["type"] in ("response.completed", "response.incomplete"), text[-500:]
+        return
     assert events and events[-1] == "[DONE]", text[-500:]
     for event in events[:-1]:
         chunk = json.loads(event)

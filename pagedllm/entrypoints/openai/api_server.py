@@ -23,6 +23,9 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, bad_request, now
 from pagedllm.entrypoints.openai.serving_completion import create_completion
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_responses import (cancel_response, create_response,
+                                                           get_response)
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
@@ -154,6 +157,19 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return _respond(await _unless_disconnected(
             raw, create_chat_completion(ctx, req, _client(raw))))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        return _respond(await _unless_disconnected(
+            raw, create_response(ctx, req, _client(raw))))
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str) -> dict[str, Any]:
+        return get_response(ctx, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict[str, Any]:
+        return cancel_response(ctx, response_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -47,10 +47,12 @@ class ToolPlan:
         """A fresh incremental parser for one streamed choice."""
         if self.choice == "auto":
             return self.parser.streamer()
-        return _WholeOutput(self) if self.choice in ("named", "required") else _PassThrough()
+        return _WholeOutput(self) if self.choice in ("named", "required") else PassThrough()
 
 
-class _PassThrough:
+class PassThrough:
+    """Text without tools: all of it is content."""
+
     def feed(self, text: str) -> StreamDelta:
         return StreamDelta(content=text)
 

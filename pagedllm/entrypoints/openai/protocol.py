@@ -327,6 +327,10 @@ class ChatMessage(OpenAIBaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
     tool_call_id: Optional[str] = None  # a tool message's answer to that call
+    # an assistant's reasoning (vLLM's current name and its older alias), for templates that
+    # render it
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -344,6 +348,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[Any] = _described(**_TOOLS)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = True
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (a parser still splits)
 
 
 class TokenizeRequest(RequestBody):

@@ -1,10 +1,13 @@
 """POST /v1/chat/completions: the model's chat template, then generation, streaming or not."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from pagedllm.engine.chat_messages import template_messages
-from pagedllm.entrypoints.openai.chat_tools import ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.chat_tools import PassThrough, ToolPlan, plan_tools
+from pagedllm.entrypoints.openai.reasoning_parsers import (ReasoningDelta, ReasoningParser,
+                                                           reasoning_fields)
 from pagedllm.entrypoints.openai.tool_parsers import StreamDelta
 from pagedllm.entrypoints.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, OpenAIError, ServerContext,
@@ -41,6 +44,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None:
+            msg["reasoning_content"] = thought
         out.append(msg)
     return template_messages(out)
 
@@ -102,34 +108,77 @@ def _plan(ctx: ServerContext, req: ChatCompletionRequest) -> Optional[ToolPlan]:
                       ctx.exclude_tools_when_tool_choice_none)
 
 
-def _message(plan: Optional[ToolPlan], comp: CompletionOutput) -> tuple[dict[str, Any], str]:
-    """The choice's message and finish_reason ("tool_calls" when it made calls)."""
+def chat_message(plan: Optional[ToolPlan], reasoning: Optional[ReasoningParser],
+                 comp: CompletionOutput, include_reasoning: bool = True
+                 ) -> tuple[dict[str, Any], str]:
+    """A whole choice's message and finish_reason ("tool_calls" when it made calls): the
+    reasoning split off first (under `reasoning` and `reasoning_content`), then the tool calls
+    parsed from the answer alone. Every API over the chat path builds its result from this."""
+    thought, text = (None, comp.text) if reasoning is None else reasoning.split(comp.text)
+    finish = comp.finish_reason
     if plan is None:
-        return {"role": "assistant", "content": comp.text}, comp.finish_reason
-    content, calls = plan.extract(comp.text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if not calls:
-        return message, comp.finish_reason
-    message["tool_calls"] = [c.to_dict() for c in calls]
-    return message, "tool_calls"
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+    else:
+        content, calls = plan.extract(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_dict() for c in calls]
+            finish = "tool_calls"
+    if include_reasoning:
+        message.update(reasoning_fields(thought))
+    return message, finish
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
-                                 client: Optional[str] = None):
-    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
-    it, for --max-client-share."""
+def request_reasoning(ctx: ServerContext, ids: list[int]) -> Optional[ReasoningParser]:
+    """The request's reasoning split (None without a parser): where its prompt leaves it."""
+    if ctx.reasoning is None:
+        return None
+    return ReasoningParser(ctx.reasoning, ctx.engine.tokenizer, ids)
+
+
+@dataclass
+class ChatRun:
+    """A chat request started on the engine: what its answer is built from."""
+
+    model: str  # the served name it asked for
+    request_id: str
+    prompt_token_ids: list[int]
+    plan: Optional[ToolPlan]
+    reasoning: Optional[ReasoningParser]
+    gen: AsyncIterator[RequestOutput]
+
+    def choice_stream(self, ctx: ServerContext, req: ChatCompletionRequest) -> "_ChoiceStream":
+        """A fresh splitter (reasoning, answer, tool calls) of one streamed choice."""
+        tools = self.plan if self.plan is not None and self.plan.choice != "none" else None
+        return _ChoiceStream(ctx.engine.tokenizer, req, tools, self.reasoning)
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, client: Optional[str] = None,
+                     prefix: str = "chatcmpl") -> ChatRun:
+    """The one chat input path: tools planned, sampling checked, the conversation templated
+    and tokenized, the constraint compiled, the request queued (400s name the field)."""
     model = ctx.check_model(req.model)
     plan = _plan(ctx, req)
     params = _params(ctx, req, plan)
     # the template and the tokenizing on the tokenizer's thread: the event loop stays free
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     grammar = await compile_grammar(ctx.engine, params)
-    rid = new_id("chatcmpl")
+    rid = new_id(prefix)
     (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client, grammar)
+    return ChatRun(model, rid, ids, plan, request_reasoning(ctx, ids), gen)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 client: Optional[str] = None):
+    """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent
+    it, for --max-client-share."""
+    run = await start_chat(ctx, req, client)
+    model, rid, ids, plan, reasoning, gen = (run.model, run.request_id, run.prompt_token_ids,
+                                             run.plan, run.reasoning, run.gen)
     if req.stream:
         head = _head(rid, model)
-        if plan is not None and plan.choice != "none":
-            return _stream_tools(ctx, req, head, gen, plan, ids)
+        if (plan is not None and plan.choice != "none") or reasoning is not None:
+            return _stream_split(ctx, req, head, run)
         return _stream(ctx, req, head, gen, ids)
     final: Optional[RequestOutput] = None
     async for final in gen:
@@ -137,18 +186,23 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     tok = ctx.engine.tokenizer
     choices = []
     for c in final.outputs:
-        message, finish = _message(plan, c)
+        message, finish = chat_message(plan, reasoning, c, req.include_reasoning)
         choices.append({"index": c.index, "message": message,
                         "logprobs": _logprobs(tok, c, req.top_logprobs or 0),
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     body = {"id": rid, "object": "chat.completion", "created": now(), "model": model,
-            "choices": choices, "usage": _usage(final)}
+            "choices": choices, "usage": chat_usage(final, reasoning)}
     return _extras(req, final, body)
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    """The usage object of one chat request's output so far (all its choices)."""
-    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+def chat_usage(out: RequestOutput, reasoning: Optional[ReasoningParser] = None
+               ) -> dict[str, Any]:
+    """The usage object of one chat request's whole output (all its choices), with
+    completion_tokens_details.reasoning_tokens when a reasoning parser is on."""
+    thinking = None if reasoning is None else sum(reasoning.count(c.token_ids)
+                                                  for c in out.outputs)
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                 thinking)
 
 
 def _extras(req: ChatCompletionRequest, final: RequestOutput,
@@ -166,17 +220,19 @@ def _extras(req: ChatCompletionRequest, final: RequestOutput,
 async def _framed(req: ChatCompletionRequest, head: dict[str, Any],
                   gen: AsyncIterator[RequestOutput],
                   choices_of: Callable[[RequestOutput], list[dict[str, Any]]],
-                  prompt_token_ids: list[int]) -> AsyncIterator[str]:
+                  prompt_token_ids: list[int],
+                  reasoning_tokens: Optional[Callable[[], int]] = None) -> AsyncIterator[str]:
     """A chat stream's frame: each choice's role chunk (the first with prompt_token_ids when
     return_token_ids), then one chunk per choice delta that choices_of makes of each output
     (a RequestOutputKind.DELTA output: only what is new), with usage when
     continuous_usage_stats, errors as error events, the final usage chunk if asked for, and
-    [DONE]."""
+    [DONE]. reasoning_tokens: how many of the tokens so far are reasoning (with a parser)."""
     opts = req.stream_options
     completion_tokens = 0
 
-    def usage_so_far() -> dict[str, int]:
-        return usage(len(prompt_token_ids), completion_tokens)
+    def usage_so_far() -> dict[str, Any]:
+        return usage(len(prompt_token_ids), completion_tokens,
+                     None if reasoning_tokens is None else reasoning_tokens())
 
     try:
         for i in range(req.n):
@@ -226,28 +282,49 @@ def _stream(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any]
     return _framed(req, head, gen, choices_of, prompt_token_ids)
 
 
-class _ToolChoiceStream:
-    """One streamed choice with tools: text -> content deltas, each completed call -> one
-    delta.tool_calls, then its one finish; token logprobs ride on the next delta sent."""
+class _ChoiceStream:
+    """One streamed choice split by a reasoning parser and/or a tool parser: reasoning ->
+    delta.reasoning (and reasoning_content), answer text -> content deltas, each completed call
+    -> one delta.tool_calls, then its one finish; token logprobs ride on the next delta sent."""
 
-    def __init__(self, tokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> None:
+    def __init__(self, tokenizer, req: ChatCompletionRequest, plan: Optional[ToolPlan],
+                 reasoning: Optional[ReasoningParser]) -> None:
         self.tokenizer, self.req = tokenizer, req
-        self.parser = plan.streamer()
+        self.parser = plan.streamer() if plan is not None else PassThrough()
+        self.thinking = reasoning.streamer() if reasoning is not None else None
+        self.tracker = reasoning.tracker() if reasoning is not None else None
+        self.reasoning_tokens = 0
         self.calls = 0
         self.logprobs: Optional[list[dict[str, Any]]] = None  # not yet sent
         self.token_ids: list[int] = []  # not yet sent (return_token_ids)
 
-    def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
-        """The choice objects of the chunks this delta output adds."""
-        delta = self.parser.feed(comp.text) if comp.text else StreamDelta()
+    def _split(self, comp: CompletionOutput) -> tuple[str, StreamDelta]:
+        """(reasoning text, the answer's content and calls) this delta output adds."""
+        if self.tracker is not None:
+            self.reasoning_tokens += self.tracker.count(comp.token_ids)
+        split = ReasoningDelta(content=comp.text)
+        if self.thinking is not None:
+            split = self.thinking.feed(comp.text) if comp.text else ReasoningDelta()
+            if comp.finish_reason is not None:
+                split = split + self.thinking.finish()
+        delta = self.parser.feed(split.content) if split.content else StreamDelta()
         if comp.finish_reason is not None:
             last = self.parser.finish()
             delta = StreamDelta(delta.content + last.content, delta.calls + last.calls)
+        return split.reasoning, delta
+
+    def step(self, comp: CompletionOutput) -> list[dict[str, Any]]:
+        """The choice objects of the chunks this delta output adds."""
+        thought, delta = self._split(comp)
         lp = _logprobs(self.tokenizer, comp, self.req.top_logprobs or 0)
         self.token_ids += comp.token_ids
         if lp is not None:
             self.logprobs = (self.logprobs or []) + lp["content"]
-        deltas: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
+        deltas: list[dict[str, Any]] = []
+        if thought and self.req.include_reasoning:
+            deltas.append(reasoning_fields(thought))
+        if delta.content:
+            deltas.append({"content": delta.content})
         for call in delta.calls:
             deltas.append({"tool_calls": [{"index": self.calls, **call.to_dict()}]})
             self.calls += 1
@@ -263,13 +340,16 @@ class _ToolChoiceStream:
         return out
 
 
-def _stream_tools(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
-                  gen: AsyncIterator[RequestOutput], plan: ToolPlan,
-                  prompt_token_ids: list[int]) -> AsyncIterator[str]:
-    """A stream with tools (auto, required or named): see _ToolChoiceStream."""
-    choices = {i: _ToolChoiceStream(ctx.engine.tokenizer, req, plan) for i in range(req.n)}
+def _stream_split(ctx: ServerContext, req: ChatCompletionRequest, head: dict[str, Any],
+                  run: ChatRun) -> AsyncIterator[str]:
+    """A stream with tools (auto, required or named) or a reasoning parser: _ChoiceStream."""
+    choices = {i: run.choice_stream(ctx, req) for i in range(req.n)}
 
     def choices_of(delta: RequestOutput) -> list[dict[str, Any]]:
         return [c for comp in delta.outputs for c in choices[comp.index].step(comp)]
 
-    return _framed(req, head, gen, choices_of, prompt_token_ids)
+    def reasoning_tokens() -> int:
+        return sum(c.reasoning_tokens for c in choices.values())
+
+    return _framed(req, head, run.gen, choices_of, run.prompt_token_ids,
+                   reasoning_tokens if run.reasoning is not None else None)

@@ -14,10 +14,12 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compile_pool import CompileBusyError
 from pagedllm.structured_output.grammar import CompiledGrammar
+from pagedllm.structured_output.reasoning import ReasoningTokens
 
 
 class OpenAIError(Exception):
@@ -49,6 +51,10 @@ class ServerContext:
     enable_auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     client_shares: Optional[ClientShares] = None  # --max-client-share; None: no cap
+    # --reasoning-parser's tags (or the chat template's): reasoning split from the answer
+    reasoning: Optional[ReasoningTokens] = None
+    # /v1/responses: stored responses (store=true) and the running ones (cancel)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
 
     def __post_init__(self) -> None:
@@ -88,10 +94,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          reasoning_tokens: Optional[int] = None) -> dict[str, Any]:
+    """The usage object; with reasoning_tokens (a reasoning parser is on), OpenAI's
+    completion_tokens_details.reasoning_tokens too."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def sse(data: Any) -> str:

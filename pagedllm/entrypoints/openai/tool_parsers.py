@@ -69,7 +69,7 @@ def _json_calls(body: str, args_keys: tuple[str, ...], separators: str,
     return calls or None
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (may start it)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -135,7 +135,7 @@ class HermesStreamer:
                 continue
             start = self.buffer.find(self.parser.START)
             if start < 0:
-                keep = _held_prefix(self.buffer, self.parser.START)
+                keep = held_prefix(self.buffer, self.parser.START)
                 text_part = self.buffer[:len(self.buffer) - keep]
                 # trailing whitespace waits: it is dropped if a call follows
                 stripped = text_part.rstrip()

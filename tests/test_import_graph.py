@@ -159,10 +159,11 @@ def test_imports_go_down_the_layers():
 
 # The engine reaches the model only through the executor: what runs below it (model code, its
 # layers, kernels, attention, sampling, the worker) is the executor's business. Memory planning
-# is pure functions over metadata that the config builder calls before anything is loaded.
+# is pure functions over metadata that the config builder calls before anything is loaded, and
+# so are the weight formats' costs (worker/weight_formats.py: memory and bandwidth by format).
 ENGINE_MAY_NOT_IMPORT = ("pagedllm.models", "pagedllm.layers", "pagedllm.kernels",
                          "pagedllm.attention", "pagedllm.sample", "pagedllm.worker")
-ENGINE_EXCEPTIONS = ("pagedllm.worker.memory",)
+ENGINE_EXCEPTIONS = ("pagedllm.worker.memory", "pagedllm.worker.weight_formats")
 
 
 def engine_reaches_below_the_executor(graph: Graph) -> list[str]:

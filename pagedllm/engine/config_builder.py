@@ -13,12 +13,13 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.multiproc import rank_memories
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
-                                      gguf_weight_bytes, planned_weight_layout)
+                                      gguf_weight_bytes, planned_weight_layout, weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, footprint,
                                     plan_memory, plan_pipeline_memory)
+from pagedllm.worker.weight_formats import FormatCost, format_costs, format_of, format_summary
 
 if TYPE_CHECKING:
     from pagedllm.executor.ray_nodes import RankNodes
@@ -253,6 +254,12 @@ def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quanti
     return why
 
 
+def weight_format_costs(ckpt: Checkpoint) -> dict[str, FormatCost]:
+    """What fp32, bf16, int8 and int4 weights of a float checkpoint cost and give on the CPU
+    (worker/weight_formats.py), from its tensor table; doctor reports them."""
+    return format_costs(ckpt.arch, weight_layout(ckpt, 1))
+
+
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     """Resolve the platform and dtype, and plan memory, for a checkpoint."""
     choice = resolve_platform(args.device)
@@ -275,6 +282,9 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
     logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
         args, ckpt, choice.platform, quantization, planned, planned != dtype))
     logger.info("%s", mem_plan.summary())
+    chosen = format_of(_dtype_name(planned), quantization)
+    if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
+        logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     return EngineConfig(

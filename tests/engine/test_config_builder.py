@@ -74,3 +74,17 @@ def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf,
             for out in engine.step():
                 results[name] = list(out.outputs[0].token_ids)
     assert len(results["avx2"]) == 12 and results["avx2"] == results["avx512_bf16"]
+
+
+def test_an_hf_checkpoint_logs_its_weight_formats_cost(cpu, smollm_hf_dir, caplog):
+    caplog.set_level("INFO", logger="pagedllm")
+    _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
+    chosen = "bf16" if cpu.info.native_bf16 else "fp32"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
+    assert len(lines) == 1 and lines[0].startswith(f"weight format {chosen} (")
+    assert 'instead int8 (quantization="int8"): weights' in lines[0]
+    caplog.clear()
+    _config(smollm_hf_dir, quantization="int8")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
+    assert lines[0].startswith('weight format int8 (quantization="int8")')
+    assert 'instead bf16 (dtype="bfloat16", quantization="none")' in lines[0]

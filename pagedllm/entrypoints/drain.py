@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from pagedllm.engine.async_engine import AsyncLLM
+if TYPE_CHECKING:  # the engine (and torch) is not imported by the command line's start
+    from pagedllm.engine.async_engine import AsyncLLM
 
 logger = logging.getLogger("pagedllm")
 

@@ -327,6 +327,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
     # and took ~0.35 s of a 3 s start. What start-up made is then frozen (out of every later
     # collection's scan) and collections resume before the first request.
     gc.disable()
+    eargs = engine_args(args)  # bad values refused before the engine (and torch) is imported
     from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.drain import drain
@@ -338,7 +339,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
     chat_template = load_chat_template(args.chat_template)
     store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes)
-    engine = LLMEngine.from_engine_args(engine_args(args))
+    engine = LLMEngine.from_engine_args(eargs)
     name = args.served_model_name or args.model or DEFAULT_MODEL
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting,

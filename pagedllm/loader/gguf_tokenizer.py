@@ -3,24 +3,27 @@
 A byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Qwen2, Llama 3, SmolLM, GPT-2) is
 built here directly into a `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp applies for
 `tokenizer.ggml.pre` written the way the model's own tokenizer.json writes it: ~1 s for Qwen2's
-152k tokens. Anything else (SentencePiece, an unknown pre-tokenizer, an odd vocabulary) goes to
-transformers' GGUF loader, with an INFO line saying why; it is exact but walks every metadata
-string through numpy (~10 s for a 152k vocabulary). transformers is imported only when a
-tokenizer is built (the cache of gguf_tokenizer_cache keeps what is built here).
+152k tokens. A SentencePiece one ("llama": Gemma, Llama 2) is built by gguf_spm, without
+transformers. Anything else (an unknown pre-tokenizer or architecture, an odd vocabulary) goes
+to transformers' GGUF loader, with an INFO line saying why; it is exact but walks every metadata
+string through numpy (~10 s for a 152k vocabulary, ~21 s for Gemma's 262k). transformers is
+imported only when a byte-level or fallback tokenizer is built (the cache of
+gguf_tokenizer_cache keeps what is built here).
 """
 from __future__ import annotations
 
 import logging
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from pagedllm.loader.errors import ModelFileError
+from pagedllm.loader.errors import NotBuildable, building_tokenizer
+from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.gguf_header import gguf_arrays, gguf_header
+from pagedllm.loader.gguf_spm import CONTROL, USER_DEFINED, build_spm_tokenizer
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
 from pagedllm.loader.gguf_vocab_checks import check_vocab, check_vocab_header
 
@@ -29,18 +32,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm")
 
-# llama.cpp token types (tokenizer.ggml.token_type)
-CONTROL, USER_DEFINED = 3, 4
-
 # The split regexes of the models' own tokenizer.json files (llama.cpp runs the same ones).
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-class NotBuildable(Exception):
-    """The GGUF's tokenizer is of a kind this module cannot build exactly; the text says why."""
 
 
 @dataclass(frozen=True)
@@ -74,19 +70,6 @@ PRE_TOKENIZATIONS: dict[str, PreTokenization] = {
     "llama-bpe": PreTokenization(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True),
     "smollm": PreTokenization(individual_digits=True),
 }
-
-
-@contextmanager
-def _building(source: str | Path, keys: str) -> Iterator[None]:
-    """The tokenizers library's (or transformers') errors while building from keys, as one
-    ModelFileError naming the file and the keys (theirs name neither)."""
-    try:
-        yield
-    except (NotBuildable, ModelFileError, MemoryError, ImportError):
-        raise  # ours already name the file; the last two are not the file's fault
-    except Exception as err:  # tokenizers raises plain Exception; transformers anything
-        raise ModelFileError(f"{source}: the tokenizer could not be built from {keys}: "
-                             f"{type(err).__name__}: {err}") from err
 
 
 def adds_bos(vocab: GGUFVocab) -> bool:
@@ -130,19 +113,19 @@ def _merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
 
 def _backend(vocab: GGUFVocab, pre: PreTokenization, source: str | Path) -> Tokenizer:
     """The `tokenizers.Tokenizer` of a checked byte-level BPE vocabulary."""
-    with _building(source, "tokenizer.ggml.tokens and tokenizer.ggml.merges"):
+    with building_tokenizer(source, "tokenizer.ggml.tokens and tokenizer.ggml.merges"):
         bpe = models.BPE(vocab={t: i for i, t in enumerate(vocab.tokens)},
                          merges=_merges(vocab), dropout=None, unk_token=None,
                          continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                          byte_fallback=False, ignore_merges=pre.ignore_merges)
         backend = Tokenizer(bpe)
-    with _building(source, f"tokenizer.ggml.pre={vocab.pre!r}"):
+    with building_tokenizer(source, f"tokenizer.ggml.pre={vocab.pre!r}"):
         backend.pre_tokenizer = pre.pre_tokenizer()
         backend.decoder = decoders.ByteLevel()
     types = vocab.token_types or ()
     # control tokens (<|im_start|>) are special; user-defined ones (<tool_call>) are matched
     # whole in any text, as llama.cpp does, but are not special
-    with _building(source, "tokenizer.ggml.token_type"):
+    with building_tokenizer(source, "tokenizer.ggml.token_type"):
         backend.add_special_tokens([AddedToken(vocab.tokens[i], special=True, normalized=False)
                                     for i, t in enumerate(types) if t == CONTROL])
         backend.add_tokens([AddedToken(vocab.tokens[i], special=False, normalized=False)
@@ -173,7 +156,7 @@ def build_tokenizer(vocab: GGUFVocab, source: str | Path = "the GGUF vocabulary"
     backend = _backend(vocab, pre, source)
     specials = _special_tokens(vocab)
     # an explicit add_bos_token/add_eos_token makes transformers write the post-processor
-    with _building(source, "the special tokens (tokenizer.ggml.*_token_id, add_*_token)"):
+    with building_tokenizer(source, "the special tokens (tokenizer.ggml.*_token_id, add_*_token)"):
         tok = PreTrainedTokenizerFast(
             tokenizer_object=backend, add_bos_token=adds_bos(vocab),
             add_eos_token=bool(vocab.add_eos), clean_up_tokenization_spaces=False,
@@ -203,7 +186,7 @@ def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
 
     # a folder holding only the GGUF, so tokenizer files beside it cannot leak in
     keys = f"tokenizer.ggml.model={vocab.model!r} (through transformers' GGUF converter)"
-    with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp, _building(path, keys):
+    with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-tok-") as tmp, building_tokenizer(path, keys):
         (Path(tmp) / path.name).symlink_to(path.resolve())
         tok = AutoTokenizer.from_pretrained(tmp, gguf_file=path.name, local_files_only=True,
                                             trust_remote_code=trust_remote_code)
@@ -211,8 +194,17 @@ def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
     return tok
 
 
+def _build_from_metadata(vocab: GGUFVocab, architecture: Optional[str], path: Path
+                         ) -> FastTokenizer | PreTrainedTokenizerFast:
+    """The tokenizer built here: SentencePiece by gguf_spm (no transformers), byte-level BPE
+    by build_tokenizer; NotBuildable for any other kind."""
+    if vocab.model == "llama":
+        return build_spm_tokenizer(vocab, architecture, adds_bos(vocab), path)
+    return build_tokenizer(vocab, path)
+
+
 def tokenizer_from_gguf(path: str | Path, *, trust_remote_code: bool = False
-                        ) -> PreTrainedTokenizerBase:
+                        ) -> FastTokenizer | PreTrainedTokenizerBase:
     """The tokenizer a GGUF file describes: built from its metadata, or by transformers when
     it is of a kind not built here (logged at INFO with the reason); ModelFileError naming the
     file and the key for tokenizer metadata that is inconsistent or incomplete."""
@@ -222,7 +214,7 @@ def tokenizer_from_gguf(path: str | Path, *, trust_remote_code: bool = False
     vocab = read_gguf_vocab(path)
     vocab = check_vocab(vocab, fields, adds_bos(vocab), path)
     try:
-        return build_tokenizer(vocab, path)
+        return _build_from_metadata(vocab, fields.get("general.architecture"), path)
     except NotBuildable as why:
         logger.info("tokenizer of %s: %s; using transformers' GGUF tokenizer instead "
                     "(slower: it reads every metadata string through numpy)", path, why)

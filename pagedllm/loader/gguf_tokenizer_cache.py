@@ -30,7 +30,7 @@ from pagedllm.paths import cache_dir
 logger = logging.getLogger("pagedllm")
 
 # bump when gguf_tokenizer builds differently, so folders built by older code are not used
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: SentencePiece vocabularies built by gguf_spm
 SOURCE_MARKER = ".gguf-source.json"
 
 
@@ -90,8 +90,8 @@ def _store(tok: Any, gguf_path: Path, folder: Path) -> None:
 def cached_gguf_tokenizer(gguf_path: str | Path, *, trust_remote_code: bool = False
                           ) -> FastTokenizer:
     """The tokenizer of a GGUF file: from the cache when this file's is kept there (without
-    importing transformers), else built from its metadata (gguf_tokenizer, with transformers)
-    and kept for the next start."""
+    importing transformers), else built from its metadata (gguf_tokenizer; transformers only
+    for the kinds it does not build itself) and kept for the next start."""
     path = Path(gguf_path).resolve()
     folder = cache_folder(path)
     cached = _load_cached(folder)
@@ -103,6 +103,10 @@ def cached_gguf_tokenizer(gguf_path: str | Path, *, trust_remote_code: bool = Fa
     except (OSError, RuntimeError) as exc:  # a read-only cache, or files that do not reload
         logger.warning("could not keep the tokenizer of %s in %s (%s); it will be built "
                        "again on the next start", path, folder, exc)
+    if isinstance(tok, FastTokenizer):
+        # built without transformers and written as it is (save_tokenizer_files checked its
+        # config reads back the same): reading its tokenizer.json again would cost ~1 s
+        return tok
     # the kept files, read as every later start reads them; the built one if they are not kept
     kept = _load_cached(folder)
     return kept if kept is not None else wrap_transformers(tok)

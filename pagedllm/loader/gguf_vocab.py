@@ -39,6 +39,8 @@ class GGUFVocab:
     add_bos: Optional[bool]  # None: the file does not say
     add_eos: Optional[bool]
     chat_template: Optional[str]
+    scores: Optional[tuple[float, ...]] = None  # SentencePiece: each token's log probability
+    add_space_prefix: Optional[bool] = None  # SentencePiece: "\u2581" before the text; None: unsaid
 
 
 class _Walker:
@@ -134,6 +136,16 @@ def _array(fields: dict[str, Any], key: str, kind: type, path: Path) -> Optional
     return value
 
 
+def _scores(fields: dict[str, Any], path: Path) -> Optional[tuple[float, ...]]:
+    """tokenizer.ggml.scores as floats (llama.cpp also reads int32 ones), or None."""
+    value = fields.get("tokenizer.ggml.scores")
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or not all(type(v) in (float, int) for v in value):
+        raise ModelFileError(f"{path}: tokenizer.ggml.scores is not an array of numbers")
+    return tuple(map(float, value))
+
+
 def _text(fields: dict[str, Any], key: str, path: Path) -> Optional[str]:
     """A string of the metadata, or None; ModelFileError if it is something else."""
     value = fields.get(key)
@@ -194,4 +206,6 @@ def read_gguf_vocab(path: str | Path) -> GGUFVocab:
         unk_id=_token_id(fields, "unknown_token_id", n, path),
         add_bos=_optional_bool(fields, "tokenizer.ggml.add_bos_token"),
         add_eos=_optional_bool(fields, "tokenizer.ggml.add_eos_token"),
-        chat_template=_text(fields, "tokenizer.chat_template", path))
+        chat_template=_text(fields, "tokenizer.chat_template", path),
+        scores=_scores(fields, path),
+        add_space_prefix=_optional_bool(fields, "tokenizer.ggml.add_space_prefix"))

@@ -1,5 +1,6 @@
 """A tokenizer as files in a folder (tokenizer.json, tokenizer_config.json, chat_template.jinja):
-write them (from a transformers tokenizer), and read them back fast as a FastTokenizer."""
+write them (from a FastTokenizer or a transformers tokenizer), and read them back fast as a
+FastTokenizer."""
 from __future__ import annotations
 
 import json
@@ -87,10 +88,48 @@ def _fingerprint(tok: Any) -> tuple:
             {i: (str(t), t.special) for i, t in tok.added_tokens_decoder.items()})
 
 
+def _config_of(spec: TokenizerSpec) -> dict[str, Any]:
+    """tokenizer_config.json for spec, as spec_from_config reads it back (and as transformers
+    reads it: its TokenizersBackend over tokenizer.json, with these special tokens)."""
+    config: dict[str, Any] = {
+        **spec.special_tokens, "tokenizer_class": "TokenizersBackend", "backend": "tokenizers",
+        "add_bos_token": bool(spec.add_bos_token), "add_eos_token": bool(spec.add_eos_token),
+        "clean_up_tokenization_spaces": spec.clean_up_tokenization_spaces,
+        "split_special_tokens": spec.split_special_tokens,
+        "model_max_length": spec.model_max_length}
+    if spec.clean_up_bpe:
+        config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
+    if spec.extra_special_tokens:
+        config["extra_special_tokens"] = list(spec.extra_special_tokens)
+    if isinstance(spec.chat_template, dict):  # named templates, as transformers stores them
+        config["chat_template"] = [{"name": k, "template": v} for k, v in spec.chat_template.items()]
+    return config
+
+
+def _write_fast_tokenizer(tok: FastTokenizer, folder: Path) -> None:
+    """Write a FastTokenizer's files (its Rust tokenizer as serialized, its spec as the config),
+    then check that the config reads back to the same spec: RuntimeError if not."""
+    tok.backend_tokenizer.save(str(folder / "tokenizer.json"), pretty=False)
+    (folder / _CONFIG).write_text(json.dumps(_config_of(tok.spec), indent=2, sort_keys=True) + "\n")
+    if isinstance(tok.spec.chat_template, str):
+        (folder / _TEMPLATE).write_text(tok.spec.chat_template)
+    config = json.loads((folder / _CONFIG).read_text())
+    template_file = folder / _TEMPLATE
+    template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+    if spec_from_config(config, tok.backend_tokenizer, template) != tok.spec:
+        raise RuntimeError(f"the tokenizer config saved in {folder} does not read back the same "
+                           "(special tokens, flags or chat template differ)")
+
+
 def save_tokenizer_files(tok: Any, folder: str | Path) -> list[str]:
-    """Write a transformers tokenizer's files into folder and check that they load back to the
-    same tokenizer; return the file names. RuntimeError if they do not."""
+    """Write a tokenizer's files into folder and check that they load back to the same
+    tokenizer; return the file names. A FastTokenizer is written as it is (its tokenizer.json
+    is the Rust tokenizer's own serialization; the config is checked), a transformers one by
+    save_pretrained and reloaded whole. RuntimeError if they do not load back the same."""
     folder = Path(folder)
+    if isinstance(tok, FastTokenizer):
+        _write_fast_tokenizer(tok, folder)
+        return sorted(p.name for p in folder.iterdir())
     tok.save_pretrained(str(folder))
     config_path = folder / _CONFIG
     config = json.loads(config_path.read_text())

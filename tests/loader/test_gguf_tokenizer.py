@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.loader import gguf_tokenizer, gguf_tokenizer_cache
+from pagedllm.loader import gguf_tokenizer_cache
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import gguf_header
 from pagedllm.loader.gguf_tokenizer import NotBuildable, build_tokenizer, tokenizer_from_gguf
@@ -273,12 +273,14 @@ def test_special_token_id_outside_the_vocabulary_is_refused_by_name(tmp_path):
     assert str(path) in str(info.value)
 
 
-def test_sentencepiece_goes_to_transformers_with_a_reason(tmp_path, monkeypatch, caplog):
+def test_sentencepiece_is_built_here_and_kept(tmp_path, monkeypatch, caplog):
+    """A llama-arch SentencePiece file: built by gguf_spm (no transformers, no fallback line);
+    tests/loader/test_gguf_spm.py checks it against transformers."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = _sentencepiece_gguf(tmp_path / "spm.gguf")
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         tok = load_tokenizer(path)
-    assert "tokenizer.ggml.model is 'llama'" in caplog.text and "transformers" in caplog.text
+    assert "transformers' GGUF tokenizer instead" not in caplog.text
     assert tok.convert_ids_to_tokens(tok.encode("ab a ab")) == ["<s>", "▁ab", "▁a", "▁ab"]
     assert tok.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     # kept like a built one: the second load reads the files and agrees

@@ -29,7 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ("pagedllm", "llama.cpp", "vllm")

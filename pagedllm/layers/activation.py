@@ -26,3 +26,7 @@ class GeluTanhAndMul(CustomOp):
     def forward_native(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gelu(gate, approximate="tanh") * up in PyTorch."""
         return F.gelu(gate, approximate="tanh").mul_(up)
+
+    def forward_cpu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """One C++ pass over float32 rows, the op the captured decode step calls."""
+        return torch.ops.pagedllm.gelu_tanh_mul(gate.contiguous(), up.contiguous())

@@ -55,10 +55,19 @@ class RMSNorm(_ResidualRMSNorm):
 
 
 class GemmaRMSNorm(_ResidualRMSNorm):
-    """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts (Llama casts first);
-    plain PyTorch on every platform (the C++ op scales by the weight itself)."""
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, then casts (Llama casts first)."""
 
     weight_init = 0.0  # 1 + 0: the identity
+
+    def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormOut:
+        """RMSNorm's C++ ops over the scale 1 + weight, added here on each call: the captured
+        decode step adds it once at capture and calls the same ops, so both give the same
+        numbers."""
+        w = self.weight + 1.0
+        if residual is None:
+            return torch.ops.pagedllm.rms_norm(x, w, self.eps)
+        torch.ops.pagedllm.add_rms_norm_(x, residual, w, self.eps)
+        return x, residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()

@@ -7,6 +7,13 @@ without it, so its numbers equal the layer loop's (tested). It replaces the mode
 for steps in which every request adds one token; it is the slot where CUDA-graph replay will sit
 on a GPU. Steps with a prompt chunk run the model's loop.
 
+It takes every dense layer shape the models have: q/k/v biases (Qwen2), per-head q/k norms
+(Qwen3, Gemma 3), sliding windows (Mistral, Qwen2/3, Phi-3, Gemma), soft-capped attention
+(Gemma 2), Gemma's (1 + w) norms (the 1 added at capture) and its post-attention / post-FFN
+norms, GeGLU, query_pre_attn_scalar (the attention's scale), one RoPE table per layer (Gemma 3's
+local and global ones), NoPE layers (SmolLM3), partial rotary and LongRoPE (Phi: in the tables).
+Routed experts (Qwen2/Qwen3-MoE) stay in the layer loop.
+
 Whether a model takes it is decided once, at load (decide()), with the reason the kernels log
 line gives; the step itself checks nothing.
 """
@@ -19,7 +26,10 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
+from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.models.pipeline import IntermediateTensors
 
 
@@ -31,29 +41,50 @@ def _float32(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
 
 
-# Registry keys whose decoder layer the C++ stack reproduces op for op: Llama (and Mistral),
-# Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Phi-3 (Llama's layer once its fused tensors
-# are split; LongRoPE is in the rope tables).
-STACK_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3")
+# Registry keys whose decoder layers the C++ stack reproduces op for op: the Llama layer (Llama,
+# Mistral, Qwen2, Qwen3, Phi-3 once its fused tensors are split, SmolLM3) and Gemma 2/3's.
+STACK_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "smollm3")
 
 
-def _layer_args(layer: nn.Module) -> Optional[tuple]:
-    """DecodeStack.add_layer() arguments for a decoder layer whose weights are all x8 blocks
-    and whose norms and biases are float32, or None."""
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The scale the C++ norm multiplies by: Gemma's 1 + w, added as its forward_cpu adds it."""
+    return norm.weight + 1.0 if isinstance(norm, GemmaRMSNorm) else norm.weight
+
+
+def _norms(layer: nn.Module) -> list[torch.Tensor]:
+    """The pre-attention and pre-FFN norms, then Gemma's post-attention and post-FFN ones."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: four norms a layer
+        mods = (layer.input_layernorm, layer.pre_feedforward_layernorm,
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    else:
+        mods = (layer.input_layernorm, layer.post_attention_layernorm)
+    return [_norm_weight(m) for m in mods]
+
+
+def _layer_args(layer: nn.Module, rope_index: dict[int, int]) -> Optional[tuple]:
+    """DecodeStack.add_layer() arguments for a dense decoder layer whose weights are all x8
+    blocks and whose norms and biases are float32, or None; rope_index maps each RoPE table
+    module (by id) to its index in the stack."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, (SiluAndMul, GeluTanhAndMul)):
+        return None
     qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
     if not _packed(qkv, attn.o_proj, gate_up, mlp.down_proj):
         return None
     if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or gate_up.bias is not None:
         return None
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    qk_norms = [] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+    norms = _norms(layer)
+    qk_norms = [] if attn.q_norm is None else [_norm_weight(attn.q_norm),
+                                               _norm_weight(attn.k_norm)]
     if not _float32(qkv.bias, *norms, *qk_norms):
         return None
     biases = [] if qkv.bias is None else list(qkv.bias.split(qkv.output_sizes))
     weights = [*qkv.weights, attn.o_proj.weight, *gate_up.weights, mlp.down_proj.weight]
     qtypes = [*qkv.qtypes, attn.o_proj.qtype, *gate_up.qtypes, mlp.down_proj.qtype]
-    return weights, [int(t) for t in qtypes], biases, qk_norms, *norms
+    rope = -1 if attn.rope is None else rope_index[id(attn.rope[0])]
+    a = attn.attn
+    return (weights, [int(t) for t in qtypes], biases, qk_norms, norms, rope,
+            a.sliding_window or 0, float(a.softcap or 0.0), isinstance(mlp.act, GeluTanhAndMul))
 
 
 class DecodeChoice(NamedTuple):
@@ -70,18 +101,6 @@ def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
     if model.config.moe is not None:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no routed "
                                   f"experts: {arch} layers pick their experts per token)")
-    if model.config.gemma is not None:
-        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no sliding "
-                                  f"window, soft-capped attention or (1 + w) norms: {arch} "
-                                  f"layers attend through attention/masked.py in PyTorch)")
-    if model.config.has_window:
-        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no sliding "
-                                  f"window: {arch} layers attend over the last "
-                                  f"{model.config.sliding_window} tokens)")
-    if model.config.nope_layers:
-        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack turns q and k "
-                                  f"by RoPE on every layer: {arch} layers "
-                                  f"{list(model.config.nope_layers)} skip it)")
     if arch not in STACK_ARCHITECTURES:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack does not run "
                                   f"{arch} layers)")
@@ -108,16 +127,29 @@ class CapturedDecode:
         if layers is not None:  # a pipeline stage's own (model.layer_range), in order
             r = model.layer_range
             layers = list(itertools.islice(layers, r.start, r.stop))
-        if (not kernels_ready or not layers or not _float32(model.rope.cos)
+        if (not kernels_ready or not layers
                 or model.config.architecture not in STACK_ARCHITECTURES):
             return None
-        args = [_layer_args(layer) for layer in layers]
+        # each distinct table once, in the order the layers first use them
+        ropes = {id(r): r for r in (lay.self_attn.rope[0] for lay in layers
+                                    if lay.self_attn.rope is not None)}
+        rope_index = {key: i for i, key in enumerate(ropes)}
+        tables = list(ropes.values()) or [model.rope]  # the stack wants one even if no layer turns
+        attn, norm = layers[0].self_attn, layers[0].input_layernorm
+        if not _float32(*(t.cos for t in tables), *(t.sin for t in tables)):
+            return None
+        # one scale and eps for the stack: every family's layers share them
+        if any(lay.self_attn.attn.scale != attn.attn.scale or lay.input_layernorm.eps != norm.eps
+               for lay in layers):
+            return None
+        args = [_layer_args(layer, rope_index) for layer in layers]
         if any(a is None for a in args):
             return None
-        attn, norm = layers[0].self_attn, layers[0].input_layernorm
         stack = torch.classes.pagedllm.DecodeStack(attn.num_heads, attn.num_kv_heads,
                                                    attn.head_dim, norm.eps, attn.attn.scale,
-                                                   model.rope.cos, model.rope.sin)
+                                                   tables[0].cos, tables[0].sin)
+        for table in tables[1:]:
+            stack.add_rope(table.cos, table.sin)
         for a in args:
             stack.add_layer(*a)
         return cls(model, stack)

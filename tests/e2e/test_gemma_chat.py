@@ -13,6 +13,7 @@ import logging
 
 import pytest
 
+from helpers import model_runner
 from pagedllm import LLM, SamplingParams
 from pagedllm.loader.tokenizer import load_tokenizer
 
@@ -103,3 +104,32 @@ def test_fresh_tokenizer_of_the_file_gets_the_template_too(gemma_gguf):
     tok = load_tokenizer(gemma_gguf)
     assert tok.apply_chat_template(CONVERSATION, tokenize=False,
                                    add_generation_prompt=True) == RENDERED
+
+
+def test_the_captured_decode_step_gives_the_layer_loops_tokens(gemma):
+    """The real Q4_K_M file decodes through the C++ stack (both RoPE tables, four (1 + w) norms
+    a layer, GeGLU, q/k norms, 256-wide heads): the same greedy tokens and logprobs as the
+    model's layer loop, counted so that the stack must have run."""
+    runner = model_runner(gemma)
+    captured, calls = runner.captured_decode, []
+    assert captured is not None, runner.decode_path
+
+    def counting(*args):
+        calls.append(1)
+        return captured(*args)
+
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+
+    def greedy() -> list[tuple[list[int], float]]:
+        outs = gemma.generate(prompts, params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].cumulative_logprob) for o in outs]
+
+    runner.captured_decode = counting
+    try:
+        through_stack = greedy()
+        runner.captured_decode = None
+        assert greedy() == through_stack
+    finally:
+        runner.captured_decode = captured
+    assert len(calls) >= 23

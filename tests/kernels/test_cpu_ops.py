@@ -90,7 +90,7 @@ def test_paged_decode_attention_reads_blocks_in_place(d):
         torch.ops.pagedllm.paged_decode_attention(q, kv, bad, lens, 0.25)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_paged_decode_attention_over_partial_key_blocks_and_head_groups(d):
     """Lengths around the 16-key blocks the AVX-512 path reduces together, and 7 query heads per
     K/V head (Qwen2.5-0.5B's grouping: value rows are weighed for 4 heads, then 3)."""
@@ -109,7 +109,7 @@ def test_paged_decode_attention_over_partial_key_blocks_and_head_groups(d):
         torch.testing.assert_close(out[i], ref)
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])  # the scalar path, then the vector ones
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # the scalar path, then the vector ones
 @pytest.mark.parametrize("window", [1, 7, 16, 20])
 def test_paged_decode_attention_with_a_window_reads_only_the_last_rows(d, window):
     """A window gives bit for bit what the windowless op gives over a cache holding just each
@@ -139,7 +139,31 @@ def test_paged_decode_attention_with_a_window_reads_only_the_last_rows(d, window
         ops.paged_decode_attention(q, kv, table, lens, 0.25, -1)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 256])  # the scalar path, then the vector ones
+@pytest.mark.parametrize("window", [0, 7])
+def test_paged_decode_attention_soft_caps_the_scores_as_masked_attention(d, window):
+    """Gemma 2's soft-cap (tanh(s / cap) * cap before the softmax), with and without a window:
+    transformers' numbers (masked.py), and other numbers than without the cap."""
+    from pagedllm.attention.masked import masked_attention, window_mask
+    hq, hk, bs, cap = 8, 2, 16, 1.5
+    lens = torch.tensor([1, 15, 33])
+    blocks = -(-int(lens.max()) // bs)
+    kv = torch.randn(2, len(lens) * blocks, bs, hk, d)
+    table = torch.randperm(len(lens) * blocks).view(len(lens), blocks)
+    q = torch.randn(len(lens), hq, d) * 2
+    out = ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, window, cap)
+    assert not torch.allclose(out, ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, window))
+    for i, n in enumerate(lens.tolist()):
+        rows = kv[:, table[i]].reshape(2, -1, hk, d)[:, :n]  # [2, n, Hk, D]
+        mask = window_mask(torch.tensor([n - 1]), n, window or None)  # [1, n]
+        ref = masked_attention(q[i][None, :, None], rows[0].transpose(0, 1)[None],
+                               rows[1].transpose(0, 1)[None], mask, d ** -0.5, cap)
+        torch.testing.assert_close(out[i], ref[0, :, 0])
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        ops.paged_decode_attention(q, kv, table, lens, 0.25, 0, -1.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     """An AVX-512 CPU runs the AVX-512 path unless the avx2 kernels are forced; both give the
     same numbers bit for bit, so both are run here where the CPU can."""
@@ -155,13 +179,24 @@ def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     try:
         ops.set_kernel_isa("avx2")
         assert ops.paged_attention_path() == "avx2"
-        avx2 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w) for w in (0, 20)]
+        avx2 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w, c)
+                for w, c in ((0, 0.0), (20, 0.0), (0, 2.0))]
         ops.set_kernel_isa("avx512vnni")
         assert ops.paged_attention_path() == "avx512"  # a build for this CPU has both paths
-        avx512 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w) for w in (0, 20)]
+        avx512 = [ops.paged_decode_attention(q, kv, table, lens, d ** -0.5, w, c)
+                  for w, c in ((0, 0.0), (20, 0.0), (0, 2.0))]
     finally:
         ops.set_kernel_isa(before)
     assert all(torch.equal(a, b) for a, b in zip(avx2, avx512))
+
+
+def test_gelu_tanh_mul_matches_torch():
+    gate, up = torch.randn(3, 2051) * 4, torch.randn(3, 2051)
+    gate[0, :2] = torch.tensor([30.0, -30.0])
+    want = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate, up), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="same shape"):
+        ops.gelu_tanh_mul(gate, up[:2])
 
 
 def test_silu_mul_matches_torch_and_does_not_depend_on_the_length():

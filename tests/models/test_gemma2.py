@@ -12,8 +12,9 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from e2e.helpers import model_runner
 from pagedllm import LLM
-from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, gguf_tensors,
-                         gemma_init, hf_reference, prompts, save_checkpoints)
+from tiny_models import (CHUNKED, VOCAB, base_fields, check_captured_equals_loop, check_float32,
+                         check_q8_0, gguf_tensors, gemma_init, hf_reference, prompts,
+                         save_checkpoints)
 
 WINDOW = 8
 ATTN_CAP, FINAL_CAP = 2.0, 1.0
@@ -78,13 +79,13 @@ def test_float32_gguf_matches_transformers(gemma2, reference):
     check_float32(llm, reference)
 
 
-def test_q8_0_gguf_decodes_through_the_layer_loop(gemma2):
+def test_q8_0_gguf_runs_its_blocks_through_the_captured_decode(gemma2):
     llm = LLM(model=str(gemma2.q8_0_gguf), tokenizer=str(gemma2.hf_dir), **CHUNKED)
     runner = model_runner(llm)
     assert llm.llm_engine.config.quantization == "gguf"
-    assert runner.captured_decode is None
-    assert "no sliding window" in runner.decode_path
+    assert runner.captured_decode is not None, runner.decode_path
     check_q8_0(llm, gemma2)
+    check_captured_equals_loop(llm, gemma2.prompts)  # windows and soft-caps in C++ too
 
 
 @pytest.mark.parametrize("change", [{"layer_types": ["full_attention"] * 3},

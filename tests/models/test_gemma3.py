@@ -16,8 +16,9 @@ from pagedllm import LLM
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf
 from pagedllm.loader.hf_config import arch_from_hf_config
-from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, gguf_tensors,
-                         gemma_init, hf_reference, prompts, save_checkpoints)
+from tiny_models import (CHUNKED, VOCAB, base_fields, check_captured_equals_loop, check_float32,
+                         check_q8_0, gguf_tensors, gemma_init, hf_reference, prompts,
+                         save_checkpoints)
 
 WINDOW, PATTERN = 8, 2
 LOCAL_BASE, GLOBAL_BASE, GLOBAL_FACTOR = 100.0, 10000.0, 2.0
@@ -100,11 +101,12 @@ def test_float32_gguf_matches_transformers(gemma3, reference):
     check_float32(llm, reference)
 
 
-def test_q8_0_gguf_decodes_through_the_layer_loop(gemma3):
+def test_q8_0_gguf_runs_its_blocks_through_the_captured_decode(gemma3):
     llm = LLM(model=str(gemma3.q8_0_gguf), tokenizer=str(gemma3.hf_dir), **CHUNKED)
     assert llm.llm_engine.config.quantization == "gguf"
-    assert model_runner(llm).captured_decode is None
+    assert model_runner(llm).captured_decode is not None
     check_q8_0(llm, gemma3)
+    check_captured_equals_loop(llm, gemma3.prompts)  # both RoPE tables, (1 + w) q/k norms
 
 
 @pytest.mark.parametrize("change", [{"rope_parameters": rope_parameters(GLOBAL_BASE)},

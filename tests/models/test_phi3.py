@@ -98,13 +98,13 @@ def test_float32_gguf_matches_transformers(phi3, long_reference):
     check_float32(llm, long_reference)
 
 
-def test_q8_0_gguf_decodes_its_window_through_the_layer_loop(phi3):
+def test_q8_0_gguf_decodes_its_window_through_the_captured_decode(phi3):
     llm = LLM(model=str(phi3.q8_0_gguf), tokenizer=str(phi3.hf_dir), **CHUNKED)
     runner = model_runner(llm)
     assert llm.llm_engine.config.quantization == "gguf"
-    assert runner.decode_path.startswith("the model's layer loop (the C++ decode stack has no "
-                                         "sliding window"), runner.decode_path
+    assert runner.captured_decode is not None, runner.decode_path
     check_q8_0(llm, phi3)
+    check_captured_equals_loop(llm, phi3.prompts)  # the window and LongRoPE in C++ too
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.hf_config import arch_from_hf_config
-from tiny_models import (CHUNKED, VOCAB, base_fields, check_float32, check_q8_0, hf_reference,
-                         prompts, random_init, save_checkpoints)
+from tiny_models import (CHUNKED, VOCAB, base_fields, check_captured_equals_loop, check_float32,
+                         check_q8_0, hf_reference, prompts, random_init, save_checkpoints)
 
 HEADS, KV_HEADS = 4, 2
 
@@ -59,13 +59,13 @@ def test_float32_gguf_matches_transformers(smollm3, reference):
     check_float32(llm, reference)
 
 
-def test_q8_0_gguf_decodes_through_the_layer_loop(smollm3):
+def test_q8_0_gguf_runs_its_blocks_through_the_captured_decode(smollm3):
     llm = LLM(model=str(smollm3.q8_0_gguf), tokenizer=str(smollm3.hf_dir), **CHUNKED)
     runner = model_runner(llm)
     assert llm.llm_engine.config.quantization == "gguf"
-    assert runner.captured_decode is None
-    assert "smollm3 layers [3] skip it" in runner.decode_path, runner.decode_path
+    assert runner.captured_decode is not None, runner.decode_path
     check_q8_0(llm, smollm3)
+    check_captured_equals_loop(llm, smollm3.prompts)  # the NoPE layer unturned in C++ too
 
 
 def test_the_nope_layer_binds(smollm3, reference):

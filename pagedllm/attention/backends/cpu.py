@@ -2,9 +2,8 @@
 (kernels/csrc/cpu_ops.cpp), PyTorch SDPA for prompt chunks.
 
 Decode reads each request's K/V rows where they lie in the cache: no gathered copy, no mask; a
-sliding window reads only the last `window` rows. The kernel has no soft-cap: a layer with one
-(Gemma 2) decodes through the inherited PyTorch path (attention/masked.py), chosen when the
-layer is built.
+sliding window reads only the last `window` rows, and soft-capped scores (Gemma 2) are capped
+in the kernel. Prompt chunks with either take attention/masked.py.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
     """Paged attention through pagedllm's C++ ops (float32 CPU tensors); prompt chunks as in the
     reference."""
 
-    decode_takes_window = True
+    decode_takes_window = decode_takes_softcap = True
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -42,7 +41,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
         dec = meta.decode
         return torch.ops.pagedllm.paged_decode_attention(q.contiguous(), kv_cache,
                                                          dec.block_table, dec.context_lens,
-                                                         self.scale, self.sliding_window or 0)
+                                                         self.scale, self.sliding_window or 0,
+                                                         self.softcap or 0.0)
 
 
 class CpuAttentionBackend:

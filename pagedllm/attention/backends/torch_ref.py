@@ -81,16 +81,17 @@ class TorchAttentionImpl:
     decode; the batch layout (decode rows first, then prompt chunks) is handled here once."""
 
     decode_takes_window = False  # whether decode() runs a sliding window itself
+    decode_takes_softcap = False  # whether decode() soft-caps the scores itself
 
     def __init__(self, scale: float, sliding_window: Optional[int] = None,
                  softcap: Optional[float] = None) -> None:
         self.scale = scale
         self.sliding_window, self.softcap = sliding_window, softcap
         # decided once: a window or a soft-cap takes the masked PyTorch path in every backend,
-        # but for a decode that runs the window itself
+        # but for a decode that runs them itself
         masked = sliding_window is not None or softcap is not None
-        masked_decode = softcap is not None or (sliding_window is not None
-                                                and not self.decode_takes_window)
+        masked_decode = ((softcap is not None and not self.decode_takes_softcap)
+                         or (sliding_window is not None and not self.decode_takes_window))
         self._decode = self.masked_decode if masked_decode else self.decode
         self._prefill = self.masked_prefill if masked else self.prefill
 

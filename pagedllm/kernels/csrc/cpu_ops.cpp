@@ -6,6 +6,7 @@
 //                                         over the first R values of each head (tables [P, R])
 //   paged_decode_attention(...)           registered here, written in paged_attention.cpp
 //   silu_mul(gate, up)                    silu(gate) * up
+//   gelu_tanh_mul(gate, up)               gelu(gate, approximate="tanh") * up (Gemma's GeGLU)
 //   argmax_rows(x)                        torch.argmax(x, dim=-1) for [N, V] (greedy sampling)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -185,6 +186,25 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
+// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as F.gelu(approximate="tanh")
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_f32(gate, "gate");
+  check_f32(up, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape");
+  at::Tensor out = at::empty_like(gate);
+  const float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+  at::parallel_for(0, gate.numel(), 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float x = g[i];
+      o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
+    }
+  });
+  return out;
+}
+
 // The first index of each row's maximum, as torch.argmax; rows with a NaN go to torch (which
 // returns the NaN's index).
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -236,8 +256,9 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor w, float eps) -> ()");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
-  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv, Tensor block_table, Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("write_kv_(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
   m.def("paged_attention_path() -> str", &pagedllm_ops::paged_attention_path);
@@ -249,6 +270,7 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("silu_mul", &silu_mul);
+  m.impl("gelu_tanh_mul", &gelu_tanh_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("write_kv_", &write_kv_);
 }

@@ -1,13 +1,19 @@
-// A decode step through every decoder layer of a Llama/Qwen2/Qwen3 model in one call, for steps
-// where each sequence adds one token and every weight is an x8 block matrix on the CPU.
+// A decode step through every decoder layer of a dense model in one call, for steps where each
+// sequence adds one token and every weight is an x8 block matrix on the CPU: the Llama layer
+// (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3) and Gemma 2/3's.
 //
 // It runs the very ops the Python layers run (the same kernels, in the same order, so the
 // numbers are identical); what it removes is the Python between them: at one token a step, the
 // ~25 dispatched ops and module calls of a layer cost ~0.35 ms, a third of the layer.
 //
-//   x, residual -> add_rms_norm_ -> q, k, v (+ bias) (-> per-head q/k rms_norm, Qwen3) -> rope_ ->
-//   K/V into the cache ->
-//   paged_decode_attention -> o_proj -> add_rms_norm_ -> gate, up -> silu(gate) * up -> down
+//   x, residual -> add_rms_norm_ -> q, k, v (+ bias) (-> per-head q/k rms_norm) -> rope_ (the
+//   layer's table; none on a NoPE layer) -> K/V into the cache ->
+//   paged_decode_attention (the layer's window and soft-cap) -> o_proj (-> rms_norm, Gemma) ->
+//   add_rms_norm_ -> gate, up -> silu(gate) * up or gelu_tanh(gate) * up -> down (-> rms_norm,
+//   Gemma)
+//
+// Gemma's (1 + w) norms arrive with the 1 added (the Python layers add it the same way before
+// calling the same op).
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -27,41 +33,67 @@ struct LayerWeights {
   at::Tensor o, down;
   int64_t o_type, down_type;
   std::vector<at::Tensor> qkv_bias;  // empty, or q, k, v biases
-  std::vector<at::Tensor> qk_norm;   // empty, or the q and k head norms [head_dim] (Qwen3)
+  std::vector<at::Tensor> qk_norm;   // empty, or the q and k head norms [head_dim] (Qwen3, Gemma 3)
   at::Tensor norm1, norm2;
+  at::Tensor attn_out_norm, ffn_out_norm;  // undefined, or Gemma's post-attention / post-FFN norms
+  int64_t rope;                            // index into the rope tables, or -1: no RoPE (NoPE layer)
+  int64_t window;                          // sliding window, or 0
+  double softcap;                          // attention soft-cap, or 0
+  bool gelu;                               // GeGLU (Gemma) rather than SwiGLU
 };
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
               at::Tensor cos, at::Tensor sin)
-      : hq_(num_heads), hk_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos)), sin_(std::move(sin)) {
+      : hq_(num_heads), hk_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale) {
     TORCH_CHECK(hq_ > 0 && hk_ > 0 && hq_ % hk_ == 0, "num_heads (", hq_, ") must be a positive multiple of ",
                 "num_kv_heads (", hk_, ")");
     TORCH_CHECK(d_ > 0 && d_ % 2 == 0, "head_dim must be positive and even, got ", d_);
-    TORCH_CHECK(cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && cos_.size(1) % 2 == 0 && cos_.size(1) > 0 &&
-                    cos_.size(1) <= d_,
+    add_rope(std::move(cos), std::move(sin));
+  }
+
+  // Another [positions, rotary_dim] cos/sin table pair (Gemma 3's local layers); returns its
+  // index for add_layer (the constructor's pair is 0).
+  int64_t add_rope(at::Tensor cos, at::Tensor sin) {
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) % 2 == 0 && cos.size(1) > 0 &&
+                    cos.size(1) <= d_,
                 "cos and sin must be [positions, rotary_dim] tables of the same shape, rotary_dim even and at "
-                "most head_dim, got cos ", cos_.sizes(), " and sin ", sin_.sizes());
+                "most head_dim, got cos ", cos.sizes(), " and sin ", sin.sizes());
+    pagedllm_ops::check_f32(cos, "cos");
+    pagedllm_ops::check_f32(sin, "sin");
+    cos_.push_back(std::move(cos));
+    sin_.push_back(std::move(sin));
+    return static_cast<int64_t>(cos_.size()) - 1;
   }
 
   // weights: q, k, v, o, gate, up, down (x8 matrices) with their ggml types; qkv_bias: [] or 3;
-  // qk_norm: [] or the q and k head-norm weights, each [head_dim].
+  // qk_norm: [] or the q and k head-norm weights, each [head_dim]; norms: the two pre-norms
+  // (attention, feed-forward), or those and Gemma's two post-norms (attention, feed-forward);
+  // rope: a table index or -1 (none); window, softcap: 0 for none; gelu: GeGLU, else SwiGLU.
   void add_layer(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<at::Tensor> qkv_bias,
-                 std::vector<at::Tensor> qk_norm, at::Tensor norm1, at::Tensor norm2) {
+                 std::vector<at::Tensor> qk_norm, std::vector<at::Tensor> norms, int64_t rope, int64_t window,
+                 double softcap, bool gelu) {
     TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7, "a layer has 7 weights: q k v o gate up down");
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == 3, "qkv_bias: none or q, k, v");
     TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "qk_norm: none or q, k");
+    TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: the 2 pre-norms, or those and the 2 post-norms, "
+                "got ", norms.size());
+    for (const at::Tensor& w : norms) pagedllm_ops::check_f32(w, "norms");
+    TORCH_CHECK(rope >= -1 && rope < static_cast<int64_t>(cos_.size()), "rope must be -1 (none) or a table index "
+                "below ", cos_.size(), ", got ", rope);
+    TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
     for (const at::Tensor& w : qk_norm) {
       pagedllm_ops::check_f32(w, "qk_norm");
       TORCH_CHECK(w.dim() == 1 && w.numel() == d_, "qk_norm weights must be [head_dim] = [", d_, "], got ",
                   w.sizes());
     }
+    const bool post = norms.size() == 4;
     layers_.push_back({{weights[0], weights[1], weights[2]}, {weights[4], weights[5]},
                        {qtypes[0], qtypes[1], qtypes[2]}, {qtypes[4], qtypes[5]},
                        weights[3], weights[6], qtypes[3], qtypes[6], std::move(qkv_bias),
-                       std::move(qk_norm), std::move(norm1), std::move(norm2)});
+                       std::move(qk_norm), norms[0], norms[1], post ? norms[2] : at::Tensor(),
+                       post ? norms[3] : at::Tensor(), rope, window, softcap, gelu});
   }
 
   // x, residual [T, H] float32 (x is overwritten); kv_caches [L, 2, NB, BS, Hk, D]. Returns the
@@ -90,15 +122,23 @@ class DecodeStack : public torch::CustomClassHolder {
         q = pagedllm_ops::rms_norm(q, w.qk_norm[0], eps_);
         k = pagedllm_ops::rms_norm(k, w.qk_norm[1], eps_);
       }
-      pagedllm_ops::rope_(q, k, positions, cos_, sin_);
+      if (w.rope >= 0) {
+        // the Python layer's rope_ takes contiguous q and k (q/k norms give them already)
+        q = q.contiguous();
+        k = k.contiguous();
+        pagedllm_ops::rope_(q, k, positions, cos_[w.rope], sin_[w.rope]);
+      }
       const at::Tensor kv = kv_caches[static_cast<int64_t>(l)];  // [2, NB, BS, Hk, D]
       pagedllm_ops::write_kv_(kv, k, v, slot_mapping);
-      const at::Tensor o = pagedllm_ops::paged_decode_attention(q, kv, block_table, context_lens, scale_);
+      const at::Tensor o = pagedllm_ops::paged_decode_attention(q.contiguous(), kv, block_table, context_lens,
+                                                                scale_, w.window, w.softcap);
       at::Tensor h = pagedllm_ggml::linear_x8(o.view({t, hq_ * d_}), {w.o}, {w.o_type}, hq_ * d_)[0];
+      if (w.attn_out_norm.defined()) h = pagedllm_ops::rms_norm(h, w.attn_out_norm, eps_);
       pagedllm_ops::add_rms_norm_(h, residual, w.norm2, eps_);
       std::vector<at::Tensor> gu = pagedllm_ggml::linear_x8(h, w.gate_up, w.gate_up_types, hidden);
-      at::Tensor act = pagedllm_ops::silu_mul(gu[0], gu[1]);
+      at::Tensor act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
       x = pagedllm_ggml::linear_x8(act, {w.down}, {w.down_type}, act.size(1))[0];
+      if (w.ffn_out_norm.defined()) x = pagedllm_ops::rms_norm(x, w.ffn_out_norm, eps_);
     }
     return {x, residual};
   }
@@ -116,7 +156,7 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t hq_, hk_, d_;
   double eps_, scale_;
-  at::Tensor cos_, sin_;
+  std::vector<at::Tensor> cos_, sin_;  // RoPE tables, [positions, rotary_dim] each
   std::vector<LayerWeights> layers_;
 };
 
@@ -125,6 +165,7 @@ class DecodeStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+      .def("add_rope", &DecodeStack::add_rope)
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward);
 }

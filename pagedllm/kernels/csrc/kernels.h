@@ -15,10 +15,12 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, dou
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up);
 void write_kv_(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window = 0);
+                                  const at::Tensor& context_lens, double scale, int64_t window = 0,
+                                  double softcap = 0);
 std::string paged_attention_path();  // "avx512", "avx2" or "scalar": which path the op runs now
 }  // namespace pagedllm_ops
 

@@ -6,6 +6,8 @@
 // reduced in the AVX2 path's order (lanes j + j+8 of two 8-lane halves, then j + j+4, j + j+2,
 // j + j+1), only 16 keys at once; each head's output sums its value rows in the same order.
 //
+// Soft-capped scores (softcap > 0, Gemma 2) go through tanh(s / cap) * cap before the softmax.
+//
 // A sliding window (window > 0) reads only each sequence's last `window` rows, as if they were
 // its whole context: the same numbers as the windowless op over a cache holding just those rows.
 #include <ATen/ATen.h>
@@ -29,8 +31,11 @@ using pagedllm_simd::exp_nonpositive;
 using pagedllm_simd::hsum;
 #endif
 
-// s[p] = exp(s[p] - max) / sum for p < len
-void softmax_(float* s, int64_t len) {
+// s[p] = exp(c(s[p]) - max) / sum for p < len, where c(s) = tanh(s / cap) * cap when cap > 0
+// (Gemma 2's soft-capped scores, as transformers caps them before the mask), else s
+void softmax_(float* s, int64_t len, float cap) {
+  if (cap > 0.f)
+    for (int64_t p = 0; p < len; ++p) s[p] = std::tanh(s[p] / cap) * cap;
   const float mx = *std::max_element(s, s + len);
   float sum = 0.f;
   int64_t p = 0;
@@ -56,7 +61,7 @@ void softmax_(float* s, int64_t len) {
 // registers
 template <int NV, class RowOffset>
 void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                       int64_t group, float scale, float* scores, float* out) {
+                       int64_t group, float scale, float cap, float* scores, float* out) {
   constexpr int64_t d = 8 * NV;
   for (int64_t p = 0; p < len; ++p) {
     const float* kr = kc + row_offset(p);
@@ -70,7 +75,7 @@ void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffs
       scores[h * len + p] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
   }
-  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);
+  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
   for (int64_t h = 0; h < group; ++h) {
     __m256 acc[NV];
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
@@ -137,7 +142,7 @@ void weigh_values_avx512(const float* vc, RowOffset row_offset, int64_t len, con
 // 16 / NV heads instead of once per head
 template <int NV, class RowOffset>
 void attend_group_avx512(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                         int64_t group, float scale, float* scores, float* out) {
+                         int64_t group, float scale, float cap, float* scores, float* out) {
   constexpr int64_t d = 16 * NV;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
@@ -158,7 +163,7 @@ void attend_group_avx512(const float* q, const float* kc, const float* vc, RowOf
                             _mm512_mul_ps(reduce16(acc), vscale));
     }
   }
-  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);
+  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
   constexpr int kHeads = std::max(1, 16 / NV);  // accumulators in 16 of the 32 registers
   int64_t h = 0;
   for (; h + kHeads <= group; h += kHeads)
@@ -191,14 +196,17 @@ std::string paged_attention_path() {
 // cached rows (row p at kc/vc + row_offset(p)); out gets group * d values.
 template <class RowOffset>
 void attend_group(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                  int64_t group, int64_t d, float scale, float* scores, float* out, bool avx512) {
+                  int64_t group, int64_t d, float scale, float cap, float* scores, float* out, bool avx512) {
 #ifdef __AVX512F__
-  if (avx512 && d == 64) return attend_group_avx512<4>(q, kc, vc, row_offset, len, group, scale, scores, out);
-  if (avx512 && d == 128) return attend_group_avx512<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
+  if (avx512 && d == 64) return attend_group_avx512<4>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+  if (avx512 && d == 128) return attend_group_avx512<8>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+  // Gemma 3's heads
+  if (avx512 && d == 256) return attend_group_avx512<16>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
 #endif
 #ifdef PAGEDLLM_AVX2
-  if (d == 64) return attend_group_avx2<8>(q, kc, vc, row_offset, len, group, scale, scores, out);
-  if (d == 128) return attend_group_avx2<16>(q, kc, vc, row_offset, len, group, scale, scores, out);
+  if (d == 64) return attend_group_avx2<8>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+  if (d == 128) return attend_group_avx2<16>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+  if (d == 256) return attend_group_avx2<32>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
 #endif
   for (int64_t p = 0; p < len; ++p) {
     const float* kr = kc + row_offset(p);
@@ -208,7 +216,7 @@ void attend_group(const float* q, const float* kc, const float* vc, RowOffset ro
       scores[h * len + p] = s * scale;
     }
   }
-  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len);
+  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
   std::fill(out, out + group * d, 0.f);
   for (int64_t p = 0; p < len; ++p) {
     const float* vr = vc + row_offset(p);
@@ -218,9 +226,10 @@ void attend_group(const float* q, const float* kc, const float* vc, RowOffset ro
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                                  const at::Tensor& context_lens, double scale, int64_t window) {
+                                  const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   check_f32(q, "q");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   check_f32(kv, "kv_cache");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
@@ -248,7 +257,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const float* kc = kv.data_ptr<float>();
   const float* vc = kc + nblocks * bs * hk * d;
   float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool avx512 = attention_avx512();
   // one task per (sequence, kv head): its `group` query heads share every K/V row read
   at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
@@ -264,7 +273,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
         return ((blocks[pos / bs] * bs + pos % bs) * hk + g) * d;
       };
       attend_group(qp + (i * hq + g * group) * d, kc, vc, row_offset, len, group, d, sc,
-                   scores.data(), op + (i * hq + g * group) * d, avx512);
+                   cap, scores.data(), op + (i * hq + g * group) * d, avx512);
     }
   });
   return out;

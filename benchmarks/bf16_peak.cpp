@@ -14,8 +14,8 @@
 
 #include <chrono>
 #include <cstdio>
-#include <thread>
-#include <vector>
+
+#include "peak_driver.h"
 
 constexpr int kChains = 16;  // more than latency x throughput of the instruction on any core
 constexpr long kIters = 100000000;
@@ -38,19 +38,6 @@ static double run_one(float seed, float* sink) {
   return kIters * kChains / s;
 }
 
-// n threads at once; returns their total vdpbf16ps per second.
-static double run(int threads) {
-  std::vector<double> rate(threads);
-  std::vector<float> sink(threads);
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; t++)
-    pool.emplace_back([&, t] { rate[t] = run_one(1.0f + t, &sink[t]); });
-  for (auto& th : pool) th.join();
-  double total = 0;
-  for (double r : rate) total += r;
-  return total;
-}
-
 int main() {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx512bf16")) {
@@ -58,7 +45,7 @@ int main() {
     return 0;
   }
   for (int threads : {1, 2}) {
-    const double rate = run(threads);
+    const double rate = run_threads(threads, run_one);
     std::printf("%d thread(s): %.2f G vdpbf16ps/s = %.0f GFLOP/s (32 multiply-adds each)\n",
                 threads, rate / 1e9, rate * 64 / 1e9);
   }

@@ -11,8 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <thread>
-#include <vector>
+
+#include "peak_driver.h"
 
 #if defined(__AVX512F__)
 using vec = __m512;
@@ -48,22 +48,9 @@ static double run_one(float seed, float* sink) {
   return kIters * kChains / s;
 }
 
-// n threads at once; returns their total FMA instructions per second.
-static double run(int threads) {
-  std::vector<double> rate(threads);
-  std::vector<float> sink(threads);
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; t++)
-    pool.emplace_back([&, t] { rate[t] = run_one(1.0f + t, &sink[t]); });
-  for (auto& th : pool) th.join();
-  double total = 0;
-  for (double r : rate) total += r;
-  return total;
-}
-
 int main() {
   for (int threads : {1, 2}) {
-    const double rate = run(threads);
+    const double rate = run_threads(threads, run_one);
     std::printf("%d thread(s): %.2f G fp32 FMA/s (%d lanes) = %.0f GFLOP/s\n", threads,
                 rate / 1e9, kLanes, rate * kLanes * 2 / 1e9);
   }

@@ -156,7 +156,11 @@ void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v
   }
 }
 
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+// The skeleton of a gated activation, act(gate) * up: checks, output, the split over threads.
+// `body(g, u, o, i0, i1)` covers [i0, i1) with vectors as far as it can and returns where it
+// stopped; `one(g, u)` does a single element, the tail.
+template <typename Body, typename One>
+at::Tensor gated_mul(const at::Tensor& gate, const at::Tensor& up, Body body, One one) {
   check_f32(gate, "gate");
   check_f32(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape");
@@ -164,9 +168,14 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const float* g = gate.data_ptr<float>();
   const float* u = up.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t n = gate.numel();
-  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
-    int64_t i = i0;
+  at::parallel_for(0, gate.numel(), 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = body(g, u, o, i0, i1); i < i1; ++i) o[i] = one(g[i], u[i]);
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  auto body = [](const float* g, const float* u, float* o, int64_t i, int64_t i1) {
 #ifdef PAGEDLLM_AVX2
     // silu(x) = x / (1 + e^-x); with e = exp(-|x|) <= 1 that is x / (1 + e) for x >= 0 and
     // x e / (1 + e) below, so the exp never overflows
@@ -177,32 +186,25 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
       const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e
       _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
     }
+#else
+    (void)g, (void)u, (void)o, (void)i1;
 #endif
-    for (; i < i1; ++i) {
-      const float e = exp_nonpositive1(-std::fabs(g[i]));
-      o[i] = (std::signbit(g[i]) ? g[i] * e : g[i]) / (1.f + e) * u[i];
-    }
+    return i;
+  };
+  return gated_mul(gate, up, body, [](float x, float u) {
+    const float e = exp_nonpositive1(-std::fabs(x));
+    return (std::signbit(x) ? x * e : x) / (1.f + e) * u;
   });
-  return out;
 }
 
-// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as F.gelu(approximate="tanh")
+// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as F.gelu(approximate="tanh");
+// scalar only: std::tanh has no vector twin here that rounds the same
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_f32(gate, "gate");
-  check_f32(up, "up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape");
-  at::Tensor out = at::empty_like(gate);
-  const float* g = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-  at::parallel_for(0, gate.numel(), 16384, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float x = g[i];
-      o[i] = 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
-    }
+  auto none = [](const float*, const float*, float*, int64_t i0, int64_t) { return i0; };
+  return gated_mul(gate, up, none, [](float x, float u) {
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+    return 0.5f * x * (1.f + std::tanh(k0 * (x + k1 * x * x * x))) * u;
   });
-  return out;
 }
 
 // The first index of each row's maximum, as torch.argmax; rows with a NaN go to torch (which

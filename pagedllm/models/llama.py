@@ -18,7 +18,7 @@ the model runner.
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 from torch import nn
@@ -118,6 +118,16 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a paged KV cache."""
 
     decoder_cls: type = DecoderModel  # embeddings, layers and final norm (Gemma: its own)
+    # what each module is to tensor parallelism (models/tensor_parallel.py); a module holding
+    # weights outside these is refused there, not left whole
+    tp_plan: ClassVar[dict[str, str]] = {
+        "model.embed_tokens": "vocab",
+        "lm_head": "vocab",
+        "model.layers.*.self_attn": "attention",
+        "model.layers.*.mlp": "feed_forward",  # a gated MLP, or a MoE block on a sparse layer
+        "model.layers.*.*_layernorm": "replicated",
+        "model.norm": "replicated",
+    }
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()

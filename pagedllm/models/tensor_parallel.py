@@ -11,6 +11,11 @@ modules swapped, the model code unchanged).
    after attention and after the MLP, the embedding's all-reduce and the logits' all-gather
    (layers/tensor_parallel.py).
 
+What each module is comes from the model's declared plan (`tp_plan` on the model class: module
+path patterns -> "vocab", "attention", "feed_forward" or "replicated"), not from its class: a
+module holding weights that no pattern covers is refused by name rather than left whole, and
+a module whose class does not fit its role too.
+
 A sparse MoE block (layers/moe.py) is split as vLLM splits it without expert parallelism:
 every rank holds every expert, each expert (and the shared expert) an MLP split like the
 others, the router and the shared expert's gate replicated. Every rank routes the same tokens
@@ -28,8 +33,9 @@ each rank sums its part of o_proj's and down_proj's reduction, then the all-redu
 """
 from __future__ import annotations
 
+import fnmatch
 import math
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -151,39 +157,88 @@ def _shard_vocab(model: nn.Module, tp: TensorParallelRank) -> Shards:
     return shards
 
 
+ROLES = ("vocab", "attention", "feed_forward", "replicated")
+
+
+def _role(model: nn.Module, path: str) -> Optional[str]:
+    """The role the model's tp_plan gives the module at `path`, if a pattern matches it."""
+    for pattern, role in model.tp_plan.items():
+        if fnmatch.fnmatchcase(path, pattern):
+            if role not in ROLES:
+                raise ValueError(f"{type(model).__name__}.tp_plan gives {pattern!r} the role "
+                                 f"{role!r}; the roles are {', '.join(ROLES)}")
+            return role
+    return None
+
+
+def planned_modules(model: nn.Module, tp: TensorParallelRank
+                    ) -> Iterator[tuple[str, str, nn.Module]]:
+    """(path, role, module) for every module the plan names that this stage holds, in module
+    order; a ValueError for a module holding weights outside every planned one, or whose class
+    does not fit its role."""
+    covered: list[str] = []  # planned paths: their submodules are their role's to split
+    for path, module in model.named_modules():
+        if any(path.startswith(c + ".") for c in covered):
+            continue
+        role = _role(model, path) if path else None
+        if role is None:
+            if any(p is not None for p in module._parameters.values()):
+                raise ValueError(
+                    f"tensor_parallel_size={tp.world_size}: {path} ({type(module).__name__}) "
+                    f"holds weights and {type(model).__name__}.tp_plan gives it no role, so "
+                    "pagedllm does not know how to split it (use pipeline_parallel_size)")
+            continue
+        covered.append(path)
+        if not holds_module(module):
+            continue
+        kinds = {"attention": (SelfAttention,), "feed_forward": (GatedMLP, SparseMoeBlock)}
+        if role in kinds and not isinstance(module, kinds[role]):
+            raise ValueError(f"tensor_parallel_size={tp.world_size}: {path} is planned as "
+                             f"{role} but is a {type(module).__name__}")
+        yield path, role, module
+
+
+def _shard_feed_forward(path: str, module: nn.Module, tp: TensorParallelRank,
+                        split: MlpSplit) -> Shards:
+    """A dense MLP, or a MoE block's experts and shared expert (its router and the shared
+    expert's gate replicated)."""
+    if isinstance(module, GatedMLP):
+        return _shard_mlp(path, module, tp, split)
+    shards: Shards = {}
+    for i, expert in enumerate(module.experts):
+        shards.update(_shard_mlp(f"{path}.experts.{i}", expert, tp, split))
+    if module.shared_expert is not None:
+        shards.update(_shard_mlp(f"{path}.shared_expert", module.shared_expert, tp, split))
+    return shards
+
+
 def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPlan]) -> Shards:
     """Shrink a model built on the meta device (before the quantized modules are swapped in) to
     rank tp's share; plan: the GGUF blocks that will be kept (their reduction axis must split
     at whole blocks). Returns the part of each checkpoint tensor the rank loads."""
+    modules = list(planned_modules(model, tp))  # every module checked before any is changed
     shards = _shard_vocab(model, tp)
     split = mlp_split(plan)
-    for path, module in list(model.named_modules()):
-        if isinstance(module, SelfAttention):
+    for path, role, module in modules:
+        if role == "attention":
             shards.update(_shard_attention(path, module, tp, plan))
-        elif isinstance(module, GatedMLP):  # a layer's MLP, or a MoE block's expert
-            shards.update(_shard_mlp(path, module, tp, split))
+        elif role == "feed_forward":
+            shards.update(_shard_feed_forward(path, module, tp, split))
     return shards
-
-
-def _expert_mlps(model: nn.Module) -> set[int]:
-    """ids of the MLPs inside MoE blocks (their outputs are reduced with the block's)."""
-    return {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock)
-            for m in block.modules() if isinstance(m, GatedMLP)}
 
 
 def add_collectives(model: nn.Module, tp: TensorParallelRank) -> None:
     """Wrap the loaded model's row-parallel projections, embedding and head in their
     collectives (after loading: the wrappers change the modules' parameter names): a MoE
     block's output as a whole, its experts' down_proj left partial."""
-    experts = _expert_mlps(model)
-    for module in list(model.modules()):
-        if isinstance(module, SelfAttention):
+    for path, role, module in list(planned_modules(model, tp)):
+        if role == "attention":
             module.o_proj = ReducedOutput(module.o_proj)
-        elif isinstance(module, GatedMLP) and id(module) not in experts:
+        elif role == "feed_forward" and isinstance(module, GatedMLP):
             module.down_proj = ReducedOutput(module.down_proj)
-        for name, child in module.named_children():
-            if isinstance(child, SparseMoeBlock):
-                setattr(module, name, ReducedOutput(child))
+        elif role == "feed_forward":  # a MoE block: one all-reduce of the whole block
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, ReducedOutput(module))
     if holds_module(model.model.embed_tokens):  # a pipeline stage's placeholder stays
         rows = model.model.embed_tokens.num_embeddings
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens,

@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # the command line reads these dataclasses: config stays free of torch at run time
+    import torch
 
 
 # quantization= values: None picks "gguf" for a GGUF on the CPU and "none" otherwise.
@@ -313,7 +316,7 @@ class EngineConfig:
 
     model_path: str
     arch: ModelArchConfig
-    dtype: Any  # torch.dtype of activations, float weights and the KV cache
+    dtype: torch.dtype  # of activations, float weights and the KV cache
     platform: Any  # pagedllm.platforms.Platform (untyped here: config sits below platforms)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -337,6 +340,6 @@ class EngineConfig:
         self.parallel.check_layers(self.arch.num_hidden_layers)
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         """The torch device the platform runs on."""
         return self.platform.device()

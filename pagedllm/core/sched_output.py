@@ -21,11 +21,14 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the runner already holds: new blocks and the computed count."""
+    """A request the runner already holds: its tokens since the runner last saw it (the one
+    sampled in its previous step: every rank appends them, the sampling one too), new blocks
+    and the computed count."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int]
 
 
 @dataclass(frozen=True)

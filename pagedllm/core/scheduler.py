@@ -42,7 +42,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._known_to_runner: set[str] = set()
+        # the requests the runner holds, and how many of each one's token ids it has
+        self._runner_tokens: dict[str, int] = {}
         self._in_flight: dict[str, Request] = {}  # scheduled in a step not updated yet
         self._finished_ids: set[str] = set()  # to tell the runner next step
         self._errors: dict[str, str] = {}  # request id -> why it fails at this step's update
@@ -106,7 +107,8 @@ class Scheduler:
                 budget -= num_new
                 new_ids = self.kv.block_ids(request.request_id)[old_num_blocks:]
                 cached_reqs.append(CachedRequestData(request.request_id, new_ids,
-                                                     request.num_computed_tokens))
+                                                     request.num_computed_tokens,
+                                                     self._unsent_tokens(request)))
                 i += 1
 
         while (self.waiting and budget > 0 and not preempted
@@ -131,7 +133,7 @@ class Scheduler:
                 request.request_id, request.all_token_ids, request.num_prompt_tokens,
                 request.sampling_params, self.kv.block_ids(request.request_id),
                 request.num_computed_tokens))
-            self._known_to_runner.add(request.request_id)
+            self._runner_tokens[request.request_id] = request.num_tokens
 
         for req_id in num_scheduled:
             self._in_flight[req_id] = self.requests[req_id]
@@ -141,6 +143,13 @@ class Scheduler:
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
                                self._grammar_bitmask(num_scheduled))
+
+    def _unsent_tokens(self, request: Request) -> list[int]:
+        """The request's token ids the runner does not hold yet (from now on it does)."""
+        sent = self._runner_tokens[request.request_id]
+        self._runner_tokens[request.request_id] = request.num_tokens
+        # in the outputs (the prompt went whole with the request), without copying the list
+        return request.output_token_ids[sent - request.num_prompt_tokens:]
 
     def _micro_batch_seqs(self, num_micro_batches: int) -> int:
         """The most requests one batch takes: all that may run, or, with several batches in
@@ -274,6 +283,5 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _forget_in_runner(self, req_id: str) -> None:
-        if req_id in self._known_to_runner:
-            self._known_to_runner.discard(req_id)
+        if self._runner_tokens.pop(req_id, None) is not None:
             self._finished_ids.add(req_id)

@@ -539,14 +539,12 @@ class MultiprocExecutor(Executor):
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
         deadline_s = self._deadlines.next(sched.num_scheduled_tokens)
-        sampled = self._steps.take_unsent()
-        payloads = {driver: pickle.dumps(WorkerCall("execute_model", (sched, sampled_before)),
-                                         protocol=pickle.HIGHEST_PROTOCOL)
-                    for driver, sampled_before in ((True, None), (False, sampled))}
-        if max(map(len, payloads.values())) > BIG_CALL_BYTES:
+        payload = pickle.dumps(WorkerCall("execute_model", (sched,)),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        if len(payload) > BIG_CALL_BYTES:
             self._steps.drain()
         for rank in self._ranks:
-            self._send_bytes(rank, payloads[rank.place.rank == self._driver])
+            self._send_bytes(rank, payload)
         # the replies are read from the pipes, in order; the handle: how long they may take
         return self._steps.submit(deadline_s)
 

@@ -424,11 +424,8 @@ class RayExecutor(Executor):
     def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
         self._check_alive()
         deadline_s = self._deadlines.next(sched.num_scheduled_tokens)
-        sampled = self._steps.take_unsent()
         return self._steps.submit(_StepRefs([  # the step's answers' refs, one a rank
-            r.actor.call.remote("execute_model", sched,
-                                None if r.place.rank == self._driver else sampled)
-            for r in self._ranks], deadline_s))
+            r.actor.call.remote("execute_model", sched) for r in self._ranks], deadline_s))
 
     def _take_oldest(self, step: "_StepRefs") -> ModelRunnerOutput:
         """The driver's answer to the oldest step in flight; an actor that died, or did not

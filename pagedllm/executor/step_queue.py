@@ -2,9 +2,9 @@
 side of vLLM's batch queue, shared by the mp and Ray executors.
 
 Every rank serves its calls in order, so the replies come oldest step first. The rank that
-samples (the driver) answers each step with its tokens; the other ranks are handed every token
-sampled since the last step sent, with the next one (a request is in at most one step in
-flight, so its token is known before it is scheduled again)."""
+samples (the driver) answers each step with its tokens; every rank gets them in the scheduler's
+next message for the request (core/sched_output.CachedRequestData.new_token_ids: a request is
+in at most one step in flight, so its token is known before it is scheduled again)."""
 from __future__ import annotations
 
 from collections import deque
@@ -28,23 +28,17 @@ class PendingStep:
 
 
 class StepQueue:
-    """Steps in flight, oldest first, and the driver's tokens not yet sent to the other ranks."""
+    """Steps in flight, oldest first."""
 
     def __init__(self, take_oldest: Callable[[Any], ModelRunnerOutput]) -> None:
         """take_oldest(handle): the driver's output of the oldest step in flight, read from the
         ranks (it blocks, and raises the executor's failure when a rank died)."""
         self._take_oldest = take_oldest
         self._steps: deque[PendingStep] = deque()
-        self._unsent: dict[str, int] = {}
 
     def __len__(self) -> int:
         """Steps in flight."""
         return len(self._steps)
-
-    def take_unsent(self) -> dict[str, int]:
-        """The tokens sampled since the last call, for the ranks that do not sample."""
-        unsent, self._unsent = self._unsent, {}
-        return unsent
 
     def submit(self, handle: Any) -> PendingStep:
         """Record a step just sent to every rank."""
@@ -57,7 +51,6 @@ class StepQueue:
         while step.output is None:
             out = self._take_oldest(self._steps[0].handle)
             self._steps.popleft().output = out
-            self._unsent.update(out.sampled)
         return step.output
 
     def drain(self) -> None:

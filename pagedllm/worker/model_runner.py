@@ -159,14 +159,6 @@ class ModelRunner:
         send_to_next(stage, result, self.tp)
         return None
 
-    def append_sampled(self, sampled: dict[str, int]) -> None:
-        """Tokens the last pipeline stage sampled, for a stage that does not sample: its next
-        step's inputs (and which of its rows end a sequence) need them."""
-        for req_id, token in sampled.items():
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.token_ids.append(token)
-
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -180,6 +172,7 @@ class ModelRunner:
                 old.num_prompt_logprobs if old else 0)
         for cached in sched.cached_reqs:
             st = self.requests[cached.req_id]
+            st.token_ids.extend(cached.new_token_ids)  # sampled here or on another rank
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
@@ -219,8 +212,7 @@ class ModelRunner:
         for i, (st, token) in enumerate(zip(states, tokens)):
             if st.req_id in out.errors:
                 continue  # fails at the scheduler's update
-            st.token_ids.append(token)
-            out.sampled[st.req_id] = token
+            out.sampled[st.req_id] = token  # the state gets it with the next step's message
             k = st.sampling_params.logprobs
             if k is not None and result.logprobs is not None:
                 out.logprobs[st.req_id] = _row_logprobs(result.logprobs, i, k)

@@ -67,11 +67,6 @@ class Worker:
         """Allocate num_blocks KV blocks."""
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput,
-                      sampled_before: Optional[dict[str, int]] = None) -> ModelRunnerOutput:
-        """Run one scheduled step; sampled_before: the tokens the sampling rank (the last
-        pipeline stage, tensor parallel rank 0) sampled in the step before, for a rank that
-        does not sample."""
-        if sampled_before:
-            self.model_runner.append_sampled(sampled_before)
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step (the same message on every rank)."""
         return self.model_runner.execute_model(sched)

@@ -49,7 +49,8 @@ def _generate(runner, reqs: dict[str, tuple[list[int], list[int]]], steps: int) 
     for r, tok in _step(runner, new=[_new(r, p, b) for r, (p, b) in reqs.items()]).items():
         tokens[r].append(tok)
     for _ in range(steps):
-        cached = [CachedRequestData(r, [], len(p) + len(tokens[r]) - 1) for r, (p, _) in reqs.items()]
+        cached = [CachedRequestData(r, [], len(p) + len(tokens[r]) - 1, tokens[r][-1:])
+                  for r, (p, _) in reqs.items()]
         for r, tok in _step(runner, cached=cached).items():
             tokens[r].append(tok)
     _step(runner, finished=reqs)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.distributed.stage import PipelineStage, even_partition
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.metadata import WeightLayout
 from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
 
@@ -34,30 +34,19 @@ DECODE_RESIDENT_BYTES = 224 * 1024 ** 2
 # evicted before their next use and the re-read grows ~10x as fast, to all of them
 REREAD_CURVE = ((0.0, 0.0), (0.069, 0.057), (0.123, 0.40), (0.172, 0.93), (0.18, 1.0))
 
-# Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
-FAMILY_SIZES = {
-    "qwen2": [("Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen2.5-1.5B-Instruct", 1.54e9),
-              ("Qwen2.5-3B-Instruct", 3.09e9), ("Qwen2.5-7B-Instruct", 7.62e9)],
-    "qwen3": [("Qwen3-0.6B", 0.75e9), ("Qwen3-1.7B", 2.03e9), ("Qwen3-4B", 4.02e9),
-              ("Qwen3-8B", 8.19e9)],
-    "llama": [("SmolLM2-135M-Instruct", 0.135e9), ("SmolLM2-360M-Instruct", 0.36e9),
-              ("Llama-3.2-1B-Instruct", 1.24e9), ("SmolLM2-1.7B-Instruct", 1.71e9),
-              ("Llama-3.2-3B-Instruct", 3.21e9), ("Llama-3.1-8B-Instruct", 8.03e9)],
-}
-
-
 class InsufficientMemoryError(ValueError):
     """The model cannot run in the memory available; the message says what would.
 
-    machines: how many machines like this one would hold it split, as
-    {"pipeline_parallel_size": n, "tensor_parallel_size": m} (a value None: not even split
-    over one machine per layer / per KV head)."""
+    machines: how many machines like this one would hold the checkpoint split, as
+    {"pipeline_parallel_size": n, "tensor_parallel_size": m} (a value None: no split the
+    shapes allow fits); ways: every weight format's ways out (advice.FormatWays)."""
 
     def __init__(self, message: str, machines: Optional[dict] = None,
-                 page_cache: bool = False) -> None:
+                 page_cache: bool = False, ways: tuple = ()) -> None:
         super().__init__(message)
         self.machines = machines or {}
         self.page_cache = page_cache  # the blocks would be mapped, but the page cache is short
+        self.ways = ways
 
 
 @dataclass(frozen=True)
@@ -230,10 +219,11 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                 max_model_len: Optional[int], max_num_seqs: int, max_num_batched_tokens: int,
                 kv_cache_bytes: Optional[int] = None, num_blocks: Optional[int] = None,
                 overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
-                mapped_forced: bool = False) -> MemoryPlan:
+                mapped_forced: bool = False, advise: bool = True) -> MemoryPlan:
     """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain.
     mapped_forced (mmap_weights=True): a mapped plan whose page cache is short is kept, and its
-    reread_warning() says what it costs, instead of refused."""
+    reread_warning() says what it costs, instead of refused. advise=False: a refusal says only
+    why (the advice itself plans its ways with it)."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
                          f"({fp.max_len_supported} positions)")
@@ -248,11 +238,15 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                 page_cache: bool = False) -> InsufficientMemoryError:
         """why (a first line, or none), then the advice for `of` needing need_len tokens and
         the machines a split would need."""
-        return InsufficientMemoryError(
-            why + _advice(of, mem, budget, overhead_bytes, base_act, need_len, block_size,
-                          max_num_batched_tokens, max_num_seqs),
-            _machines(of, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
-                      max_num_seqs, need_len), page_cache)
+        if not advise:
+            return InsufficientMemoryError(why or "the model does not fit in memory",
+                                           page_cache=page_cache)
+        # the advice plans its ways with this module: imported here, where it is needed
+        from pagedllm.worker.advice_text import advise as advice_for
+
+        got = advice_for(of, mem, budget, overhead_bytes, base_act, need_len, block_size,
+                         max_num_batched_tokens, max_num_seqs)
+        return InsufficientMemoryError(why + got.text, got.machines, page_cache, got.ways)
 
     load_peak = fp.weight_bytes + fp.load_extra_bytes + overhead_bytes
     if fp.load_extra_bytes and load_peak > budget:
@@ -360,19 +354,21 @@ def shared_footprint(fp: ModelFootprint, world_size: int, tp_size: int = 1) -> M
 
 def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
                          rank_mems: Optional[Sequence[MemoryInfo]] = None,
-                         tp_size: int = 1, **kwargs) -> MemoryPlan:
+                         tp_size: int = 1, partition: Optional[Sequence[int]] = None,
+                         **kwargs) -> MemoryPlan:
     """plan_memory for world_size pipeline stages of tp_size tensor parallel ranks each. Ranks
     that share this machine's memory (rank_mems None) are planned as the sum of their shares
     against `mem`; ranks that each have their own memory (a cgroup or a machine each:
     rank_mems[r], r the global rank) each plan their own share (their stage's, over tp_size),
     and all then take the fewest KV blocks and the shortest max_model_len any rank fits (every
-    rank holds the same block ids)."""
+    rank holds the same block ids). partition: layers per stage (else VLLM_PP_LAYER_PARTITION's
+    or the even split)."""
     if rank_mems is None:
         return plan_memory(shared_footprint(fp, world_size, tp_size), mem, **kwargs)
     plans = []
     for r, rank_mem in enumerate(rank_mems):
         share = tp_share(stage_footprint(fp, PipelineStage.of_rank(
-            fp.arch.num_hidden_layers, r // tp_size, world_size)), tp_size)
+            fp.arch.num_hidden_layers, r // tp_size, world_size, partition)), tp_size)
         if tp_size > 1:  # the refusal names the rank, as its process's messages do
             share = replace(share, where=f"rank {r}, {share.where}")
         plans.append(plan_memory(share, rank_mem, **kwargs))  # a refusal names the rank
@@ -404,106 +400,6 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
 
 def _where_of(where: str) -> str:
     return f" ({where})" if where else ""
-
-
-def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs: int,
-              min_len: int) -> dict:
-    """How many machines with this budget each would hold the model split: the smallest
-    pipeline_parallel_size whose largest stage fits (weights by layer from the layout), and
-    the smallest tensor_parallel_size whose largest rank (weights/N, but the MLPs' uneven
-    where kept blocks split at block boundaries; the KV heads split, replicated below one per
-    rank) fits; None when no split does."""
-    a = fp.arch
-    total = fp.layout.total if fp.layout is not None else fp.weight_bytes + fp.mapped_bytes
-    whole = replace(fp, weight_bytes=total, mapped_bytes=0, processes=1, num_layers=None,
-                    load_extra_bytes=0,
-                    kv_bytes_per_token=fp.kv_bytes_per_token * a.num_hidden_layers
-                    // max(1, fp.layers), has_head=True)
-    pp = None
-    if whole.layout is not None:
-        for n in range(2, a.num_hidden_layers + 1):
-            fits = True
-            for r in range(n):
-                # the even split: a suggestion of N stages, whatever VLLM_PP_LAYER_PARTITION
-                # asks of the size it was set for
-                s = stage_footprint(whole, PipelineStage.of_rank(
-                    a.num_hidden_layers, r, n, even_partition(a.num_hidden_layers, n)))
-                kv = s.kv_bytes_per_token * min_len
-                if s.weight_bytes + kv + overhead + activation_bytes(s, batched, seqs, kv) > budget:
-                    fits = False
-                    break
-            if fits:
-                pp = n
-                break
-    tp = None
-    for n in range(2, 65):
-        kv_heads = max(1, a.num_key_value_heads // n) if a.num_key_value_heads >= n else 1
-        kv = whole.kv_bytes_per_token * kv_heads // max(1, a.num_key_value_heads) * min_len
-        weights = (whole.weight_bytes // n if whole.layout is None else
-                   whole.layout.tp_rank_bytes(n, a.intermediate_size))
-        if weights + kv + overhead + activation_bytes(whole, batched, seqs, kv) // n <= budget:
-            tp = n
-            break
-    return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp}
-
-
-def _machines_line(machines: dict, budget: int) -> Optional[str]:
-    pp, tp = machines.get("pipeline_parallel_size"), machines.get("tensor_parallel_size")
-    if pp is None and tp is None:
-        return None
-    ways = [f"pipeline_parallel_size={pp}" for _ in [0] if pp is not None] + [
-        f"tensor_parallel_size={tp} (weights/{tp} each)" for _ in [0] if tp is not None]
-    count = min(n for n in (pp, tp) if n is not None)
-    return (f"  - split over {count}+ machines like this one ({fmt_bytes(budget)} planned "
-            f"each): {' or '.join(ways)} with distributed_executor_backend='ray', or one rank "
-            f"per cgroup (PAGEDLLM_RANK_CGROUP); ranks on this one machine share its memory")
-
-
-def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,
-            min_len: int, block_size: int, batched: int = 0, seqs: int = 1) -> str:
-    one_seq = fp.kv_bytes_per_token * min_len
-    need = fp.weight_bytes + one_seq + overhead + act
-    lines = [
-        f"the model does not fit in memory{_where(fp)}: it needs {fmt_bytes(need)} = weights "
-        f"{fmt_bytes(fp.weight_bytes)} ({fp.num_params / 1e9:.2f} B parameters in "
-        f"{fp.dtype_name}; {fp.source}) + KV cache {fmt_bytes(one_seq)} for one sequence of "
-        f"{min_len} tokens + activations {fmt_bytes(act)} + runtime {fmt_bytes(overhead)}",
-        f"available: {fmt_bytes(mem.available_bytes)} ({mem.source}); the engine plans with "
-        f"{MEMORY_UTILIZATION:.0%} of it = {fmt_bytes(budget)}",
-        "ways out:",
-    ]
-    n = fp.num_params
-    rest = one_seq + overhead + act
-    # bits per weight of whole files; Q3_K_S and Q2_K scaled from Q4_K_M by llama-quantize's own
-    # table (Llama-3-8B: 3.41, 2.96 and 4.58 GB): Qwen2-7B-Instruct Q2_K is ~3.0 GB
-    for label, bits, gguf in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85, True),
-                              ("a 3-bit GGUF of the same model (Q3_K_S)", 3.6, True),
-                              ("a 2-bit GGUF of the same model (Q2_K)", 3.15, True),
-                              ("an 8-bit quantization (int8 / Q8_0)", 8.5, False)):
-        size = n * bits / 8
-        verdict = "would fit here" if size + rest <= budget else "still too large here"
-        share = (budget - rest) / size
-        if gguf and size + rest > budget and share >= MAPPED_MIN_SHARE:  # mmap_weights
-            verdict = (f"would run here with its blocks mapped from a file; the page cache "
-                       f"holds ~{share:.0%} of them")
-        lines.append(f"  - {label}: weights ~{fmt_bytes(size)} ({verdict})")
-    if fp.weight_bytes < budget - overhead - act:
-        fit_len = max(0, (budget - overhead - act - fp.weight_bytes) // fp.kv_bytes_per_token)
-        fit_len = fit_len // block_size * block_size
-        lines.append(f"  - a shorter max_model_len: {fit_len} tokens fit "
-                     f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)")
-    line = _machines_line(_machines(fp, budget, overhead // fp.processes, batched, seqs,
-                                    min_len), budget)
-    if line is not None:
-        lines.append(line)
-    itemsize = fp.weight_bytes / max(1, n)
-    smaller = [(name, p) for name, p in FAMILY_SIZES.get(fp.arch.architecture, [])
-               if p * itemsize + overhead + act < budget and p < n and fp.num_layers is None]
-    if smaller:
-        name, p = smaller[-1]
-        lines.append(f"  - a smaller model of the same family: {name} (~{fmt_bytes(p * itemsize)}"
-                     f" in {fp.dtype_name})")
-    return "\n".join(lines)
 
 
 def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo,

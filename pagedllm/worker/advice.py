@@ -17,8 +17,9 @@ from pagedllm.loader.metadata import WeightLayout
 from pagedllm.platforms.interface import MemoryInfo
 from pagedllm.worker.decode_speed import (pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, ModelFootprint,
-                                    footprint, plan_memory, plan_pipeline_memory)
+from pagedllm.worker.footprint import ModelFootprint, footprint
+from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
+                                    plan_pipeline_memory)
 
 
 @dataclass(frozen=True)
@@ -176,10 +177,10 @@ def _plan(fps: Sequence[ModelFootprint], mem: MemoryInfo, pp: int, tp: int,
     for fp in fps:
         try:
             if pp == tp == 1:
-                return fp, plan_memory(fp, mem, advise=False, **sizes)
+                return fp, plan_memory(fp, mem, **sizes)
             return fp, plan_pipeline_memory(
                 fp, pp, mem, [mem] * (pp * tp), tp, partition=even_partition(
-                    fp.arch.num_hidden_layers, pp), advise=False, **sizes)
+                    fp.arch.num_hidden_layers, pp), **sizes)
         except InsufficientMemoryError:
             continue
     return None

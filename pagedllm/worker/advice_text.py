@@ -2,27 +2,19 @@
 the tested way first, then each weight format by its expected speed."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.advice import (FAMILY_SIZES, TESTED, FormatWays, Way, all_format_ways,
                                     gguf_hub_ref, split_ways, tested_way, tp_sizes)
 from pagedllm.worker.decode_speed import MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S
-from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION, ModelFootprint)
+from pagedllm.worker.footprint import ModelFootprint
+from pagedllm.worker.memory import DISK_READ_BYTES_PER_S, InsufficientMemoryError, Shortfall
 
 SPLIT_HOW = ("a split runs one rank a machine: distributed_executor_backend='ray' over a Ray "
              "cluster (docs/ray_two_vms.md), or one rank per cgroup (PAGEDLLM_RANK_CGROUP); "
              "ranks on this one machine share its memory")
-
-
-@dataclass(frozen=True)
-class Advice:
-    """A refusal's advice: its text, the checkpoint's own split, every format's ways."""
-
-    text: str
-    machines: dict  # {"pipeline_parallel_size": n or None, "tensor_parallel_size": m or None}
-    ways: tuple[FormatWays, ...]
 
 
 def rate(tok_per_s: float) -> str:
@@ -104,58 +96,75 @@ def _whole(fp: ModelFootprint) -> list[ModelFootprint]:
                     mapped_bytes=layout.mapped_total)]
 
 
-def advise(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,
-           min_len: int, block_size: int, batched: int, seqs: int) -> Advice:
-    """What fp needs against what mem has, and the ways out (overhead: all fp's processes')."""
-    one_seq = fp.kv_bytes_per_token * min_len
-    need = fp.weight_bytes + one_seq + overhead + act
-    where = f" ({fp.where})" if fp.where else ""
-    lines = [
-        f"the model does not fit in memory{where}: it needs {fmt_bytes(need)} = weights "
-        f"{fmt_bytes(fp.weight_bytes)} ({fp.num_params / 1e9:.2f} B parameters in "
-        f"{fp.dtype_name}; {fp.source}) + KV cache {fmt_bytes(one_seq)} for one sequence of "
-        f"{min_len} tokens + activations {fmt_bytes(act)} + runtime {fmt_bytes(overhead)}",
-        f"available: {fmt_bytes(mem.available_bytes)} ({mem.source}); the engine plans with "
-        f"{MEMORY_UTILIZATION:.0%} of it = {fmt_bytes(budget)}",
+def advise(short: Shortfall) -> InsufficientMemoryError:
+    """The planner's refusal with the ways out: the tested way first, then each weight format
+    by speed, the checkpoint's own split, a shorter max_model_len, a smaller model."""
+    fp, mem, budget = short.fp, short.mem, short.budget
+    lines = [short.text(), (
         f"ways out: the tested way first, then by speed (one-stream decode as the planner's "
         f"bandwidth model expects it, weights read at {WEIGHT_READ_BYTES_PER_S / 1e9:.0f} GB/s, "
         f"what the page cache lacks of mapped blocks at {DISK_READ_BYTES_PER_S / 1e6:.0f} MB/s, "
         f"{MESSAGE_SECONDS * 1e3:.1f} ms a message between ranks; a machine like this one: "
-        f"{fmt_bytes(budget)} planned)",
-    ]
-    sizes = dict(block_size=block_size, max_model_len=min(min_len, fp.max_len_supported),
-                 max_num_seqs=seqs,
-                 max_num_batched_tokens=batched, overhead_bytes=overhead // fp.processes)
+        f"{fmt_bytes(budget)} planned)")]
+    sizes = dict(block_size=short.block_size,
+                 max_model_len=min(short.need_len, fp.max_len_supported),
+                 max_num_seqs=short.max_num_seqs,
+                 max_num_batched_tokens=short.max_num_batched_tokens,
+                 overhead_bytes=short.overhead_bytes // fp.processes)
     ways = all_format_ways(fp.arch, fp.num_params, fp.source, mem, sizes)
     line = _tested_line(ways, fp)
     if line is not None:
         lines.append(line)
     ranked = sorted(ways, key=lambda w: -w.best.tok_per_s if w.best else 0.0)
     lines += [_format_line(w, fp) for w in ranked]
-    whole = _whole(fp)
-    own = whole[0].layout
-    pp = tp = None
-    if own is not None:
-        pp, tp = split_ways("as is", whole, own, mem, sizes, tp_sizes(
-            fp.arch, own.mlp_block if own.mapped_total else 1))
-        if own.mapped_total:  # a GGUF at hand: its own blocks, not the estimate's
-            lines.append("  - this GGUF as it is: " + _split_text(pp, tp, tp_sizes(
-                fp.arch, own.mlp_block), fp))
-    if fp.weight_bytes < budget - overhead - act:
-        fit_len = max(0, (budget - overhead - act - fp.weight_bytes) // fp.kv_bytes_per_token)
-        fit_len = fit_len // block_size * block_size
-        lines.append(f"  - a shorter max_model_len: {fit_len} tokens fit "
-                     f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)")
+    pp, tp = _own_split(fp, mem, sizes, lines)
+    lines += _shorter_len(short)
     if any(w.pp or w.tp for w in ways) or pp or tp:
         lines.append(f"  ({SPLIT_HOW})")
-    itemsize = fp.weight_bytes / max(1, fp.num_params)
-    smaller = [(name, p) for name, p in FAMILY_SIZES.get(fp.arch.architecture, [])
-               if p * itemsize + overhead + act < budget and p < fp.num_params
-               and fp.num_layers is None]
-    if smaller:
-        name, p = smaller[-1]
-        lines.append(f"  - a smaller model of the same family: {name} (~{fmt_bytes(p * itemsize)}"
-                     f" in {fp.dtype_name})")
+    lines += _smaller_model(short)
     machines = {"pipeline_parallel_size": pp.pipeline_parallel_size if pp else None,
                 "tensor_parallel_size": tp.tensor_parallel_size if tp else None}
-    return Advice("\n".join(lines), machines, tuple(ways))
+    return InsufficientMemoryError("\n".join(lines), machines, short.page_cache, tuple(ways),
+                                   short)
+
+
+def _own_split(fp: ModelFootprint, mem: MemoryInfo, sizes: dict,
+               lines: list[str]) -> tuple[Optional[Way], Optional[Way]]:
+    """The fewest pipeline and tensor parallel ranks the checkpoint as it is needs; a GGUF at
+    hand (its own blocks, not the estimate's) gets a line of its own in `lines`."""
+    whole = _whole(fp)
+    own = whole[0].layout
+    if own is None:
+        return None, None
+    pp, tp = split_ways("as is", whole, own, mem, sizes, tp_sizes(
+        fp.arch, own.mlp_block if own.mapped_total else 1))
+    if own.mapped_total:
+        lines.append("  - this GGUF as it is: " + _split_text(pp, tp, tp_sizes(
+            fp.arch, own.mlp_block), fp))
+    return pp, tp
+
+
+def _shorter_len(short: Shortfall) -> list[str]:
+    """A shorter max_model_len that fits, if the weights leave room for any KV cache."""
+    fp = short.fp
+    room = short.budget - short.overhead_bytes - short.activation_bytes - fp.weight_bytes
+    if room <= 0:
+        return []
+    fit_len = room // fp.kv_bytes_per_token // short.block_size * short.block_size
+    return [f"  - a shorter max_model_len: {fit_len} tokens fit "
+            f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)"]
+
+
+def _smaller_model(short: Shortfall) -> list[str]:
+    """The largest smaller model of the same family whose weights, in fp's bytes a parameter,
+    fit beside the runtime and workspace (the whole model's advice only)."""
+    fp = short.fp
+    room = short.budget - short.overhead_bytes - short.activation_bytes
+    itemsize = fp.weight_bytes / max(1, fp.num_params)
+    smaller = [(name, p) for name, p in FAMILY_SIZES.get(fp.arch.architecture, [])
+               if p * itemsize < room and p < fp.num_params and fp.num_layers is None]
+    if not smaller:
+        return []
+    name, p = smaller[-1]
+    return [f"  - a smaller model of the same family: {name} (~{fmt_bytes(p * itemsize)} "
+            f"in {fp.dtype_name})"]

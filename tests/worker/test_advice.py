@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.distributed.stage import even_partition
 from pagedllm.loader.checkpoint import resolve_checkpoint
@@ -16,8 +17,10 @@ from pagedllm.worker.advice import (FORMATS, format_footprints, format_layout, g
 from pagedllm.worker.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S,
                                           pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, footprint,
-                                    plan_memory, plan_pipeline_memory)
+from pagedllm.worker.advice_text import advise
+from pagedllm.worker.footprint import footprint
+from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, plan_memory,
+                                    plan_pipeline_memory)
 
 GiB = 1024 ** 3
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -34,13 +37,48 @@ def refusal(path: Path = QWEN7B, mem: MemoryInfo = SEED_VM) -> InsufficientMemor
     fp = footprint(ckpt.arch, n, 2, "bfloat16", source, None, 0,
                    planned_weight_layout(ckpt, frozenset(), "none", 2))
     with pytest.raises(InsufficientMemoryError) as err:
-        plan_memory(fp, mem, **SIZES)
+        plan_memory(fp, mem, advisor=advise, **SIZES)
     return err.value
 
 
 def ways_out(err: InsufficientMemoryError) -> list[str]:
     lines = str(err).split("\n")
     return lines[next(i for i, t in enumerate(lines) if t.startswith("ways out")) + 1:]
+
+
+def test_without_an_advisor_a_refusal_says_why_and_no_ways():
+    """The planner alone (as the advice plans its ways) names the shortfall; the advisor the
+    caller passes adds the ways out, over the same Shortfall."""
+    ckpt = resolve_checkpoint(QWEN7B)
+    n, source = checkpoint_num_params(ckpt)
+    fp = footprint(ckpt.arch, n, 2, "bfloat16", source, None, 0,
+                   planned_weight_layout(ckpt, frozenset(), "none", 2))
+    with pytest.raises(InsufficientMemoryError) as bare:
+        plan_memory(fp, SEED_VM, **SIZES)
+    text = str(bare.value)
+    assert text.startswith("the model does not fit in memory: it needs ")
+    assert "available: 3.33 GiB (cgroup v1 limit 3.49 GiB" in text and "ways out" not in text
+    assert bare.value.ways == () and bare.value.machines == {}
+    advised = advise(bare.value.shortfall)
+    assert str(advised).startswith(text + "\nways out: ")
+    assert str(advised) == str(refusal()) and len(advised.ways) == len(FORMATS)
+
+
+def test_the_engines_own_refusal_carries_the_ways(monkeypatch):
+    """config_builder passes the advisor: LLM/serve/doctor refusals have the ways out, also
+    where float32 (this CPU's default without native bf16) fell back to bf16 first."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.config_builder import plan_engine_memory
+    from pagedllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "memory", lambda self: SEED_VM)
+    ckpt = resolve_checkpoint(QWEN7B)
+    platform = CpuPlatform()
+    with pytest.raises(InsufficientMemoryError) as err:
+        plan_engine_memory(EngineArgs(model=str(QWEN7B)), ckpt, platform, torch.float32, "none")
+    assert "  (float32, this device's default, needs twice the weights)" in str(err.value)
+    assert ways_out(err.value)[0].startswith("  - the tested way: a Q4_K_M GGUF")
+    assert len(err.value.ways) == len(FORMATS) and err.value.shortfall is not None
 
 
 def test_the_tested_way_comes_first_with_where_to_get_it():

@@ -159,11 +159,15 @@ def test_imports_go_down_the_layers():
 
 # The engine reaches the model only through the executor: what runs below it (model code, its
 # layers, kernels, attention, sampling, the worker) is the executor's business. Memory planning
-# is pure functions over metadata that the config builder calls before anything is loaded, and
-# so are the weight formats' costs (worker/weight_formats.py: memory and bandwidth by format).
+# is pure functions over metadata that the config builder calls before anything is loaded: the
+# footprint, the plan, and the advice it passes the planner for a refusal (advice_text.py, over
+# advice.py's ways and decode_speed.py's bandwidth model); so are the weight formats' costs
+# (worker/weight_formats.py: memory and bandwidth by format).
 ENGINE_MAY_NOT_IMPORT = ("pagedllm.models", "pagedllm.layers", "pagedllm.kernels",
                          "pagedllm.attention", "pagedllm.sample", "pagedllm.worker")
-ENGINE_EXCEPTIONS = ("pagedllm.worker.memory", "pagedllm.worker.weight_formats")
+ENGINE_EXCEPTIONS = ("pagedllm.worker.footprint", "pagedllm.worker.memory",
+                     "pagedllm.worker.advice", "pagedllm.worker.advice_text",
+                     "pagedllm.worker.decode_speed", "pagedllm.worker.weight_formats")
 
 
 def engine_reaches_below_the_executor(graph: Graph) -> list[str]:

@@ -17,8 +17,10 @@ from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, g
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
-from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, footprint,
-                                    plan_memory, plan_pipeline_memory)
+from pagedllm.worker.advice_text import advise
+from pagedllm.worker.footprint import footprint
+from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
+                                    plan_pipeline_memory)
 from pagedllm.worker.weight_formats import FormatCost, format_costs, format_of, format_summary
 
 if TYPE_CHECKING:
@@ -154,7 +156,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
     which the rank checks again where it runs before it loads anything; rank_mems, when
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
-    tensor_parallel_size M too, a rank's share is its stage's over M (worker/memory.py's
+    tensor_parallel_size M too, a rank's share is its stage's over M (worker/footprint.py's
     tp_share)."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
@@ -182,7 +184,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                      kv_cache_bytes=args.kv_cache_memory_bytes,
-                     num_blocks=args.num_gpu_blocks_override, mapped_forced=forced)
+                     num_blocks=args.num_gpu_blocks_override, mapped_forced=forced,
+                     advisor=advise)
         if world > 1:
             return plan_pipeline_memory(fp, world, mem, rank_mems, tp_size, **sizes)
         return plan_memory(fp, mem, **sizes)
@@ -218,8 +221,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         try:
             result = plan(half)
         except InsufficientMemoryError as err:
-            raise InsufficientMemoryError(
-                f"{err}\n  (float32, this device's default, needs twice the weights)") from None
+            raise err.with_note("  (float32, this device's default, needs twice the "
+                                "weights)") from None
         logger.warning("float32 weights do not fit in %s; using %s (dtype='auto')",
                        fmt_bytes(mem.available_bytes), _dtype_name(half))
         return result, half

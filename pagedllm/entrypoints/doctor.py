@@ -57,7 +57,9 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
     from pagedllm.loader.sources import locate_model
-    from pagedllm.worker.memory import InsufficientMemoryError, kv_bytes_per_token
+    from pagedllm.worker.advice import fastest_way, tested_way
+    from pagedllm.worker.footprint import kv_bytes_per_token
+    from pagedllm.worker.memory import InsufficientMemoryError
 
     ckpt = resolve_checkpoint(locate_model(model).metadata_path)  # metadata only, no weights
     choice = resolve_platform(device)
@@ -75,9 +77,12 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
         plan, chosen = plan_engine_memory(args, ckpt, choice.platform, chosen, quantization)
     except InsufficientMemoryError as err:
         offline = offline_alternative(model, num_params, device, max_model_len)
-        # how many machines like this one would hold it split (also in the reason's ways out)
+        # how many machines like this one would hold it split (also in the reason's ways out),
+        # and every weight format's ways, fastest first, with the planner's expected tok/s
         out.update(fits=False, dtype=str(chosen).removeprefix("torch."), offline_model=offline,
-                   machines_needed=err.machines,
+                   machines_needed=err.machines, ways_out=ways_report(err.ways),
+                   tested_way=_way_dict(tested_way(err.ways)),
+                   fastest_way=_way_dict(fastest_way(err.ways)),
                    reason=str(err) if offline is None else _with_way_out(
                        str(err), f"  - a model already on this machine (no download): "
                        f"{offline} (pagedllm serve {offline})"))
@@ -90,6 +95,21 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
                plan=plan.summary())
     return out
+
+
+def _way_dict(way) -> Optional[dict[str, Any]]:
+    return None if way is None else way.as_dict()
+
+
+def ways_report(ways: tuple) -> list[dict[str, Any]]:
+    """Each weight format's ways out (advice.FormatWays), fastest first: on one machine like
+    this one, or the fewest pipeline / tensor parallel ranks, each with its expected tok/s."""
+    ranked = sorted(ways, key=lambda w: -w.best.tok_per_s if w.best else 0.0)
+    return [{"format": w.fmt.name, "label": w.fmt.label, "weight_bytes": w.run_bytes,
+             "planned_bytes": w.load_bytes,
+             **{k: None if v is None else v.as_dict()
+                for k, v in (("one_machine", w.one), ("pipeline", w.pp), ("tensor", w.tp))}}
+            for w in ranked]
 
 
 def offline_alternative(model: str, num_params: int, device: Optional[str],

@@ -1,16 +1,18 @@
-"""Memory planning as pure functions: what the model needs, what fits, and what to do if nothing does.
+"""Memory planning as pure functions: what fits, the sizes chosen, and why a model is refused.
 
-Everything here runs on metadata before a weight byte is read or downloaded.
+Everything here runs on metadata before a weight byte is read or downloaded. What a model
+needs is footprint.py's; the ways out of a refusal are the advisor's (advice_text.py), which
+the caller passes in, so planning never imports the advice that plans with it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from pagedllm.config import ModelArchConfig
-from pagedllm.distributed.stage import PipelineStage, even_partition
-from pagedllm.loader.metadata import WeightLayout
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
+from pagedllm.worker.footprint import (ModelFootprint, activation_bytes, shared_footprint,
+                                       stage_footprint, tp_share)
 
 RUNTIME_OVERHEAD_BYTES = 384 * 1024 ** 2  # tokenizer, Python objects, allocator slack still to come
 MEMORY_UTILIZATION = 0.92  # share of available memory the engine plans to use
@@ -34,62 +36,76 @@ DECODE_RESIDENT_BYTES = 224 * 1024 ** 2
 # evicted before their next use and the re-read grows ~10x as fast, to all of them
 REREAD_CURVE = ((0.0, 0.0), (0.069, 0.057), (0.123, 0.40), (0.172, 0.93), (0.18, 1.0))
 
-# Known sizes per family, for the "a smaller model of the same family" advice: (name, parameters)
-FAMILY_SIZES = {
-    "qwen2": [("Qwen2.5-0.5B-Instruct", 0.49e9), ("Qwen2.5-1.5B-Instruct", 1.54e9),
-              ("Qwen2.5-3B-Instruct", 3.09e9), ("Qwen2.5-7B-Instruct", 7.62e9)],
-    "qwen3": [("Qwen3-0.6B", 0.75e9), ("Qwen3-1.7B", 2.03e9), ("Qwen3-4B", 4.02e9),
-              ("Qwen3-8B", 8.19e9)],
-    "llama": [("SmolLM2-135M-Instruct", 0.135e9), ("SmolLM2-360M-Instruct", 0.36e9),
-              ("Llama-3.2-1B-Instruct", 1.24e9), ("SmolLM2-1.7B-Instruct", 1.71e9),
-              ("Llama-3.2-3B-Instruct", 3.21e9), ("Llama-3.1-8B-Instruct", 8.03e9)],
-}
 
 
 class InsufficientMemoryError(ValueError):
     """The model cannot run in the memory available; the message says what would.
 
-    machines: how many machines like this one would hold it split, as
-    {"pipeline_parallel_size": n, "tensor_parallel_size": m} (a value None: not even split
-    over one machine per layer / per KV head)."""
+    machines: how many machines like this one would hold the checkpoint split, as
+    {"pipeline_parallel_size": n, "tensor_parallel_size": m} (a value None: no split the
+    shapes allow fits); ways: every weight format's ways out (advice.FormatWays); both empty
+    when no advisor was given. shortfall: what the planner was short of."""
 
     def __init__(self, message: str, machines: Optional[dict] = None,
-                 page_cache: bool = False) -> None:
+                 page_cache: bool = False, ways: tuple = (),
+                 shortfall: Optional["Shortfall"] = None) -> None:
         super().__init__(message)
         self.machines = machines or {}
         self.page_cache = page_cache  # the blocks would be mapped, but the page cache is short
+        self.ways = ways
+        self.shortfall = shortfall
+
+    def with_note(self, note: str) -> "InsufficientMemoryError":
+        """The same refusal with a line added to its message."""
+        return InsufficientMemoryError(f"{self}\n{note}", self.machines, self.page_cache,
+                                       self.ways, self.shortfall)
 
 
 @dataclass(frozen=True)
-class ModelFootprint:
-    """What a model needs, from metadata: parameters, bytes per weight, KV bytes per token."""
+class Shortfall:
+    """A refused plan: the footprint that did not fit, the memory it was planned against and
+    the sizes it was planned with; an advisor turns it into the ways out."""
 
-    arch: ModelArchConfig
-    num_params: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    dtype_name: str
-    source: str  # where the parameter count came from
-    mapped_bytes: int = 0  # block weights mapped from a file (page cache), not in weight_bytes
-    layout: Optional[WeightLayout] = None  # the weights by layer, for splits over ranks
-    num_layers: Optional[int] = None  # decoder layers held (KV cache, activations); None: all
-    has_head: bool = True  # computes the logits (the last pipeline stage, or the whole model)
-    processes: int = 1  # ranks that share this memory: a runtime and a workspace each
-    where: str = ""  # which rank(s) this is, for messages: "" for the whole model
-    # bytes a load holds twice at its peak: kept GGUF blocks in anonymous memory are read, then
-    # regrouped for the kernels (a Qwen2-7B Q4_K stage of 2.13 GiB of blocks peaked at 4.5 GB)
-    load_extra_bytes: int = 0
+    fp: ModelFootprint  # of a mapped plan whose page cache is short: its blocks in anonymous memory
+    mem: MemoryInfo
+    need_len: int  # tokens one sequence must hold
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    overhead_bytes: int  # the runtimes of all fp's processes
+    why: str = ""  # a first line before the needs, or none
+    page_cache: bool = False  # the blocks would be mapped, but the page cache is short
 
     @property
-    def layers(self) -> int:
-        """Decoder layers whose KV cache this footprint holds."""
-        return self.arch.num_hidden_layers if self.num_layers is None else self.num_layers
+    def budget(self) -> int:
+        """Bytes of mem the engine plans to use."""
+        return int(self.mem.available_bytes * MEMORY_UTILIZATION)
 
     @property
-    def max_len_supported(self) -> int:
-        """Positions the model was trained for (a sliding window does not cut them: its layers
-        attend over the window, and the cache still holds the whole sequence)."""
-        return self.arch.max_position_embeddings
+    def activation_bytes(self) -> int:
+        """A step's workspace before the KV cache's share."""
+        return activation_bytes(self.fp, self.max_num_batched_tokens, self.max_num_seqs, 0)
+
+    def text(self) -> str:
+        """why, what fp needs, and what is available."""
+        fp, act = self.fp, self.activation_bytes
+        one_seq = fp.kv_bytes_per_token * self.need_len
+        need = fp.weight_bytes + one_seq + self.overhead_bytes + act
+        return (f"{self.why}the model does not fit in memory{_where(fp)}: it needs "
+                f"{fmt_bytes(need)} = weights {fmt_bytes(fp.weight_bytes)} "
+                f"({fp.num_params / 1e9:.2f} B parameters in {fp.dtype_name}; {fp.source}) + "
+                f"KV cache {fmt_bytes(one_seq)} for one sequence of {self.need_len} tokens + "
+                f"activations {fmt_bytes(act)} + runtime {fmt_bytes(self.overhead_bytes)}\n"
+                f"available: {fmt_bytes(self.mem.available_bytes)} ({self.mem.source}); the "
+                f"engine plans with {MEMORY_UTILIZATION:.0%} of it = {fmt_bytes(self.budget)}")
+
+    def error(self) -> InsufficientMemoryError:
+        """The refusal without ways out (no advisor)."""
+        return InsufficientMemoryError(self.text(), page_cache=self.page_cache, shortfall=self)
+
+
+# turns a refusal into its error with the ways out (advice_text.advise)
+Advisor = Callable[[Shortfall], InsufficientMemoryError]
 
 
 @dataclass(frozen=True)
@@ -180,199 +196,115 @@ class MemoryPlan:
                 f"available {fmt_bytes(self.available.available_bytes)} ({self.available.source})")
 
 
-def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
-    """K and V of one token across all layers."""
-    return arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim * itemsize
-
-
-def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name: str,
-              source: str, weight_bytes: Optional[int] = None,
-              mapped_bytes: int = 0, layout: Optional[WeightLayout] = None) -> ModelFootprint:
-    """A model's needs when its weights are held in a dtype of `itemsize` bytes (or take
-    weight_bytes when some stay quantized, mapped_bytes of them from a file); layout: the
-    weights by layer, which splits over pipeline ranks need."""
-    resident = num_params * itemsize if weight_bytes is None else weight_bytes
-    return ModelFootprint(arch, num_params, resident - mapped_bytes,
-                          kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes,
-                          layout)
-
-
-def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_seqs: int,
-                     kv_cache_bytes: int) -> int:
-    """Peak workspace of one step: hidden activations (in each rank), logits (where the head
-    is), one layer's gathered K/V (in each rank)."""
-    a = fp.arch
-    width = 4 * a.hidden_size + _ffn_width(a) + (
-        a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
-    hidden = max_num_batched_tokens * width * 4 * fp.processes
-    # logits, float32 copy, softmax, filtered
-    logits = max_num_seqs * a.vocab_size * 4 * 4 if fp.has_head else 0
-    # decode reads one layer's context
-    gathered = kv_cache_bytes * fp.processes // max(1, fp.layers)
-    return hidden + logits + gathered
-
-
-def _ffn_width(a: ModelArchConfig) -> int:
-    """Float32 values per token of the widest feed-forward step: SwiGLU's gate, up and product;
-    on a sparse layer, each of the k chosen experts' gathered input, gate/up, product and
-    output, the shared expert's SwiGLU and the router's logits."""
-    dense = 3 * a.intermediate_size
-    moe = a.moe
-    if moe is None:
-        return dense
-    shared = moe.shared_expert_intermediate_size or 0
-    sparse = (moe.num_experts_per_tok * (2 * a.hidden_size + 3 * moe.moe_intermediate_size)
-              + 3 * shared + moe.num_experts)
-    return max(sparse, dense if moe.dense_layers else 0)
-
-
 def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
                 max_model_len: Optional[int], max_num_seqs: int, max_num_batched_tokens: int,
                 kv_cache_bytes: Optional[int] = None, num_blocks: Optional[int] = None,
                 overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
-                mapped_forced: bool = False) -> MemoryPlan:
+                mapped_forced: bool = False, advisor: Optional[Advisor] = None) -> MemoryPlan:
     """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain.
     mapped_forced (mmap_weights=True): a mapped plan whose page cache is short is kept, and its
-    reread_warning() says what it costs, instead of refused."""
+    reread_warning() says what it costs, instead of refused. advisor: adds the ways out to a
+    refusal (without one it says only why; the advice plans its ways with this function)."""
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
                          f"({fp.max_len_supported} positions)")
-    block_bytes = fp.kv_bytes_per_token * block_size
-    budget = int(mem.available_bytes * MEMORY_UTILIZATION)
-    overhead_bytes *= fp.processes
-    base_act = activation_bytes(fp, max_num_batched_tokens, max_num_seqs, 0)
     # the length a default plan may shrink to: one sequence of this must fit
-    short_len = max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported)
+    short = Shortfall(fp, mem, max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported),
+                      block_size, max_num_batched_tokens, max_num_seqs,
+                      overhead_bytes * fp.processes)
 
-    def refusal(of: ModelFootprint, need_len: int, why: str = "",
-                page_cache: bool = False) -> InsufficientMemoryError:
-        """why (a first line, or none), then the advice for `of` needing need_len tokens and
-        the machines a split would need."""
-        return InsufficientMemoryError(
-            why + _advice(of, mem, budget, overhead_bytes, base_act, need_len, block_size,
-                          max_num_batched_tokens, max_num_seqs),
-            _machines(of, budget, overhead_bytes // fp.processes, max_num_batched_tokens,
-                      max_num_seqs, need_len), page_cache)
+    def refusal(**changes) -> InsufficientMemoryError:
+        got = replace(short, **changes)
+        return advisor(got) if advisor is not None else got.error()
 
-    load_peak = fp.weight_bytes + fp.load_extra_bytes + overhead_bytes
-    if fp.load_extra_bytes and load_peak > budget:
-        raise refusal(fp, short_len,
-                      f"loading does not fit in memory{_where(fp)}: the GGUF's "
-                      f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped "
-                      f"for the kernels, and the load peaks near {fmt_bytes(load_peak)} with the "
-                      f"runtime; mapped from a file (mmap_weights) they are regrouped into it "
-                      f"instead\n")
-    # decode gathers one layer's context: 1/num_layers of the cache on top of the cache itself
-    kv_share = 1 + fp.processes / max(1, fp.layers)
-    free_for_kv = max(0, int((budget - fp.weight_bytes - overhead_bytes - base_act) / kv_share))
+    load_peak = fp.weight_bytes + fp.load_extra_bytes + short.overhead_bytes
+    if fp.load_extra_bytes and load_peak > short.budget:
+        raise refusal(why=_load_why(fp, load_peak))
+    free_for_kv = _free_for_kv(short)
     want_len = max_model_len or fp.max_len_supported
     explicit_cache = num_blocks is not None or kv_cache_bytes is not None
     if num_blocks is None:
-        one_seq = want_len * fp.kv_bytes_per_token  # the cap never cuts one full-length sequence
-        default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq), one_seq * max_num_seqs)
-        if fp.mapped_bytes:  # leave the page cache room for the mapped weights first
-            short = short_len * fp.kv_bytes_per_token
-            default = min(default, free_for_kv, max(short, free_for_kv - fp.mapped_bytes))
-        num_blocks = (kv_cache_bytes if kv_cache_bytes is not None else default) // block_bytes
+        chosen = (kv_cache_bytes if kv_cache_bytes is not None
+                  else _default_kv_bytes(short, free_for_kv, want_len))
+        num_blocks = chosen // (fp.kv_bytes_per_token * block_size)
     cache_tokens = num_blocks * block_size
     min_len = max_model_len or (1 if explicit_cache else min(MIN_MODEL_LEN, want_len))
-    if num_blocks * block_bytes > free_for_kv or (not explicit_cache and cache_tokens < min_len):
-        raise refusal(fp, min_len if not explicit_cache else max(1, cache_tokens))
+    kv_bytes = cache_tokens * fp.kv_bytes_per_token
+    if kv_bytes > free_for_kv or (not explicit_cache and cache_tokens < min_len):
+        raise refusal(need_len=min_len if not explicit_cache else max(1, cache_tokens))
     if cache_tokens < min_len:
         raise ValueError(f"max_model_len={min_len} does not fit the KV cache ({num_blocks} blocks "
                          f"of {block_size} = {cache_tokens} tokens); lower max_model_len or "
                          "raise kv_cache_memory_bytes")
-    kv_bytes = num_blocks * block_bytes
     plan = MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), max_num_seqs,
                       fp.weight_bytes, kv_bytes,
                       activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
-                      overhead_bytes, mem, fp.mapped_bytes, fp.where)
-    room = plan.page_cache_room()
+                      short.overhead_bytes, mem, fp.mapped_bytes, fp.where)
     if plan.mapped_tight() and not mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
-        reread = plan.reread_bytes_per_step()
-        cost = (f"each decode step would re-read ~{fmt_bytes(reread)} from disk" if reread else
-                "decoding may still find them all in the page cache")
-        raise refusal(anon, short_len,
-                      f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
-                      f"file (mmap_weights) the page cache could hold only ~{fmt_bytes(room)} of "
-                      f"their {fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; "
-                      f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): {cost}; "
-                      f"mmap_weights=True maps them anyway\n",
-                      page_cache=True)
+        raise refusal(fp=anon, why=_tight_why(plan, fp), page_cache=True)
     return plan
 
 
-def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
-    """One pipeline rank's share of a whole-model footprint (which must carry its layout): its
-    layers' weights (the embedding on the first, the final norm and head on the last), its
-    layers' KV cache, its workspace and one runtime."""
-    if fp.layout is None:
-        raise ValueError("a footprint without a weight layout cannot be split into stages")
-    size, blocks = fp.layout.stage_bytes(stage.start_layer, stage.end_layer, stage.is_first,
-                                         stage.is_last)
-    mapped = blocks if fp.mapped_bytes else 0
-    n = len(stage.layers)
-    return replace(fp, weight_bytes=size - mapped, mapped_bytes=mapped,
-                   load_extra_bytes=blocks if fp.load_extra_bytes else 0,
-                   kv_bytes_per_token=fp.kv_bytes_per_token * n // fp.arch.num_hidden_layers,
-                   num_layers=n, has_head=stage.is_last, processes=1,
-                   where=f"pipeline rank {stage.rank} of {stage.world_size}: layers "
-                         f"{stage.start_layer}-{stage.end_layer - 1}"
-                         + (", embedding" if stage.is_first else "")
-                         + (", head" if stage.is_last else ""))
+def _free_for_kv(short: Shortfall) -> int:
+    """Bytes the KV cache may take once the weights, runtimes and workspace are planned."""
+    fp = short.fp
+    # decode gathers one layer's context: 1/num_layers of the cache on top of the cache itself
+    kv_share = 1 + fp.processes / max(1, fp.layers)
+    rest = short.budget - fp.weight_bytes - short.overhead_bytes - short.activation_bytes
+    return max(0, int(rest / kv_share))
 
 
-def tp_share(fp: ModelFootprint, tp_size: int) -> ModelFootprint:
-    """The largest tensor parallel rank's share of a footprint (a pipeline stage's, with TP x
-    PP): its weights in the proportion the largest rank holds of the whole model (the layout's
-    tp_rank_bytes: a 1/tp_size share, but the MLPs' uneven where kept blocks split at block
-    boundaries), and its KV heads' cache (one head where they are fewer than the ranks)."""
-    if tp_size == 1:
-        return fp
-    layout, kv = fp.layout, fp.arch.num_key_value_heads
-    num, den = ((layout.tp_rank_bytes(tp_size, fp.arch.intermediate_size), layout.total)
-                if layout is not None and layout.total else (1, tp_size))
-    heads = kv // tp_size if kv >= tp_size else 1
-    return replace(fp, weight_bytes=-(-fp.weight_bytes * num // den),
-                   mapped_bytes=-(-fp.mapped_bytes * num // den),
-                   load_extra_bytes=-(-fp.load_extra_bytes * num // den),
-                   kv_bytes_per_token=fp.kv_bytes_per_token * heads // kv,
-                   where=f"{fp.where}, tensor parallel share of {tp_size}" if fp.where
-                   else f"tensor parallel share of {tp_size}")
+def _default_kv_bytes(short: Shortfall, free_for_kv: int, want_len: int) -> int:
+    """The KV cache a plan takes unless asked: what is free, capped at DEFAULT_KV_CAP_BYTES
+    (never below one full-length sequence) and at max_num_seqs of them; with mapped weights,
+    what leaves the page cache room for them first (never below one sequence of need_len)."""
+    fp = short.fp
+    one_seq = want_len * fp.kv_bytes_per_token
+    default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq), one_seq * short.max_num_seqs)
+    if fp.mapped_bytes:
+        least = short.need_len * fp.kv_bytes_per_token
+        default = min(default, free_for_kv, max(least, free_for_kv - fp.mapped_bytes))
+    return default
 
 
-def shared_footprint(fp: ModelFootprint, world_size: int, tp_size: int = 1) -> ModelFootprint:
-    """The footprint of world_size pipeline stages (of tp_size TP ranks each) that share one
-    memory (processes on one machine): the sum of their stages' shares (a stage's TP ranks
-    together hold the stage), with a runtime and a workspace per rank."""
-    stages = [stage_footprint(fp, PipelineStage.of_rank(fp.arch.num_hidden_layers, r,
-                                                       world_size)) for r in range(world_size)]
-    ranks = world_size * tp_size
-    return replace(fp, weight_bytes=sum(s.weight_bytes for s in stages),
-                   mapped_bytes=sum(s.mapped_bytes for s in stages),
-                   load_extra_bytes=sum(s.load_extra_bytes for s in stages),
-                   kv_bytes_per_token=sum(s.kv_bytes_per_token for s in stages),
-                   num_layers=fp.layers, has_head=True, processes=ranks,
-                   where=f"{ranks} {'pipeline ' if tp_size == 1 else ''}ranks on this "
-                         "machine, sharing its memory")
+def _load_why(fp: ModelFootprint, load_peak: int) -> str:
+    """Why a load of kept blocks in anonymous memory is refused: it holds them twice."""
+    return (f"loading does not fit in memory{_where(fp)}: the GGUF's "
+            f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped "
+            f"for the kernels, and the load peaks near {fmt_bytes(load_peak)} with the "
+            f"runtime; mapped from a file (mmap_weights) they are regrouped into it instead\n")
+
+
+def _tight_why(plan: MemoryPlan, fp: ModelFootprint) -> str:
+    """Why a mapped plan is refused: the page cache it plans holds too few of the blocks."""
+    room, reread = plan.page_cache_room(), plan.reread_bytes_per_step()
+    cost = (f"each decode step would re-read ~{fmt_bytes(reread)} from disk" if reread else
+            "decoding may still find them all in the page cache")
+    return (f"the GGUF's blocks do not fit in memory{_where(fp)}, and mapped from a "
+            f"file (mmap_weights) the page cache could hold only ~{fmt_bytes(room)} of "
+            f"their {fmt_bytes(fp.mapped_bytes)} ({room / fp.mapped_bytes:.0%}; "
+            f"pagedllm maps them from {MAPPED_MIN_SHARE:.0%}): {cost}; "
+            f"mmap_weights=True maps them anyway\n")
 
 
 def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
                          rank_mems: Optional[Sequence[MemoryInfo]] = None,
-                         tp_size: int = 1, **kwargs) -> MemoryPlan:
+                         tp_size: int = 1, partition: Optional[Sequence[int]] = None,
+                         **kwargs) -> MemoryPlan:
     """plan_memory for world_size pipeline stages of tp_size tensor parallel ranks each. Ranks
     that share this machine's memory (rank_mems None) are planned as the sum of their shares
     against `mem`; ranks that each have their own memory (a cgroup or a machine each:
     rank_mems[r], r the global rank) each plan their own share (their stage's, over tp_size),
     and all then take the fewest KV blocks and the shortest max_model_len any rank fits (every
-    rank holds the same block ids)."""
+    rank holds the same block ids). partition: layers per stage (else VLLM_PP_LAYER_PARTITION's
+    or the even split)."""
     if rank_mems is None:
         return plan_memory(shared_footprint(fp, world_size, tp_size), mem, **kwargs)
     plans = []
     for r, rank_mem in enumerate(rank_mems):
         share = tp_share(stage_footprint(fp, PipelineStage.of_rank(
-            fp.arch.num_hidden_layers, r // tp_size, world_size)), tp_size)
+            fp.arch.num_hidden_layers, r // tp_size, world_size, partition)), tp_size)
         if tp_size > 1:  # the refusal names the rank, as its process's messages do
             share = replace(share, where=f"rank {r}, {share.where}")
         plans.append(plan_memory(share, rank_mem, **kwargs))  # a refusal names the rank
@@ -404,132 +336,3 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
 
 def _where_of(where: str) -> str:
     return f" ({where})" if where else ""
-
-
-def _machines(fp: ModelFootprint, budget: int, overhead: int, batched: int, seqs: int,
-              min_len: int) -> dict:
-    """How many machines with this budget each would hold the model split: the smallest
-    pipeline_parallel_size whose largest stage fits (weights by layer from the layout), and
-    the smallest tensor_parallel_size whose largest rank (weights/N, but the MLPs' uneven
-    where kept blocks split at block boundaries; the KV heads split, replicated below one per
-    rank) fits; None when no split does."""
-    a = fp.arch
-    total = fp.layout.total if fp.layout is not None else fp.weight_bytes + fp.mapped_bytes
-    whole = replace(fp, weight_bytes=total, mapped_bytes=0, processes=1, num_layers=None,
-                    load_extra_bytes=0,
-                    kv_bytes_per_token=fp.kv_bytes_per_token * a.num_hidden_layers
-                    // max(1, fp.layers), has_head=True)
-    pp = None
-    if whole.layout is not None:
-        for n in range(2, a.num_hidden_layers + 1):
-            fits = True
-            for r in range(n):
-                # the even split: a suggestion of N stages, whatever VLLM_PP_LAYER_PARTITION
-                # asks of the size it was set for
-                s = stage_footprint(whole, PipelineStage.of_rank(
-                    a.num_hidden_layers, r, n, even_partition(a.num_hidden_layers, n)))
-                kv = s.kv_bytes_per_token * min_len
-                if s.weight_bytes + kv + overhead + activation_bytes(s, batched, seqs, kv) > budget:
-                    fits = False
-                    break
-            if fits:
-                pp = n
-                break
-    tp = None
-    for n in range(2, 65):
-        kv_heads = max(1, a.num_key_value_heads // n) if a.num_key_value_heads >= n else 1
-        kv = whole.kv_bytes_per_token * kv_heads // max(1, a.num_key_value_heads) * min_len
-        weights = (whole.weight_bytes // n if whole.layout is None else
-                   whole.layout.tp_rank_bytes(n, a.intermediate_size))
-        if weights + kv + overhead + activation_bytes(whole, batched, seqs, kv) // n <= budget:
-            tp = n
-            break
-    return {"pipeline_parallel_size": pp, "tensor_parallel_size": tp}
-
-
-def _machines_line(machines: dict, budget: int) -> Optional[str]:
-    pp, tp = machines.get("pipeline_parallel_size"), machines.get("tensor_parallel_size")
-    if pp is None and tp is None:
-        return None
-    ways = [f"pipeline_parallel_size={pp}" for _ in [0] if pp is not None] + [
-        f"tensor_parallel_size={tp} (weights/{tp} each)" for _ in [0] if tp is not None]
-    count = min(n for n in (pp, tp) if n is not None)
-    return (f"  - split over {count}+ machines like this one ({fmt_bytes(budget)} planned "
-            f"each): {' or '.join(ways)} with distributed_executor_backend='ray', or one rank "
-            f"per cgroup (PAGEDLLM_RANK_CGROUP); ranks on this one machine share its memory")
-
-
-def _advice(fp: ModelFootprint, mem: MemoryInfo, budget: int, overhead: int, act: int,
-            min_len: int, block_size: int, batched: int = 0, seqs: int = 1) -> str:
-    one_seq = fp.kv_bytes_per_token * min_len
-    need = fp.weight_bytes + one_seq + overhead + act
-    lines = [
-        f"the model does not fit in memory{_where(fp)}: it needs {fmt_bytes(need)} = weights "
-        f"{fmt_bytes(fp.weight_bytes)} ({fp.num_params / 1e9:.2f} B parameters in "
-        f"{fp.dtype_name}; {fp.source}) + KV cache {fmt_bytes(one_seq)} for one sequence of "
-        f"{min_len} tokens + activations {fmt_bytes(act)} + runtime {fmt_bytes(overhead)}",
-        f"available: {fmt_bytes(mem.available_bytes)} ({mem.source}); the engine plans with "
-        f"{MEMORY_UTILIZATION:.0%} of it = {fmt_bytes(budget)}",
-        "ways out:",
-    ]
-    n = fp.num_params
-    rest = one_seq + overhead + act
-    # bits per weight of whole files; Q3_K_S and Q2_K scaled from Q4_K_M by llama-quantize's own
-    # table (Llama-3-8B: 3.41, 2.96 and 4.58 GB): Qwen2-7B-Instruct Q2_K is ~3.0 GB
-    for label, bits, gguf in (("a 4-bit GGUF of the same model (Q4_K_M)", 4.85, True),
-                              ("a 3-bit GGUF of the same model (Q3_K_S)", 3.6, True),
-                              ("a 2-bit GGUF of the same model (Q2_K)", 3.15, True),
-                              ("an 8-bit quantization (int8 / Q8_0)", 8.5, False)):
-        size = n * bits / 8
-        verdict = "would fit here" if size + rest <= budget else "still too large here"
-        share = (budget - rest) / size
-        if gguf and size + rest > budget and share >= MAPPED_MIN_SHARE:  # mmap_weights
-            verdict = (f"would run here with its blocks mapped from a file; the page cache "
-                       f"holds ~{share:.0%} of them")
-        lines.append(f"  - {label}: weights ~{fmt_bytes(size)} ({verdict})")
-    if fp.weight_bytes < budget - overhead - act:
-        fit_len = max(0, (budget - overhead - act - fp.weight_bytes) // fp.kv_bytes_per_token)
-        fit_len = fit_len // block_size * block_size
-        lines.append(f"  - a shorter max_model_len: {fit_len} tokens fit "
-                     f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)")
-    line = _machines_line(_machines(fp, budget, overhead // fp.processes, batched, seqs,
-                                    min_len), budget)
-    if line is not None:
-        lines.append(line)
-    itemsize = fp.weight_bytes / max(1, n)
-    smaller = [(name, p) for name, p in FAMILY_SIZES.get(fp.arch.architecture, [])
-               if p * itemsize + overhead + act < budget and p < n and fp.num_layers is None]
-    if smaller:
-        name, p = smaller[-1]
-        lines.append(f"  - a smaller model of the same family: {name} (~{fmt_bytes(p * itemsize)}"
-                     f" in {fp.dtype_name})")
-    return "\n".join(lines)
-
-
-def plan_rank_memory(config, stage: PipelineStage, mem: MemoryInfo,
-                     tp_size: int = 1) -> MemoryPlan:
-    """Check, in a pipeline rank's own process and before it loads anything, that its share
-    (its stage's, over tp_size tensor parallel ranks; config's planned KV blocks,
-    max_model_len and mmap_weights) fits the memory it reads where it runs (its own cgroup or
-    machine); InsufficientMemoryError names the rank."""
-    import torch
-
-    from pagedllm.loader.checkpoint import resolve_checkpoint
-    from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
-
-    ckpt = resolve_checkpoint(config.model_path)
-    itemsize = torch.empty((), dtype=config.dtype).element_size()
-    kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
-    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize)
-    num_params, source = checkpoint_num_params(ckpt)
-    name = str(config.dtype).removeprefix("torch.")
-    fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
-                   layout.mapped_total if config.mmap_weights else 0, layout)
-    if not config.mmap_weights:
-        fp = replace(fp, load_extra_bytes=layout.mapped_total)
-    sched = config.scheduler
-    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,
-                       block_size=config.cache.block_size,
-                       max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-                       max_num_batched_tokens=sched.max_num_batched_tokens,
-                       num_blocks=config.cache.num_blocks)

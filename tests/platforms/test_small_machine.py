@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,21 +127,56 @@ def test_qwen7b_is_refused_fast_with_advice(small_machine, tmp_path):
     assert "machines like this one" in text and "pipeline_parallel_size=" in text
 
 
-def test_doctor_reports_the_cgroup_limit(small_machine, tmp_path):
+@pytest.fixture
+def seed_vm() -> Iterator[Path]:
+    """A fresh cgroup of the seed user's VM: 3.49 GiB (needs root and cgroup v1)."""
+    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    cg = CGROUP_V1_MEMORY / f"pagedllm-doctor-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(SEED_VM_LIMIT))
+        yield cg
+    finally:
+        cg.rmdir()
+
+
+def test_doctor_in_the_seed_vm_names_the_tested_way_first(seed_vm, tmp_path):
+    """doctor on Qwen2-7B-Instruct's shapes in a 3.49 GiB cgroup: the tested way (a Q4_K_M
+    GGUF at -pp 2 over two such machines) first, with where to get it; then every format by
+    its expected speed, the fastest that fits one machine a Q2_K GGUF with its blocks mapped;
+    machine counts equal to the sizes, TP sizes that divide the 28 heads and 4 KV heads."""
     job = ("import sys; from pagedllm.entrypoints.cli import main; "
-           f"sys.exit(main(['doctor', {str(QWEN7B)!r}, '--json']))")
-    proc = run_inside(small_machine, job, tmp_path, timeout=120)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # 1: the model does not fit
-    report = json.loads(proc.stdout)
-    assert report["memory"]["source"].startswith("cgroup v1 limit 3.50 GiB")
-    assert report["model_report"]["fits"] is False
-    assert report["seconds"] < 3.0
-    # the way out of a split: how many machines like this one (bfloat16 7B: ~14 GiB of weights)
-    machines = report["model_report"]["machines_needed"]
-    assert 5 <= machines["tensor_parallel_size"] <= machines["pipeline_parallel_size"]
-    assert ("machines like this one (" in report["model_report"]["reason"]
-            and f"pipeline_parallel_size={machines['pipeline_parallel_size']}"
-            in report["model_report"]["reason"])
+           f"sys.exit(main(['doctor', {str(QWEN7B)!r}] + sys.argv[1:]))")
+    script = tmp_path / "doctor.py"
+    script.write_text(job)
+    runs = [subprocess.run(["sh", "-c", f'echo $$ > {seed_vm}/cgroup.procs && exec '
+                            f'"{sys.executable}" "{script}" {flag}'],
+                           capture_output=True, text=True, timeout=120) for flag in ("--json", "")]
+    assert [p.returncode for p in runs] == [1, 1], runs[0].stderr[-3000:]  # 1: does not fit
+    report = json.loads(runs[0].stdout)
+    assert report["memory"]["source"].startswith("cgroup v1 limit 3.49 GiB")
+    model = report["model_report"]
+    assert model["fits"] is False and report["seconds"] < 3.0
+    assert model["tested_way"] == {**model["tested_way"], "format": "Q4_K_M", "machines": 2,
+                                   "pipeline_parallel_size": 2, "tensor_parallel_size": 1}
+    fastest = model["fastest_way"]
+    assert (fastest["format"], fastest["machines"], fastest["mapped"]) == ("Q2_K", 1, True)
+    assert {w["format"] for w in model["ways_out"]} == {"Q4_K_M", "Q2_K", "int4", "int8", "bf16"}
+    # bf16's 14 GiB: the even split over 8 such machines; no TP size of 2 or 4 holds it
+    assert model["machines_needed"] == {"pipeline_parallel_size": 8, "tensor_parallel_size": None}
+    text = runs[1].stdout
+    ways = text[text.index("ways out"):].split("\n")[1:]
+    assert ways[0].startswith("    - the tested way: a Q4_K_M GGUF with pipeline_parallel_size=2 "
+                              "over two machines like this one")
+    assert "pagedllm serve Qwen/Qwen2-7B-Instruct-GGUF:Q4_K_M -pp 2" in ways[0]
+    assert ways[1].startswith("    - a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, "
+                              "its blocks mapped from a file")
+    for size, count in re.findall(r"_parallel_size=(\d+) over (\d+) machines", text):
+        assert size == count
+    for size in map(int, re.findall(r"tensor_parallel_size=(\d+)", text)):
+        assert 28 % size == 0 and 4 % size == 0
+    print("\n" + text[text.index("model "):])
 
 
 # The seed user's VM: 3.49 GiB, and a Qwen2-7B-shaped Q2_K GGUF (random blocks, ~2.8 GB)
@@ -308,7 +344,8 @@ def test_qwen7b_q4_k_pp2_runs_in_two_3_49_gib_cgroups(qwen7b_q4_k, seed_cgroups,
     text = single["refused"]
     assert "does not fit in memory" in text and "the page cache could hold only" in text
     assert single["machines"]["pipeline_parallel_size"] == 2
-    assert "split over 2+ machines like this one" in text and "pipeline_parallel_size=2" in text
+    assert ("this GGUF as it is: pipeline_parallel_size=2 over 2 machines like this one" in text
+            and "the tested way: a Q4_K_M GGUF with pipeline_parallel_size=2" in text)
     assert single["seconds"] < 5.0
     # (b) two ranks, each in its own cgroup; the engine process (tokenizer, scheduler) outside
     os.sync()

@@ -17,9 +17,10 @@ from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.model_loader import load_model
 from pagedllm.distributed.stage import PipelineStage
+from pagedllm.worker.advice_text import advise
+from pagedllm.worker.footprint import footprint, kv_bytes_per_token, stage_footprint, tp_share
 from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION,
-                                    InsufficientMemoryError, footprint, kv_bytes_per_token,
-                                    plan_memory, plan_pipeline_memory, stage_footprint, tp_share)
+                                    InsufficientMemoryError, plan_memory, plan_pipeline_memory)
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -49,36 +50,39 @@ def test_kv_bytes_per_token():
 def test_qwen7b_on_a_3_5_gib_machine_gets_advice():
     with pytest.raises(InsufficientMemoryError) as err:
         plan_memory(qwen7b_footprint(), SMALL_VM, block_size=16, max_model_len=None,
-                    max_num_seqs=64, max_num_batched_tokens=2048)
+                    max_num_seqs=64, max_num_batched_tokens=2048, advisor=advise)
     msg = str(err.value)
     assert "needs" in msg and "weights 14.19 GiB" in msg and "7.62 B parameters" in msg
     assert "KV cache" in msg and "2048 tokens" in msg
     assert "cgroup v1 limit 3.49 GiB, 3.10 GiB free" in msg
-    assert "4-bit GGUF" in msg and "~4.30 GiB (still too large here)" in msg and "int8" in msg
+    # 3.10 GiB free and a 2048-token step's activations: the GGUFs need more than one machine
+    assert "a 4-bit GGUF (Q4_K_M), weights ~4.39 GiB: pipeline_parallel_size=3 over 3" in msg
+    assert "a 2-bit GGUF (Q2_K), weights ~2.83 GiB: pipeline_parallel_size=2 over 2" in msg
+    assert "int8 at load" in msg and "bf16 weights (dtype='bfloat16')" in msg
     assert "smaller model of the same family: Qwen2.5-0.5B-Instruct" in msg
-    assert "(Q2_K): weights ~2.79 GiB (still too large here)" in msg
 
 
 def test_advice_names_the_low_bit_gguf_that_would_fit():
-    with pytest.raises(InsufficientMemoryError) as err:  # 4.5 GiB: Q2_K fits, Q3_K_S does not
+    with pytest.raises(InsufficientMemoryError) as err:  # 4.5 GiB: Q2_K mapped, Q4_K_M on two
         plan_memory(qwen7b_footprint(), MemoryInfo(8 * GiB, int(4.5 * GiB), "test"), block_size=16,
-                    max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048)
+                    max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048,
+                    advisor=advise)
     msg = str(err.value)
-    assert "a 2-bit GGUF of the same model (Q2_K): weights ~2.79 GiB (would fit here)" in msg
-    assert ("a 3-bit GGUF of the same model (Q3_K_S): weights ~3.19 GiB (would run here with its "
-            "blocks mapped from a file; the page cache holds ~") in msg
-    assert "(Q4_K_M): weights ~4.30 GiB (still too large here)" in msg
+    # in anonymous memory its load (blocks read, then regrouped) would peak at twice its size
+    assert ("a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, its blocks mapped "
+            "from a file (the page cache holds ~100% of them): ~") in msg
+    assert ("the tested way: a Q4_K_M GGUF with pipeline_parallel_size=2 over two machines like "
+            "this one") in msg
 
 
 def test_advice_offers_a_gguf_whose_blocks_the_page_cache_would_mostly_hold():
     vm = MemoryInfo(int(3.49 * GiB), int(3.34 * GiB), "cgroup v1 limit 3.49 GiB, 3.34 GiB free")
     with pytest.raises(InsufficientMemoryError) as err:
         plan_memory(qwen7b_footprint(), vm, block_size=16, max_model_len=None, max_num_seqs=64,
-                    max_num_batched_tokens=512)
+                    max_num_batched_tokens=512, advisor=advise)
     msg = str(err.value)
-    assert ("(Q2_K): weights ~2.79 GiB (would run here with its blocks mapped from a file; the "
-            "page cache holds ~8") in msg
-    assert "(Q3_K_S): weights ~3.19 GiB (still too large here)" in msg
+    assert ("a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, its blocks mapped "
+            "from a file (the page cache holds ~100% of them)") in msg
 
 
 def test_a_fitting_model_gets_a_cache_and_the_full_length():

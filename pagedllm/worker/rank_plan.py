@@ -1,0 +1,39 @@
+"""A pipeline or tensor parallel rank's own check, where it runs, that its share fits there."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.stage import PipelineStage
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+from pagedllm.platforms.interface import MemoryInfo
+from pagedllm.worker.advice_text import advise
+from pagedllm.worker.footprint import footprint, stage_footprint, tp_share
+from pagedllm.worker.memory import MemoryPlan, plan_memory
+
+
+def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo,
+                     tp_size: int = 1) -> MemoryPlan:
+    """Check, in a pipeline rank's own process and before it loads anything, that its share
+    (its stage's, over tp_size tensor parallel ranks; config's planned KV blocks,
+    max_model_len and mmap_weights) fits the memory it reads where it runs (its own cgroup or
+    machine); InsufficientMemoryError names the rank, with the ways out."""
+    ckpt = resolve_checkpoint(config.model_path)
+    itemsize = torch.empty((), dtype=config.dtype).element_size()
+    kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
+    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize)
+    num_params, source = checkpoint_num_params(ckpt)
+    name = str(config.dtype).removeprefix("torch.")
+    fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
+                   layout.mapped_total if config.mmap_weights else 0, layout)
+    if not config.mmap_weights:
+        fp = replace(fp, load_extra_bytes=layout.mapped_total)
+    sched = config.scheduler
+    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,
+                       block_size=config.cache.block_size,
+                       max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
+                       max_num_batched_tokens=sched.max_num_batched_tokens,
+                       num_blocks=config.cache.num_blocks, advisor=advise)

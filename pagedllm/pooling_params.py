@@ -35,7 +35,7 @@ class PoolingParams:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool or None, got {self.normalize!r}")
         if self.task is not None and self.task not in POOLING_TASKS:
-            raise ValueError(f"task={self.task!r} is not supported; supported: "
+            raise ValueError(f"task {self.task!r} is not supported; supported: "
                              f"{', '.join(POOLING_TASKS)}")
 
     def verify(self, hidden_size: int, matryoshka: bool,
@@ -46,13 +46,13 @@ class PoolingParams:
         if d is None or d == hidden_size:
             return
         if not matryoshka and matryoshka_dimensions is None:
-            raise ValueError(f"dimensions={d}: the model does not support Matryoshka "
-                             f"representations; its embeddings have {hidden_size} values")
+            raise ValueError(f"dimensions is {d}, but the model does not support Matryoshka "
+                             f"representations: its embeddings have {hidden_size} values")
         if matryoshka_dimensions is not None and d not in matryoshka_dimensions:
-            raise ValueError(f"dimensions={d} is not one the model supports: "
+            raise ValueError(f"dimensions {d} is not one the model supports: "
                              f"{list(matryoshka_dimensions)}")
         if d > hidden_size:
-            raise ValueError(f"dimensions={d} is larger than the model's {hidden_size}")
+            raise ValueError(f"dimensions {d} is larger than the model's {hidden_size}")
 
     def clone(self) -> "PoolingParams":
         """A copy (vLLM's name)."""

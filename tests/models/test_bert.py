@@ -106,11 +106,11 @@ def test_normalize_false_gives_the_raw_cls_state(cls_model):
 
 def test_unsupported_requests_are_refused_by_name(cls_model):
     _, llm = cls_model
-    with pytest.raises(ValueError, match="dimensions=16: the model does not support Matryoshka"):
+    with pytest.raises(ValueError, match="dimensions is 16, but the model does not support Matryoshka"):
         llm.embed("hi", PoolingParams(dimensions=16), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens is not supported"):
         PoolingParams(truncate_prompt_tokens=8)
-    with pytest.raises(ValueError, match="task='classify' is not supported"):
+    with pytest.raises(ValueError, match="task 'classify' is not supported"):
         PoolingParams(task="classify")
     with pytest.raises(ValueError, match="embeds and does not generate"):
         llm.generate("hi", use_tqdm=False)
@@ -136,5 +136,5 @@ def test_matryoshka_dimensions_cut_then_normalise(tmp_path, minilm_dir):
     full = reference(path, TEXTS, "mean", False)
     ours = embed(llm, TEXTS, PoolingParams(dimensions=16))
     torch.testing.assert_close(ours, F.normalize(full[:, :16], dim=1), atol=5e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"dimensions=20 is not one the model supports: \[16"):
+    with pytest.raises(ValueError, match=r"dimensions 20 is not one the model supports: \[16"):
         llm.embed("hi", PoolingParams(dimensions=20), use_tqdm=False)

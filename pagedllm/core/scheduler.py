@@ -13,6 +13,11 @@ token is never lost and its state on the runner never runs ahead. Aborting or fi
 request in flight frees its blocks at once: every rank runs the steps in the order they were
 scheduled, so a later step that reuses the blocks writes them after the in-flight step has;
 the in-flight step's output for it is dropped when it comes.
+
+A pooling request (an encoder's input) is prefill-only: it is scheduled only when its whole
+prompt fits the step's budget (bidirectional attention needs every token at once), never hits
+the prefix cache, and finishes in the update of that one step with its pooled vector, its
+blocks freed; many short ones pack into one step.
 """
 from __future__ import annotations
 

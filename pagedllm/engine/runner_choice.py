@@ -34,6 +34,17 @@ def _max_seq_length(root: Path) -> Optional[int]:
     return value
 
 
+def _check_encoder_options(args: EngineArgs, arch: str) -> None:
+    """Refuse, by name, the options an encoder does not run with yet."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(f"{name}={getattr(args, name)}: a {arch} encoder runs on one rank "
+                             "(its layers declare no split)")
+    if args.quantization not in (None, "none"):
+        raise ValueError(f"quantization={args.quantization!r} with a {arch} encoder is not "
+                         "implemented; its weights run as stored (quantization='none')")
+
+
 def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
     """runner "auto" picks pooling for an encoder and generate for a decoder; a runner the
     checkpoint cannot serve is refused by name, saying what serves it."""
@@ -43,6 +54,7 @@ def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
             raise ValueError(f"runner='generate': {arch.architecture} is an encoder, which "
                              "embeds and does not generate; use runner='pooling' (LLM.embed, "
                              "/v1/embeddings)")
+        _check_encoder_options(args, arch.architecture)
         root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         return RunnerChoice("pooling", pooler_config(root), _max_seq_length(root))
     if asked == "pooling":

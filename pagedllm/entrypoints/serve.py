@@ -174,7 +174,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="pooling: the model embeds (/v1/embeddings); generate: it completes; "
                    "auto: pooling for an encoder (BERT), generate otherwise")
     p.add_argument("--task", default=None, choices=list(TASK_RUNNERS),
-                   help="vLLM's older spelling of --runner: embed is --runner pooling")
+                   help="vLLM's older spelling of --runner: embed is --runner pooling "
+                   "(default: none, --runner decides)")
     add_structured_output_args(p)
 
 

@@ -79,12 +79,20 @@ def test_cls_pooling_by_default_matches_transformers(cls_model):
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
 
 
-def test_many_inputs_of_every_length_pack_into_one_step(cls_model):
+def test_many_inputs_of_every_length_pack_into_one_step(cls_model, monkeypatch):
     path, llm = cls_model
     texts = [" ".join(["word"] * n) for n in range(0, 40, 3)]
     texts[0] = "x"
     token_prompt = {"prompt_token_ids": [101]}  # a one-token input runs among the others
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    monkeypatch.setattr(runner, "sampler", lambda *a: pytest.fail("a pooling step sampled"))
+    steps = []
+    execute = runner.execute_model
+    monkeypatch.setattr(runner, "execute_model",
+                        lambda sched: steps.append(dict(sched.num_scheduled_tokens)) or
+                        execute(sched))
     outs = llm.embed([*texts, token_prompt], use_tqdm=False)
+    assert len(steps) == 1 and len(steps[0]) == len(texts) + 1  # all in one step
     ours = torch.tensor([o.outputs.embedding for o in outs])
     ref = reference(path, texts, "cls", True)
     torch.testing.assert_close(ours[:-1], ref, atol=2e-5, rtol=1e-4)

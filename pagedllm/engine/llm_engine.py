@@ -114,7 +114,8 @@ class LLMEngine:
         pooled = [self.pooling_outputs.finish(o) for o in core_outputs
                   if self.pooling_outputs.owns(o.req_id)]
         if pooled:
-            core_outputs = [o for o in core_outputs if o.req_id not in {p.request_id for p in pooled}]
+            done = {p.request_id for p in pooled}
+            core_outputs = [o for o in core_outputs if o.req_id not in done]
         outputs, to_abort = self.output_processor.process(core_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)

@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from typing import Iterator, Optional
 
-from pagedllm.loader.model_catalog import CheckpointSpec, PinnedFile
+from pagedllm.loader.model_catalog import CheckpointSpec, PinnedFile, checkpoint_specs
 from pagedllm.loader.pip_fetch import _pip_download, _say
 from pagedllm.paths import cache_dir
 
@@ -134,3 +134,9 @@ def ensure_checkpoint(spec: CheckpointSpec, verify: bool = False,
         if not _is_complete(folder, spec, verify):
             _fetch(spec, root, folder)
     return folder
+
+
+def stored_checkpoints(root: Optional[pathlib.Path] = None) -> list[CheckpointSpec]:
+    """The shipped checkpoint folders whose fetch finished in the store (nothing is hashed)."""
+    return [spec for spec in checkpoint_specs()
+            if (checkpoint_dir(spec, root) / CHECKPOINT_MARKER).is_file()]

@@ -207,6 +207,11 @@ def known_models() -> list[str]:
     return [*_MODELS, *_CHECKPOINTS]
 
 
+def checkpoint_specs() -> list[CheckpointSpec]:
+    """The shipped checkpoint folders."""
+    return list(_CHECKPOINTS.values())
+
+
 def model_spec(name: str) -> Optional[StoreSpec]:
     """The spec for a canonical name or alias (case-insensitive), or None."""
     key = name.strip().lower()

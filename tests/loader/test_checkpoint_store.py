@@ -49,6 +49,8 @@ def test_fetches_once_and_verifies_every_file(fake):
     assert json.loads((folder / cs.CHECKPOINT_MARKER).read_text())[0][0] == "config.json"
     assert cs.ensure_checkpoint(spec, root=root) == folder and calls == ["fake==1.0"]
     assert not list((root / "tmp").iterdir())  # no scratch left
+    assert cs.stored_checkpoints(root) == []  # the fake one is not a shipped model
+    assert [s.name for s in cs.stored_checkpoints(root.parent / "empty")] == []
 
 
 def test_a_changed_file_is_fetched_again(fake):
@@ -83,3 +85,4 @@ def test_minilm_fixture_comes_from_the_store_into_the_suite_cache(minilm_dir, sh
     weights = next(f for f in spec.files if f.path == "model.safetensors")
     assert sha256(minilm_dir / "model.safetensors") == weights.sha256
     assert "sentence-transformers/all-MiniLM-L6-v2" in spec.provenance()
+    assert cs.stored_checkpoints(suite_store_dir()) == [spec]

@@ -79,6 +79,32 @@ class GemmaConfig:
                 raise ValueError(f"{name} must be a finite number > 0 or None, got {value}")
 
 
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "relu")  # BERT hidden_act values the encoder runs
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Where a BERT-family encoder departs from the decoder: bidirectional attention, learned
+    absolute positions, token types, post-LayerNorm with biases and a plain (ungated) MLP."""
+
+    type_vocab_size: int  # rows of the token-type (segment) embedding
+    layer_norm_eps: float
+    hidden_act: str  # one of ENCODER_ACTIVATIONS
+    # Matryoshka-trained: the first n values of an embedding are an embedding (dimensions=n)
+    matryoshka_dimensions: Optional[tuple[int, ...]] = None
+    is_matryoshka: bool = False  # any n is allowed (matryoshka_dimensions names the trained ones)
+
+    def __post_init__(self) -> None:
+        if self.type_vocab_size < 1:
+            raise ValueError(f"type_vocab_size must be >= 1, got {self.type_vocab_size}")
+        if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):
+            raise ValueError(f"layer_norm_eps must be a finite number > 0, got "
+                             f"{self.layer_norm_eps}")
+        if self.hidden_act not in ENCODER_ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {', '.join(ENCODER_ACTIVATIONS)}, got "
+                             f"{self.hidden_act!r}")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Shape and hyper-parameters of a decoder-only checkpoint, however it was stored."""
@@ -111,6 +137,7 @@ class ModelArchConfig:
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose q and k RoPE leaves unturned
     moe: Optional[MoEConfig] = None  # routed experts (Qwen2-MoE, Qwen3-MoE); None: dense
     gemma: Optional[GemmaConfig] = None  # Gemma 2/3's departures; None: another family
+    encoder: Optional[EncoderConfig] = None  # a BERT-family encoder; None: a decoder
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -161,6 +188,11 @@ class ModelArchConfig:
         return None if index in self.full_attention_layers else self.sliding_window
 
     @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT family): it embeds, it does not generate."""
+        return self.encoder is not None
+
+    @property
     def has_window(self) -> bool:
         """Whether any layer attends over a sliding window only."""
         return any(self.layer_window(i) is not None for i in range(self.num_hidden_layers))
@@ -175,8 +207,12 @@ class ModelArchConfig:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def num_params(self) -> int:
-        """Parameters of the decoder from its shapes."""
+        """Parameters of the decoder (or encoder) from its shapes."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        if self.encoder is not None:  # q/k/v/o with biases, 2-matrix MLP, two LayerNorms a layer
+            per_layer = 4 * (h * h + h) + 2 * h * i + i + h + 4 * h
+            embed = (v + self.max_position_embeddings + self.encoder.type_vocab_size + 2) * h
+            return embed + self.num_hidden_layers * per_layer
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 2 * h
         if self.attention_bias:
@@ -189,6 +225,24 @@ class ModelArchConfig:
                   for n in range(self.num_hidden_layers))
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + head + self.num_hidden_layers * per_layer + ffn + h
+
+
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("cls", "mean", "last")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a sequence's hidden states into one vector (sentence-
+    transformers' Pooling and Normalize modules)."""
+
+    pooling_type: str  # one of POOLING_TYPES
+    normalize: bool  # L2-normalise the pooled vector by default (the Normalize module)
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}")
 
 
 @dataclass(frozen=True)
@@ -335,9 +389,21 @@ class EngineConfig:
     # seconds a step may take, plus its work at a floor speed (executor/deadline.py), before
     # the engine is declared hung; None or 0: steps are not timed
     step_timeout: Optional[float] = 30.0
+    runner: str = "generate"  # "pooling": requests are embedded, never sampled
+    pooler: Optional[PoolerConfig] = None  # set exactly when runner is "pooling"
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if (self.runner == "pooling") != (self.pooler is not None):
+            raise ValueError(f"runner={self.runner!r} with pooler={self.pooler!r}: a pooling "
+                             "runner needs a pooler, a generate runner has none")
+
+    @property
+    def is_pooling(self) -> bool:
+        """Requests are embedded (prefill only, pooled), never sampled."""
+        return self.runner == "pooling"
 
     @property
     def device(self) -> torch.device:

@@ -1,4 +1,4 @@
-"""LLM: vLLM's offline API (generate, chat) over the engine."""
+"""LLM: vLLM's offline API (generate, chat; embed, encode for pooling models) over the engine."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +12,8 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader.hf_tokenizer import to_transformers
 from pagedllm.logger import configure_logging
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -76,6 +77,42 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
+               pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               use_tqdm: bool = True, pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """Pool each prompt (a pooling model only); outputs come back in input order, each
+        `.outputs.data` a float32 tensor."""
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported; supported: embed")
+        prompt_list = _as_prompt_list(prompts)
+        params = _pooling_params_list(pooling_params, len(prompt_list))
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompt_list]
+        finished: dict[str, PoolingRequestOutput] = {}
+        try:
+            for request_id, prompt, p in zip(ids, prompt_list, params):
+                engine.add_pooling_request(request_id, prompt, p)
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while len(finished) < len(ids):
+                    for out in engine.step():
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:  # an error or Ctrl-C leaves no request behind
+            leftover = [r for r in ids if r not in finished]
+            if leftover:
+                engine.abort_request(leftover)
+        failed = [finished[r] for r in ids if finished[r].error is not None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return [finished[r] for r in ids]
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (a pooling model only); `.outputs.embedding` is a list of floats."""
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self.encode(prompts, pooling_params, use_tqdm)]
+
     # ---- helpers ------------------------------------------------------------
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -114,6 +151,17 @@ class LLM:
             if leftover:
                 engine.abort_request(leftover)
         return [finished[r] for r in ids]
+
+
+def _pooling_params_list(params: Any, n: int) -> list[Optional[PoolingParams]]:
+    """One PoolingParams (or None: the model's defaults) per prompt."""
+    if params is None or isinstance(params, PoolingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"pooling_params has {len(params)} entries but there are {n} prompts; "
+                         "pass one PoolingParams or one per prompt")
+    return params
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -1,4 +1,5 @@
-"""Results handed back to the user: RequestOutput holding one CompletionOutput per sample."""
+"""Results handed back to the user: RequestOutput holding one CompletionOutput per sample;
+PoolingRequestOutput and EmbeddingRequestOutput for pooling models."""
 
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -66,3 +67,53 @@ class RequestOutput:
             f"finished={self.finished}"
             + (f", error={self.error!r})" if self.error else ")")
         )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the pooled tensor (vLLM's name)."""
+
+    data: "torch.Tensor"  # noqa: F821 - [D] float32 on the CPU
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request: its prompt's ids and the pooled output (vLLM's shape)."""
+
+    request_id: str
+    outputs: Optional[PoolingOutput]  # None when the request failed (error says why)
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as a list of floats (vLLM's name)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """Values in the embedding."""
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One embedding request: `.outputs.embedding` is the vector (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        """The embedding view of a (successful) pooling output."""
+        if out.outputs is None:
+            raise ValueError(f"request {out.request_id} failed: {out.error}")
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished, out.prompt)

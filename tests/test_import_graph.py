@@ -13,7 +13,8 @@ PACKAGE_DIR = Path(pagedllm.__file__).parent
 # entry may import each other: the base modules (layer 0) are leaves every layer uses, and
 # llm/eval (layer 12) are siblings over the engine (eval may drive an LLM).
 LAYERS: list[tuple[str, ...]] = [
-    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.outputs", "pagedllm.paths",
+    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.pooling_params",
+     "pagedllm.outputs", "pagedllm.paths",
      "pagedllm.version", "pagedllm.logger"),
     ("pagedllm.kernels",),
     ("pagedllm.platforms",),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 
 class TokenLogprobs(NamedTuple):
@@ -21,6 +21,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that could not sample
+    pooled: dict[str, Any] = field(default_factory=dict)  # pooling requests: [D] float32 CPU tensor
 
 
 @dataclass
@@ -35,6 +36,7 @@ class EngineCoreOutput:
     stop_reason: Union[int, str, None] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None  # finish_reason "error": what went wrong for this request
+    pooled: Any = None  # a pooling request's result: [D] float32 CPU tensor
 
     @property
     def finished(self) -> bool:

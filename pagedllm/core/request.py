@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pagedllm.core.block_hash import BlockHash, hash_block_tokens
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -49,6 +50,9 @@ class Request:
     # structured_output.grammar.GrammarState: where the output is in its grammar (None: free)
     grammar: Optional[Any] = None
     error: Optional[str] = None  # why the request failed (status FINISHED_ERROR)
+    # a pooling request: its whole prompt runs in one step, is pooled and finishes; its
+    # sampling_params are the defaults and nothing reads them
+    pooling_params: Optional[PoolingParams] = None
 
     def __post_init__(self) -> None:
         self._update_block_hashes()
@@ -75,8 +79,9 @@ class Request:
 
     @property
     def uses_prefix_cache(self) -> bool:
-        """Prompt logprobs need logits at every prompt position, so such requests skip the cache."""
-        return self.sampling_params.prompt_logprobs is None
+        """Prompt logprobs need logits at every prompt position, and an encoder's keys depend
+        on the tokens after them, so such requests skip the cache."""
+        return self.pooling_params is None and self.sampling_params.prompt_logprobs is None
 
     def token_id(self, index: int) -> int:
         """Token at absolute position `index`."""

@@ -13,6 +13,11 @@ token is never lost and its state on the runner never runs ahead. Aborting or fi
 request in flight frees its blocks at once: every rank runs the steps in the order they were
 scheduled, so a later step that reuses the blocks writes them after the in-flight step has;
 the in-flight step's output for it is dropped when it comes.
+
+A pooling request (an encoder's input) is prefill-only: it is scheduled only when its whole
+prompt fits the step's budget (bidirectional attention needs every token at once), never hits
+the prefix cache, and finishes in the update of that one step with its pooled vector, its
+blocks freed; many short ones pack into one step.
 """
 from __future__ import annotations
 
@@ -119,6 +124,8 @@ class Scheduler:
                 break  # an id reused while the aborted request of that id is still in flight
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if request.pooling_params is not None and num_new < request.num_tokens:
+                break  # an encoder sees a whole sequence at once: it waits for room
             if not self.kv.allocate_slots(request, num_new, hit.blocks):
                 break
             self.waiting.popleft()
@@ -132,7 +139,7 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens,
                 request.sampling_params, self.kv.block_ids(request.request_id),
-                request.num_computed_tokens))
+                request.num_computed_tokens, request.pooling_params))
             self._runner_tokens[request.request_id] = request.num_tokens
 
         for req_id in num_scheduled:
@@ -207,6 +214,8 @@ class Scheduler:
         req_id = request.request_id
         request.num_computed_tokens += n
         core_out = EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens)
+        if request.pooling_params is not None:
+            return self._pooled(request, out, core_out)
         if req_id in out.prompt_logprobs:
             core_out.new_prompt_logprobs = out.prompt_logprobs[req_id]
         token = out.sampled.get(req_id)
@@ -226,6 +235,19 @@ class Scheduler:
                 if status == RequestStatus.FINISHED_ERROR:
                     logger.error("request %s failed: %s", req_id, request.error)
                     core_out.error = request.error
+        return core_out
+
+    def _pooled(self, request: Request, out: ModelRunnerOutput,
+                core_out: EngineCoreOutput) -> EngineCoreOutput:
+        """A pooling request after its one step: finished with its vector, its blocks freed."""
+        if request.num_computed_tokens != request.num_tokens:
+            raise RuntimeError(f"pooling request ran {request.num_computed_tokens} of its "
+                               f"{request.num_tokens} tokens in one step")
+        pooled = out.pooled.get(request.request_id)
+        if pooled is None:
+            raise RuntimeError("the model runner returned no pooled output for it")
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        core_out.pooled, core_out.finish_reason = pooled, "stop"
         return core_out
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:

@@ -52,11 +52,13 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "hf_overrides": IgnoredArg("the checkpoint's config is used as it is", str),
     "mm_processor_kwargs": IgnoredArg("the engine runs text-only models", str),
     "limit_mm_per_prompt": IgnoredArg("the engine runs text-only models", str),
-    "task": IgnoredArg("the engine only generates text", str),
     "num_scheduler_steps": IgnoredArg("the scheduler plans one step at a time", int),
 }
 
 USAGE_CONTEXTS = ("llm", "api_server")
+RUNNER_CHOICES = ("auto", "generate", "pooling")  # vLLM's --runner
+# vLLM's older --task values -> the runner each implies; others are refused by name
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # as vLLM's --dtype
 DEVICE_HELP = "auto, cpu, cuda (or cuda:N), rocm, xpu or mps; auto takes the first usable"
 
@@ -174,6 +176,10 @@ class EngineArgs:
     # a thinking model's reasoning parser (qwen3, deepseek_r1): structured outputs start after
     # the thinking, and the server splits it from the answer; None: picked from the chat template
     reasoning_parser: Optional[str] = None
+    # "pooling": the model embeds (LLM.embed, /v1/embeddings); "generate": it completes;
+    # "auto": pooling for an encoder (BERT), generate otherwise (vLLM's --runner)
+    runner: str = "auto"
+    task: Optional[str] = None  # vLLM's older spelling: "embed" is runner "pooling"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -225,6 +231,24 @@ class EngineArgs:
                              f"or None, got {timeout!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.runner not in RUNNER_CHOICES:
+            raise ValueError(f"runner must be one of {', '.join(RUNNER_CHOICES)}, got "
+                             f"{self.runner!r}")
+        self.resolved_runner()
+
+    def resolved_runner(self) -> str:
+        """runner, with task (vLLM's older option) folded in; a ValueError naming task for a
+        value not implemented or one that contradicts runner."""
+        if self.task is None:
+            return self.runner
+        if self.task not in TASK_RUNNERS:
+            raise ValueError(f"task={self.task!r} is not supported; supported: "
+                             f"{', '.join(TASK_RUNNERS)} (or runner=...)")
+        implied = TASK_RUNNERS[self.task]
+        if self.runner not in ("auto", implied) and implied != "auto":
+            raise ValueError(f"task={self.task!r} means runner={implied!r}, but runner="
+                             f"{self.runner!r} was given")
+        return self.runner if implied == "auto" else implied
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks asked for, checked."""

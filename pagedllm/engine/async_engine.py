@@ -28,7 +28,8 @@ from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.step_watchdog import StepWatchdog
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.grammar import CompiledGrammar
 
@@ -192,6 +193,41 @@ class AsyncLLM:
         grammar: from compile_grammar (without it a constrained request waits here for its
         compile).
         """
+        stream = self._admit(request_id, on_close, lambda: self.engine.input_processor.process(
+            request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit,
+            grammar=grammar))
+        delta = params.output_kind == RequestOutputKind.DELTA
+        return self._outputs(request_id, stream, time.monotonic(), delta)
+
+    async def encode(self, prompt: PromptType, params: Optional[PoolingParams],
+                     request_id: str) -> PoolingRequestOutput:
+        """Pool one prompt (a pooling model only): validated and queued now (ValueError,
+        EngineOverloadedError), its result awaited; cancelling the wait aborts it."""
+        stream = self._admit(request_id, None, lambda: self.engine.input_processor.
+                             process_pooling(request_id, prompt, params))
+        finished = False
+        try:
+            item = await stream.queue.get()
+            finished = True
+            if isinstance(item, RequestFailedError):
+                raise item
+            if isinstance(item, EngineClosingError):
+                finished = False  # cut by the drain: the finally aborts it
+                raise item
+            if isinstance(item, BaseException):
+                raise EngineDeadError(f"the engine stopped: {item!r}")
+            if item.error is not None:
+                raise RequestFailedError(f"request {request_id} failed: {item.error}")
+            return item
+        finally:
+            self._forget(request_id)
+            if not finished:
+                self.abort(request_id)
+
+    def _admit(self, request_id: str, on_close: Optional[Callable[[], None]],
+               process: Callable[[], Any]) -> _Stream:
+        """Check the engine takes requests and has room, run process() (the input
+        processor's validation), and queue its result; the request's stream."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         if self._closing is not None:
@@ -204,9 +240,7 @@ class AsyncLLM:
                     f"server busy: {self.max_waiting} requests are already waiting; retry later")
             self._pending += 1
         try:
-            processed = self.engine.input_processor.process(
-                request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit,
-                grammar=grammar)
+            processed = process()
         except BaseException:
             with self._lock:
                 self._pending -= 1
@@ -214,8 +248,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), on_close)
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, processed))
-        delta = params.output_kind == RequestOutputKind.DELTA
-        return self._outputs(request_id, stream, time.monotonic(), delta)
+        return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

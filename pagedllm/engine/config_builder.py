@@ -10,6 +10,7 @@ import torch
 from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.multiproc import rank_memories
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
@@ -263,8 +264,22 @@ def weight_format_costs(ckpt: Checkpoint) -> dict[str, FormatCost]:
     return format_costs(ckpt.arch, weight_layout(ckpt, 1))
 
 
+def _pooling_args(args: EngineArgs, runner: RunnerChoice) -> EngineArgs:
+    """A pooling runner's inputs no longer than its files allow (vLLM's max_model_len for a
+    sentence-transformers model), with no prefix cache (an encoder's keys depend on the
+    tokens after them)."""
+    if runner.runner != "pooling":
+        return args
+    max_len = args.max_model_len
+    if max_len is None and runner.max_seq_length is not None:
+        max_len = runner.max_seq_length
+    return dataclasses.replace(args, max_model_len=max_len, enable_prefix_caching=False)
+
+
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
-    """Resolve the platform and dtype, and plan memory, for a checkpoint."""
+    """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint."""
+    runner = choose_runner(args, ckpt)
+    args = _pooling_args(args, runner)
     choice = resolve_platform(args.device)
     if args.gpu_memory_utilization is not None:
         if isinstance(choice.platform, TorchGpuPlatform):
@@ -290,6 +305,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
+    if runner.runner == "pooling":  # a whole input runs in one step: the budget must hold one
+        batched = max(batched, mem_plan.max_model_len)
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype, platform=choice.platform,
         cache=CacheConfig(block_size=args.block_size, num_blocks=mem_plan.num_blocks,
@@ -301,6 +318,6 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
-        step_timeout=args.step_timeout)
+        step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler)
 
 

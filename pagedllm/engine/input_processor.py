@@ -5,9 +5,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Union
 
-from pagedllm.config import StructuredOutputsConfig
+from pagedllm.config import ModelArchConfig, StructuredOutputsConfig
 from pagedllm.core.request import Request
 from pagedllm.engine.chat_messages import render_chat
+from pagedllm.pooling_params import PoolingParams, check_pooling_params
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar import CompiledGrammar
@@ -31,8 +32,11 @@ class InputProcessor:
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: frozenset[int], block_size: int, max_logprobs: int = 20,
-                 structured_outputs: Optional[StructuredOutputsConfig] = None) -> None:
+                 structured_outputs: Optional[StructuredOutputsConfig] = None,
+                 pooling_arch: Optional[ModelArchConfig] = None) -> None:
+        """pooling_arch: the model's architecture when it pools (None: it generates)."""
         self.tokenizer = tokenizer
+        self.pooling_arch = pooling_arch
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -52,6 +56,9 @@ class InputProcessor:
         max_tokens_must_fit (the server's rule, as vLLM's) a larger one is refused instead.
         grammar: params.structured_outputs compiled already (the server awaits
         grammars.compile_async); None compiles it here, waiting on a grammar worker."""
+        if self.pooling_arch is not None:
+            raise ValueError("this model embeds and does not generate: use LLM.embed / "
+                             "LLM.encode (the server's /v1/embeddings)")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -93,6 +100,26 @@ class InputProcessor:
                                                                                 budget, ids)
             requests.append(request)
         return ProcessedPrompt(text, ids, requests)
+
+    def process_pooling(self, request_id: str, prompt: PromptType,
+                        params: Optional[PoolingParams]) -> ProcessedPrompt:
+        """Validate and tokenize a pooling request: one request, its whole prompt in one step."""
+        arch = self.pooling_arch
+        if arch is None:
+            raise ValueError("this model generates and does not embed: use LLM.generate / "
+                             "LLM.chat (the server's /v1/completions, /v1/chat/completions)")
+        params = check_pooling_params(params)
+        enc = arch.encoder
+        params.verify(arch.hidden_size, enc is not None and enc.is_matryoshka,
+                      None if enc is None else enc.matryoshka_dimensions)
+        text, ids = self._tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens long but max_model_len is "
+                             f"{self.max_model_len}: shorten the input")
+        # a pooling request samples nothing: its SamplingParams are the defaults, never read
+        request = Request(request_id, list(ids), SamplingParams(), 0, frozenset(),
+                          self.block_size, time.monotonic(), pooling_params=params)
+        return ProcessedPrompt(text, ids, [request])
 
     def _grammar_state(self, grammar: CompiledGrammar, budget: Any, ids: list[int]) -> Any:
         """A sequence's grammar state; with a reasoning parser, gated to start after the

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional, Union
 
 from pagedllm.config import EngineConfig, ModelArchConfig
 from pagedllm.engine.arg_utils import EngineArgs
@@ -11,11 +11,13 @@ from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling_outputs import PoolingOutputs
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
 from pagedllm.loader.known_templates import end_of_turn_ids
 from pagedllm.loader.sources import locate_model
 from pagedllm.loader.tokenizer import load_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -39,8 +41,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, self.config.scheduler.max_model_len,
                                               config.arch.vocab_size, frozenset(self.eos_token_ids),
                                               cache.block_size, config.max_logprobs,
-                                              config.structured_outputs)
+                                              config.structured_outputs,
+                                              config.arch if config.is_pooling else None)
         self.output_processor = OutputProcessor(tokenizer)
+        self.pooling_outputs = PoolingOutputs()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -60,8 +64,18 @@ class LLMEngine:
         """Validate, tokenize and queue a request (n samples become n sequences)."""
         self.add_processed(request_id, self.input_processor.process(request_id, prompt, params))
 
+    def add_pooling_request(self, request_id: str, prompt: PromptType,
+                            params: Optional[PoolingParams] = None) -> None:
+        """Validate, tokenize and queue a pooling request (a pooling model only)."""
+        self.add_processed(request_id,
+                           self.input_processor.process_pooling(request_id, prompt, params))
+
     def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
         """Queue a prompt already validated by input_processor (e.g. on another thread)."""
+        if processed.requests[0].pooling_params is not None:
+            self.pooling_outputs.add(request_id, processed.prompt, processed.prompt_token_ids)
+            self.engine_core.add_request(processed.requests[0])
+            return
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids,
             [(r.request_id, r.sampling_params) for r in processed.requests])
@@ -71,6 +85,10 @@ class LLMEngine:
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Stop requests and free their KV blocks at once."""
         for request_id in list(request_ids):
+            if self.pooling_outputs.owns(request_id):
+                self.pooling_outputs.abort(request_id)
+                self.engine_core.abort_requests([request_id])
+                continue
             self.engine_core.abort_requests(self.output_processor.child_ids(request_id))
             self.output_processor.abort(request_id)
 
@@ -86,14 +104,22 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Any request still producing."""
-        return self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished()
+        return (self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished()
+                or self.pooling_outputs.has_unfinished())
 
-    def step(self) -> list[RequestOutput]:
-        """One forward pass; RequestOutputs of the requests that progressed."""
-        outputs, to_abort = self.output_processor.process(self.engine_core.step())
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """One forward pass; RequestOutputs of the requests that progressed, and a
+        PoolingRequestOutput for each pooling request finished."""
+        core_outputs = self.engine_core.step()
+        pooled = [self.pooling_outputs.finish(o) for o in core_outputs
+                  if self.pooling_outputs.owns(o.req_id)]
+        if pooled:
+            done = {p.request_id for p in pooled}
+            core_outputs = [o for o in core_outputs if o.req_id not in done]
+        outputs, to_abort = self.output_processor.process(core_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
-        return outputs
+        return outputs + pooled
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults (as vLLM does)."""

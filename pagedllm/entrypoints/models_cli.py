@@ -70,7 +70,8 @@ def _folder_size(path: str) -> int:
 
 
 def _store_rows() -> list[ModelRow]:
-    """The shipped models whose GGUF is in the store."""
+    """The shipped models whose GGUF (or checkpoint folder) is in the store."""
+    from pagedllm.loader.checkpoint_store import checkpoint_dir, stored_checkpoints
     from pagedllm.loader.model_store import cached_models, model_dir, model_spec
 
     rows = []
@@ -80,6 +81,9 @@ def _store_rows() -> list[ModelRow]:
         folder = str(model_dir(name))
         rows.append(ModelRow(name, _folder_size(folder), "gguf", folder, "store",
                              spec.provenance()))
+    for ckpt in stored_checkpoints():
+        rows.append(ModelRow(ckpt.name, ckpt.size, "safetensors", str(checkpoint_dir(ckpt)),
+                             "store", ckpt.provenance()))
     return rows
 
 

@@ -17,7 +17,8 @@ from typing import Awaitable, Callable, Optional
 import uvicorn
 
 from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG, QUANTIZATION_METHODS
-from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, EngineArgs,
+from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, RUNNER_CHOICES, TASK_RUNNERS,
+                                       EngineArgs,
                                        add_ignored_cli_args, add_structured_output_args,
                                        ignored_cli_values, structured_output_values)
 from pagedllm.entrypoints.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -169,6 +170,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "a 256-token prefill of a 7B), before the engine is declared hung: /health "
                    "answers 503 with the reason, the requests fail and the server exits 1 "
                    "(0: no deadline)")
+    p.add_argument("--runner", default="auto", choices=RUNNER_CHOICES,
+                   help="pooling: the model embeds (/v1/embeddings); generate: it completes; "
+                   "auto: pooling for an encoder (BERT), generate otherwise")
+    p.add_argument("--task", default=None, choices=list(TASK_RUNNERS),
+                   help="vLLM's older spelling of --runner: embed is --runner pooling "
+                   "(default: none, --runner decides)")
     add_structured_output_args(p)
 
 
@@ -209,6 +216,7 @@ def engine_args(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         step_timeout=args.step_timeout, reasoning_parser=_reasoning_parser(args),
+        runner=args.runner, task=args.task,
         **structured_output_values(args), **ignored_cli_values(args, HONORED_VLLM_ARGS))
 
 

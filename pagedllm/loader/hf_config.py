@@ -6,12 +6,14 @@ from typing import Any, Mapping, Optional
 
 from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
+from pagedllm.loader.encoder_arch import encoder_from_hf
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
 from pagedllm.loader.window_layers import full_attention_layers
 
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
+    "BertModel": "bert",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",
@@ -25,7 +27,7 @@ HF_ARCHITECTURES: dict[str, str] = {
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
-_MODEL_TYPES: dict[str, str] = {"gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
+_MODEL_TYPES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
                                 "mistral": "llama", "phi3": "phi3", "qwen2": "qwen2",
                                 "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
                                 "qwen3_moe": "qwen3_moe", "smollm3": "smollm3"}
@@ -237,4 +239,5 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         nope_layers=nope,
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
         gemma=gemma,
+        encoder=encoder_from_hf(cfg, arch, source),
     )

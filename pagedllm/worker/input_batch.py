@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import CommonAttentionInputs, DecodeBatch, PrefillSeq
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
+    pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, not sampled
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -85,6 +85,16 @@ def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torc
                 fmt_bytes(mapped), cache_path(ckpt.path, part))
 
 
+def _skip(model: nn.Module, stage: Optional[PipelineStage]) -> Optional[Callable[[str], bool]]:
+    """Checkpoint tensors not to read: another pipeline stage's, and those the model leaves
+    unused (an encoder's next-sentence pooler)."""
+    unused = getattr(model, "skips_checkpoint_tensor", None)
+    elsewhere = None if stage is None else held_elsewhere(stage)
+    if unused is None or elsewhere is None:
+        return unused or elsewhere
+    return lambda name: unused(name) or elsewhere(name)
+
+
 def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
                tp: Optional[TensorParallelRank] = None) -> nn.Module:
     """The model of config.model_path with its weights, on config.platform, ready to run; with
@@ -103,8 +113,7 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
         if config.mmap_weights:
             _load_file_backed(ckpt, model, params, stage, tp)
         else:
-            load_weights(ckpt, params, None if stage is None else held_elsewhere(stage),
-                         model.checkpoint_shards)
+            load_weights(ckpt, params, _skip(model, stage), model.checkpoint_shards)
         check_finite_vectors(params, ckpt.path)
     if quant in ("int8", "int4"):
         quantize_float_model(model, quant)

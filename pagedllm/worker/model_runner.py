@@ -32,6 +32,7 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
+from pagedllm.layers.pooler import Pooler
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.structured_output.bitmask import allocate_bitmask
@@ -71,10 +72,16 @@ class ModelRunner:
                                     sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
                                     self.device)
         self.requests: dict[str, CachedRequestState] = {}
+        # a pooling runner pools each whole sequence and never samples
+        self.pooler = None if config.pooler is None else Pooler(config.pooler)
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
         self.model = load_model(self.config, self.stage, self.tp)
+        if self.pooler is not None:
+            self.captured_decode, self.decode_path = None, (
+                "none (a pooling model: each request is one whole-sequence step)")
+            return
         if self.tp is not None:  # the C++ stack has no all-reduce between its layers
             self.captured_decode, self.decode_path = None, (
                 f"the model's layer loop (tensor parallel rank {self.tp.rank} of "
@@ -115,8 +122,12 @@ class ModelRunner:
         return self.config.cache.num_blocks * self.kv_block_bytes()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the paged KV cache and bind each Attention layer to its slice."""
+        """Allocate the paged KV cache and bind each Attention layer to its slice; an encoder
+        has none (its attention sees the step's own tokens only): the scheduler's blocks are
+        then bookkeeping that each request frees after its step."""
         arch = self.config.arch
+        if arch.is_encoder:
+            return
         self.kv_cache = allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
                                           self.num_kv_heads, arch.head_dim,
                                           self.config.dtype, self.device)
@@ -135,7 +146,9 @@ class ModelRunner:
         with set_forward_context(meta):
             hidden = self._forward(step, meta)
         out = ModelRunnerOutput(sampled={})
-        if hidden is not None:
+        if hidden is not None and self.pooler is not None:
+            self._pool(step, hidden, out)
+        elif hidden is not None:
             self._prompt_logprobs(step, hidden, out)
             self._sample(step, hidden, out, sched.grammar)
         for seq in step.seqs:
@@ -169,12 +182,19 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 generator, list(new.block_ids), new.num_computed_tokens,
-                old.num_prompt_logprobs if old else 0)
+                old.num_prompt_logprobs if old else 0, new.pooling_params)
         for cached in sched.cached_reqs:
             st = self.requests[cached.req_id]
             st.token_ids.extend(cached.new_token_ids)  # sampled here or on another rank
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+
+    def _pool(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Each pooling request's vector from its whole sequence's hidden states."""
+        vectors = self.pooler(hidden, [(s.start, s.num_tokens) for s in step.seqs],
+                              [s.state.pooling_params for s in step.seqs])
+        for seq, vec in zip(step.seqs, vectors):
+            out.pooled[seq.state.req_id] = vec
 
     def _make_generator(self, seed: Optional[int]) -> Optional[torch.Generator]:
         if seed is None:

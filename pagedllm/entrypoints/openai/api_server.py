@@ -21,7 +21,11 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
-from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext, bad_request, now
+from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.serving_common import (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES,
+                                                        OpenAIError, ServerContext, bad_request,
+                                                        now)
+from pagedllm.entrypoints.openai.serving_embedding import create_embedding
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import (cancel_response, create_response,
@@ -145,23 +149,33 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm",
-             "root": name, "max_model_len": ctx.max_model_len}
+             "root": name, "max_model_len": ctx.max_model_len,
+             # what the model serves (vLLM's runner) and where
+             "runner": ctx.runner, "endpoints": ctx.endpoints()}
             for name in ctx.served_model_names]}
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS)
     async def completions(req: CompletionRequest, raw: Request):
+        ctx.check_serves(COMPLETIONS)
         return _respond(await _unless_disconnected(
             raw, create_completion(ctx, req, _client(raw))))
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT)
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        ctx.check_serves(CHAT)
         return _respond(await _unless_disconnected(
             raw, create_chat_completion(ctx, req, _client(raw))))
 
-    @app.post("/v1/responses")
+    @app.post(RESPONSES)
     async def responses(req: ResponsesRequest, raw: Request):
+        ctx.check_serves(RESPONSES)
         return _respond(await _unless_disconnected(
             raw, create_response(ctx, req, _client(raw))))
+
+    @app.post(EMBEDDINGS)
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        ctx.check_serves(EMBEDDINGS)
+        return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
 
     @app.get("/v1/responses/{response_id}")
     async def response(response_id: str) -> dict[str, Any]:

@@ -39,6 +39,10 @@ class OpenAIError(Exception):
                           "code": self.status}}
 
 
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+EMBEDDINGS = "/v1/embeddings"
+
+
 @dataclass
 class ServerContext:
     """What every handler needs: the engine and the names it answers to."""
@@ -59,6 +63,27 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.tokens = PromptTokens(self.engine.tokenizer, self.max_model_len)
+
+    @property
+    def runner(self) -> str:
+        """What the model serves: "generate" (completions, chat, responses) or "pooling"
+        (embeddings)."""
+        return self.engine.engine.config.runner
+
+    def endpoints(self) -> list[str]:
+        """The endpoints that serve this model."""
+        if self.runner == "pooling":
+            return [EMBEDDINGS]
+        return [COMPLETIONS, CHAT, RESPONSES]
+
+    def check_serves(self, endpoint: str) -> None:
+        """A 400 naming the endpoints that serve this model when `endpoint` does not."""
+        if endpoint in self.endpoints():
+            return
+        kind = ("an embedding (pooling) model" if self.runner == "pooling"
+                else "a text generation model; it does not embed")
+        raise OpenAIError(f"{endpoint} does not serve this model: it is {kind}; "
+                          f"{' and '.join(self.endpoints())} serve it", 400, "model")
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model`; 404 for an unknown one."""

@@ -1,0 +1,63 @@
+"""Which runner a checkpoint gets (generate or pooling) and, for pooling, how it pools and how
+long its inputs may be, from EngineArgs and the checkpoint's files."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pagedllm.config import PoolerConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.loader.checkpoint import Checkpoint
+from pagedllm.loader.errors import read_json_object
+from pagedllm.loader.pooling_files import pooler_config
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    """The runner, its pooler (pooling only) and the longest input its files allow."""
+
+    runner: str  # "generate" or "pooling"
+    pooler: Optional[PoolerConfig] = None
+    max_seq_length: Optional[int] = None  # sentence_bert_config.json's; None: the model's
+
+
+def _max_seq_length(root: Path) -> Optional[int]:
+    """sentence_bert_config.json's max_seq_length (sentence-transformers truncates there; vLLM
+    takes it as the longest input), or None."""
+    file = root / "sentence_bert_config.json"
+    if not file.is_file():
+        return None
+    value = read_json_object(file).get("max_seq_length")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
+
+
+def _check_encoder_options(args: EngineArgs, arch: str) -> None:
+    """Refuse, by name, the options an encoder does not run with yet."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(f"{name}={getattr(args, name)}: a {arch} encoder runs on one rank "
+                             "(its layers declare no split)")
+    if args.quantization not in (None, "none"):
+        raise ValueError(f"quantization={args.quantization!r} with a {arch} encoder is not "
+                         "implemented; its weights run as stored (quantization='none')")
+
+
+def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
+    """runner "auto" picks pooling for an encoder and generate for a decoder; a runner the
+    checkpoint cannot serve is refused by name, saying what serves it."""
+    asked, arch = args.resolved_runner(), ckpt.arch
+    if arch.is_encoder:
+        if asked == "generate":
+            raise ValueError(f"runner='generate': {arch.architecture} is an encoder, which "
+                             "embeds and does not generate; use runner='pooling' (LLM.embed, "
+                             "/v1/embeddings)")
+        _check_encoder_options(args, arch.architecture)
+        root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+        return RunnerChoice("pooling", pooler_config(root), _max_seq_length(root))
+    if asked == "pooling":
+        raise ValueError(f"runner='pooling' with a {arch.architecture} decoder is not "
+                         "implemented yet: only BERT-family encoders pool; use runner='generate'")
+    return RunnerChoice("generate")

@@ -1,0 +1,43 @@
+"""POST /v1/embeddings' body, in OpenAI's shape (and vLLM's extra normalize)."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from pagedllm.entrypoints.openai.protocol import _PROMPTS, Int, RequestBody, _described, _first_bool
+
+EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings: input as a string, strings, token ids or lists of token ids."""
+
+    model: Optional[str] = None
+    input: EmbeddingInput = Field(json_schema_extra=lambda schema: schema.update(anyOf=_PROMPTS))
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int] = _described(minimum=1)
+    user: Optional[str] = None  # OpenAI's end-user id: accepted, not used
+    normalize: Optional[bool] = None  # vLLM's: None keeps the model's own (its Normalize module)
+    truncate_prompt_tokens: Optional[Int] = None  # vLLM's: refused by name when set
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _token_ids_not_bools(cls, value: Any) -> Any:
+        where = _first_bool(value, "input")
+        if where is not None:
+            raise PydanticCustomError("bool_number", "token ids are integers; {where} is a "
+                                      "boolean", {"where": where})
+        return value
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The inputs as a list: texts, or token-id lists."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if not value:
+            raise ValueError("input must not be empty")
+        if all(isinstance(t, int) for t in value):
+            return [list(value)]
+        return list(value)

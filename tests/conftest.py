@@ -153,6 +153,13 @@ def minilm_dir() -> Path:
     return ensure_checkpoint(spec, root=suite_store_dir())
 
 
+@pytest.fixture(scope="session")
+def suite_store() -> Path:
+    """suite_store_dir() as a fixture: a test module cannot import it from `conftest`, which
+    names tests/engine's or tests/entrypoints' conftest once those have loaded."""
+    return suite_store_dir()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _return_freed_memory() -> Iterator[None]:
     """After each test module, give the memory its tests freed back to the system.

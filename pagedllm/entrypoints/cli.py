@@ -85,6 +85,24 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "doctor": _run_doctor, "pull": run_pull, "list": run_list, "rm": run_rm, "run": run_run}
 
 
+# commands that load the model they are given in this process (bench serve asks a server)
+LOADS_MODEL = ("serve", "run", "doctor", "bench")
+
+
+def check_model_reference(args: argparse.Namespace) -> None:
+    """ValueError for a model that names nothing loadable, before the command imports torch and
+    the engine (~2-4 s): a refusal prints within a second, as the loader's own would later."""
+    model = getattr(args, "model", None)
+    if args.command not in LOADS_MODEL or not model or getattr(args, "mode", None) == "serve":
+        return
+    from pagedllm.loader.sources import unknown_reference
+
+    unknown = unknown_reference(model, getattr(args, "revision", None),
+                                getattr(args, "gguf_file", None))
+    if unknown is not None:
+        raise ValueError(unknown)
+
+
 def refusal_message(err: BaseException) -> Optional[str]:
     """The message of an error the user can act on (printed without a traceback), or None for
     one that is a bug. The one list of what the loader, the Hub, the planner, the kernels and
@@ -119,6 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         debug = debug or env_level() == logging.DEBUG
         _configure_logging(args, debug)
+        check_model_reference(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130

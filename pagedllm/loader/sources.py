@@ -24,6 +24,21 @@ class LocatedModel:
         return self.fetch() if self.fetch is not None else self.metadata_path
 
 
+def unknown_reference(model: str, revision: Optional[str] = None,
+                      gguf_file: Optional[str] = None) -> Optional[str]:
+    """Why `model` names nothing pagedllm can load (not a local path, a shipped model name or a
+    Hub repo id), or None. Cheap (no torch, no network), so the command line refuses first."""
+    if os.path.exists(model) or model_spec(model) is not None:
+        return None
+    from pagedllm.loader.hub import parse_hub_ref
+
+    if parse_hub_ref(model, revision, gguf_file) is not None:
+        return None
+    return (f"model={model!r} is neither an existing local path, a known model name, nor a "
+            f"Hub repo id (owner/name); known models: {', '.join(known_models())}; local .gguf "
+            "files and Hugging Face checkpoint directories are also accepted")
+
+
 def locate_model(model: str, revision: Optional[str] = None, gguf_file: Optional[str] = None,
                  source: Optional[str] = None) -> LocatedModel:
     """Resolve a local path, a shipped model name, or a Hub repo id (owner/name[:file|:TAG]);
@@ -37,9 +52,6 @@ def locate_model(model: str, revision: Optional[str] = None, gguf_file: Optional
 
     ref = parse_hub_ref(model, revision, gguf_file)
     if ref is None:
-        raise ValueError(
-            f"model={model!r} is neither an existing local path, a known model name, nor a "
-            f"Hub repo id (owner/name); known models: {', '.join(known_models())}; local .gguf "
-            "files and Hugging Face checkpoint directories are also accepted")
+        raise ValueError(unknown_reference(model, revision, gguf_file))
     prepared = prepare_hub_model(ref, source)
     return LocatedModel(str(prepared.metadata_path), prepared.fetch_weights)

@@ -46,13 +46,15 @@ def way_text(name: str, way: Optional[Way]) -> str:
 
 
 def cell(ways: list[FormatWays]) -> str:
-    """The tested format (Q4_K_M), the fastest format when it is another, and bf16: each on
-    one machine, else on the fewest pipeline ranks (the even split), one a machine."""
+    """The tested format (Q4_K_M) and bf16, each on one machine, else on the fewest pipeline
+    ranks (the even split), one a machine; between them the fastest format when it is
+    another, in its fastest way (one machine, pipeline or tensor parallel ranks)."""
     by = {w.fmt.name: w for w in ways}
     fastest = max((w for w in ways if w.best), key=lambda w: w.best.tok_per_s)
     names = ["Q4_K_M"] + ([fastest.fmt.name] if fastest.fmt.name not in ("Q4_K_M", "bf16")
                           else []) + ["bf16"]
-    return "; ".join(way_text(n, by[n].one or by[n].pp) for n in names)
+    return "; ".join(way_text(n, by[n].best if n == fastest.fmt.name else by[n].one or by[n].pp)
+                     for n in names)
 
 
 def table() -> list[list[str]]:

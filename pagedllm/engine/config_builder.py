@@ -19,7 +19,7 @@ from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, res
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint
+from pagedllm.worker.footprint import footprint, regrouped_bytes
 from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
                                     plan_pipeline_memory)
 from pagedllm.worker.weight_formats import FormatCost, format_costs, format_of, format_summary
@@ -172,16 +172,18 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
 
     def plan(dt: torch.dtype, mapped: bool = False, forced: bool = False) -> MemoryPlan:
         itemsize = torch.empty((), dtype=dt).element_size()
-        # int8/int4 quantize after a float load: plan for the float weights (the load peak)
         weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
         name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
         mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
         kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
         layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+        at_load = ckpt.kind != "gguf" and quantization in ("int8", "int4")
+        if at_load:  # the blocks made slice by slice as the float tensors are read
+            weights, name = layout.total, f"{_dtype_name(dt)} with {quantization} blocks"
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
-        if not mapped and ckpt.kind == "gguf":  # the load holds the kept blocks twice
-            fp = dataclasses.replace(fp, load_extra_bytes=layout.mapped_total)
+        if not mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
+            fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
         sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
                      kv_cache_bytes=args.kv_cache_memory_bytes,

@@ -4,11 +4,13 @@
   GGMLEmbedding modules with the file's bytes (exact: the kernels dequantize to the very
   values ggml produces).
 - Float checkpoints can be quantized at load (`quantization="int8"` or `"int4"`) into the same
-  block formats: int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an
+  block formats, row slice by row slice as the loader reads them (loader/row_encoding.py): int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an
   fp16 scale and minimum) for the decoder's linear layers, with the embedding and output head
   kept in Q8_0, as llama.cpp's 4-bit mixes keep them at higher precision.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -108,30 +110,16 @@ def float_quant_plan(model: nn.Module, method: str) -> QuantPlan:
     return plan
 
 
-def _quantize_rows(w: torch.Tensor, qtype: GGMLQuantizationType) -> nn.Parameter:
-    return nn.Parameter(_QUANTIZERS[qtype](w), requires_grad=False)
-
-
-@torch.no_grad()
-def quantize_float_model(model: nn.Module, method: str) -> None:
-    """Quantize a loaded float model's linear layers and embedding in place (int8 or int4)."""
-    done: dict[int, nn.Parameter] = {}  # tied weights are quantized once and stay shared
-    for path, qtypes in _planned(model, float_quant_plan(model, method)):
-        parent, attr = _parent(model, path)
-        old = getattr(parent, attr)
-        with torch.device("meta"):
-            new = _quantized_like(old, qtypes, old.weight.dtype)
-        new = new.to_empty(device=old.weight.device)
-        if isinstance(old, MergedLinear):
-            start = 0
-            for i, (rows, qtype) in enumerate(zip(old.output_sizes, qtypes)):
-                new.weights[i] = _quantize_rows(old.weight[start:start + rows], qtype)
-                start += rows
-        else:
-            key = id(old.weight)
-            if key not in done:
-                done[key] = _quantize_rows(old.weight, qtypes[0])
-            new.weight = done[key]
-        if getattr(old, "bias", None) is not None:
-            new.bias = old.bias
-        setattr(parent, attr, new)
+def block_quantizers(model: nn.Module) -> dict[int, tuple[int, Callable[[torch.Tensor], torch.Tensor]]]:
+    """id of each block-format weight of a model built with a float_quant_plan -> (its float
+    columns, the quantizer of its format): what the loader encodes float rows with."""
+    out: dict[int, tuple[int, Callable[[torch.Tensor], torch.Tensor]]] = {}
+    for module in model.modules():
+        if isinstance(module, GGMLMergedLinear):
+            for weight, qtype in zip(module.weights, module.qtypes):
+                out[id(weight)] = (module.in_features, _QUANTIZERS[qtype])
+        elif isinstance(module, GGMLLinear):
+            out[id(module.weight)] = (module.in_features, _QUANTIZERS[module.qtype])
+        elif isinstance(module, GGMLEmbedding):
+            out[id(module.weight)] = (module.embedding_dim, _QUANTIZERS[module.qtype])
+    return out

@@ -164,12 +164,32 @@ def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool,
                         groups["head"][1], tied, mlp, mlp_block)
 
 
+# bytes a value of a float checkpoint's matrices in the blocks quantization="int8"/"int4" makes
+# at load (layers/quantization.py): (the layers' matrices, the embedding and head). Q8_0: 32
+# int8 and an fp16 scale; Q4_1: 32 nibbles, an fp16 scale and minimum.
+AT_LOAD_BYTES: dict[str, tuple[float, float]] = {"int8": (34 / 32, 34 / 32),
+                                                 "int4": (20 / 32, 34 / 32)}
+
+
+def _at_load_bytes(name: str, shape: tuple[int, ...], itemsize: int,
+                   rates: Optional[tuple[float, float]]) -> int:
+    """Bytes of an HF tensor as the model holds it: a linear layer's or the embedding's matrix
+    quantized at load (rates), anything else (norms, biases, MoE experts) at itemsize."""
+    values = math.prod(shape)
+    if rates is None or len(shape) != 2 or ".experts." in name:
+        return values * itemsize
+    big = name.startswith(("model.embed_tokens.", "lm_head."))
+    return math.ceil(values * rates[1 if big else 0])
+
+
 def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = frozenset(),
-                  kept_names: Optional[frozenset] = None) -> WeightLayout:
+                  kept_names: Optional[frozenset] = None,
+                  at_load: Optional[str] = None) -> WeightLayout:
     """The checkpoint's weights grouped by stage, from its tensor table (GGUF header or
     safetensors headers; else the config's shapes, layers of equal size): float tensors at
     itemsize bytes a value, a GGUF's matrices of kept_types (of kept_names, when given) in
-    their blocks, as gguf_weight_bytes counts them."""
+    their blocks, as gguf_weight_bytes counts them; an HF checkpoint's matrices in the blocks
+    at_load ("int8"/"int4") makes of them."""
     a = ckpt.arch
     tied = a.tie_word_embeddings
     if ckpt.kind == "gguf":
@@ -185,7 +205,8 @@ def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = froze
         return _layout(a.num_hidden_layers, sizes, tied, block)
     files = sorted(ckpt.path.glob("*.safetensors"))
     if files:
-        sizes = [(name, math.prod(shape) * itemsize, 0)
+        rates = AT_LOAD_BYTES.get(at_load or "")
+        sizes = [(name, _at_load_bytes(name, tuple(shape), itemsize, rates), 0)
                  for f in files for name, shape in safetensors_shapes(f).items()]
         tied = tied or not any(name.startswith("lm_head.") for name, _, _ in sizes)
         return _layout(a.num_hidden_layers, sizes, tied)
@@ -201,7 +222,8 @@ def planned_weight_layout(ckpt: Checkpoint, block_types: frozenset, quantization
                           itemsize: int) -> WeightLayout:
     """The layout of the weights as model_loader holds them: a GGUF run with its blocks kept
     ("gguf") keeps every matrix of block_types; run dequantized ("none"), only the token
-    embedding's blocks (gguf_kept_embedding); anything else at itemsize bytes a value."""
+    embedding's blocks (gguf_kept_embedding); an HF checkpoint with int8/int4, its matrices
+    in the blocks made at load; anything else at itemsize bytes a value."""
     if ckpt.kind == "gguf" and quantization == "gguf":
         return weight_layout(ckpt, itemsize, block_types)
     if ckpt.kind == "gguf" and quantization == "none":
@@ -209,4 +231,6 @@ def planned_weight_layout(ckpt: Checkpoint, block_types: frozenset, quantization
         if embed is not None:
             return weight_layout(ckpt, itemsize, frozenset({embed}),
                                  frozenset({"token_embd.weight"}))
+    if ckpt.kind != "gguf" and quantization in AT_LOAD_BYTES:
+        return weight_layout(ckpt, itemsize, at_load=quantization)
     return weight_layout(ckpt, itemsize)

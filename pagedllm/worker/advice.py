@@ -32,9 +32,9 @@ class WeightFormat:
     layer_bits: float  # a decoder layer's matrices
     embed_bits: float
     head_bits: float
-    # the planner plans the float load of a checkpoint quantized at load (int8/int4: float32,
-    # the dtype their kernels compute in), not the blocks it then holds
-    load_bits: Optional[float] = None
+    # made at load from a float checkpoint (int8/int4), slice by slice as it is read: the
+    # load's peak holds the blocks twice (made, then regrouped for the kernels), as a GGUF's
+    at_load: bool = False
     itemsize: int = 4  # bytes a value of the KV cache, norms and biases
     block: int = 1  # values a block along a row: a TP split of the MLP falls on multiples
     gguf: bool = False  # blocks that can be mapped from a file (mmap_weights)
@@ -51,9 +51,9 @@ FORMATS = (
     WeightFormat("Q2_K", "a 2-bit GGUF (Q2_K)", "", 2.95, 2.625, 6.5625, block=256, gguf=True,
                  tag="Q2_K"),
     WeightFormat("int4", "int4 at load", "quantization='int4': Q4_1 blocks", 5.0, 8.5, 8.5,
-                 load_bits=32, block=32),
+                 at_load=True, block=32),
     WeightFormat("int8", "int8 at load", "quantization='int8': Q8_0 blocks", 8.5, 8.5, 8.5,
-                 load_bits=32, block=32),
+                 at_load=True, block=32),
     WeightFormat("bf16", "bf16 weights", "dtype='bfloat16'", 16, 16, 16, itemsize=2),
 )
 TESTED = "Q4_K_M"  # the seed user's way: tests/platforms/test_small_machine.py runs it at -pp 2
@@ -106,7 +106,7 @@ class FormatWays:
 
     fmt: WeightFormat
     run_bytes: int  # the weights it holds when running
-    load_bytes: int  # what the planner plans (the float load of int8/int4)
+    load_bytes: int  # the load's peak: the weights, twice where the load regroups them
     one: Optional[Way] = None
     pp: Optional[Way] = None
     tp: Optional[Way] = None
@@ -119,9 +119,8 @@ class FormatWays:
         return max(ways, key=lambda w: w.tok_per_s) if ways else None
 
 
-def format_layout(arch: ModelArchConfig, fmt: WeightFormat, planned: bool = True) -> WeightLayout:
-    """The weights of `arch` in fmt by stage, from the config's shapes: as the planner plans
-    them (planned: the float load of int8/int4), else as they run."""
+def format_layout(arch: ModelArchConfig, fmt: WeightFormat) -> WeightLayout:
+    """The weights of `arch` in fmt by stage, from the config's shapes, as they run."""
     h, layers = arch.hidden_size, arch.num_hidden_layers
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     vectors = 2 * h + (q + 2 * kv if arch.attention_bias else 0) + (
@@ -130,21 +129,19 @@ def format_layout(arch: ModelArchConfig, fmt: WeightFormat, planned: bool = True
     head = 0 if arch.tie_word_embeddings else embed
     matrices = (arch.num_params() - embed - head - h) // layers - vectors
     mlp = 3 * h * arch.intermediate_size if arch.moe is None else 0
-    load = fmt.load_bits if planned else None
-
     def size(n: int, bits: float) -> int:
-        return int(n * (load or bits) / 8)
+        return int(n * bits / 8)
 
-    itemsize = 4 if load else fmt.itemsize
+    itemsize = fmt.itemsize
     # a tied embedding is also the head: the mixes keep it at the head's bits
     embed_bits = fmt.head_bits if arch.tie_word_embeddings else fmt.embed_bits
     blocks = (size(matrices, fmt.layer_bits), size(embed, embed_bits), size(head, fmt.head_bits))
-    mapped = fmt.gguf and not load
+    mapped = fmt.gguf
     return WeightLayout((blocks[0] + vectors * itemsize,) * layers, blocks[1],
                         blocks[2] + h * itemsize, 0,
                         (blocks[0],) * layers if mapped else (), blocks[1] if mapped else 0,
                         blocks[2] if mapped else 0, arch.tie_word_embeddings,
-                        size(mlp, fmt.layer_bits) * layers, 1 if load else fmt.block)
+                        size(mlp, fmt.layer_bits) * layers, fmt.block)
 
 
 def format_footprints(arch: ModelArchConfig, num_params: int, fmt: WeightFormat,
@@ -152,8 +149,9 @@ def format_footprints(arch: ModelArchConfig, num_params: int, fmt: WeightFormat,
     """What the engine plans for fmt, in the order it tries: in anonymous memory (a GGUF's
     kept blocks read, then regrouped: held twice at the load's peak), then its blocks mapped."""
     layout = format_layout(arch, fmt)
-    fp = footprint(arch, num_params, 4 if fmt.load_bits else fmt.itemsize, fmt.name, source,
-                   layout.total, 0, layout)
+    fp = footprint(arch, num_params, fmt.itemsize, fmt.name, source, layout.total, 0, layout)
+    if fmt.at_load:
+        return [replace(fp, load_extra_bytes=layout.total)]
     if not fmt.gguf:
         return [fp]
     mapped = footprint(arch, num_params, fmt.itemsize, fmt.name, source, layout.total,
@@ -231,9 +229,9 @@ def format_ways(arch: ModelArchConfig, num_params: int, fmt: WeightFormat, sourc
                 mem: MemoryInfo, sizes: dict) -> FormatWays:
     """How fmt runs on machines like this one: on one, else split."""
     fps = format_footprints(arch, num_params, fmt, source)
-    run = format_layout(arch, fmt, planned=False)
-    out = FormatWays(fmt, run.total, format_layout(arch, fmt).total,
-                     tp_sizes=tp_sizes(arch, 1 if fmt.load_bits else fmt.block))
+    run = format_layout(arch, fmt)
+    out = FormatWays(fmt, run.total, run.total * (2 if fmt.at_load else 1),
+                     tp_sizes=tp_sizes(arch, fmt.block))
     one = _way(fmt.name, fps, run, mem, 1, 1, sizes)
     if one is not None:
         return replace(out, one=one)

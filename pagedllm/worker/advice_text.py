@@ -70,8 +70,8 @@ def _split_text(pp: Optional[Way], tp: Optional[Way], sizes: tuple[int, ...],
 def _format_line(ways: FormatWays, fp: ModelFootprint) -> str:
     f = ways.fmt
     size = f"weights ~{fmt_bytes(ways.run_bytes)}"
-    if f.load_bits:
-        size += (f" (loaded in float32 first and then quantized: the planner plans "
+    if f.at_load:
+        size += (f" (made at load slice by slice, then regrouped: the load peaks near "
                  f"~{fmt_bytes(ways.load_bytes)})")
     where = (_one_text(ways.one) if ways.one is not None
              else _split_text(ways.pp, ways.tp, ways.tp_sizes, fp))

@@ -88,6 +88,24 @@ def _ffn_width(a: ModelArchConfig) -> int:
     return max(sparse, dense if moe.dense_layers else 0)
 
 
+def regrouped_bytes(layout: WeightLayout, at_load: bool) -> int:
+    """Bytes a load holds twice at its peak, read and then regrouped for the kernels: a GGUF's
+    kept blocks, or (at_load) every weight of a float checkpoint whose matrices are quantized
+    as it loads (the blocks, and its norms counted with them)."""
+    return layout.total if at_load else layout.mapped_total
+
+
+def _stage_extra(fp: ModelFootprint, size: int, blocks: int) -> int:
+    """A stage's share of fp.load_extra_bytes: its kept GGUF blocks, or its share of the
+    weights where all are regrouped (quantized at load)."""
+    if not fp.load_extra_bytes:
+        return 0
+    layout = fp.layout
+    if layout is None or layout.mapped_total or not layout.total:
+        return blocks
+    return -(-fp.load_extra_bytes * size // layout.total)
+
+
 def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
     """One pipeline rank's share of a whole-model footprint (which must carry its layout): its
     layers' weights (the embedding on the first, the final norm and head on the last), its
@@ -99,7 +117,7 @@ def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
     mapped = blocks if fp.mapped_bytes else 0
     n = len(stage.layers)
     return replace(fp, weight_bytes=size - mapped, mapped_bytes=mapped,
-                   load_extra_bytes=blocks if fp.load_extra_bytes else 0,
+                   load_extra_bytes=_stage_extra(fp, size, blocks),
                    kv_bytes_per_token=fp.kv_bytes_per_token * n // fp.arch.num_hidden_layers,
                    num_layers=n, has_head=stage.is_last, processes=1,
                    where=f"pipeline rank {stage.rank} of {stage.world_size}: layers "

@@ -270,10 +270,14 @@ def _default_kv_bytes(short: Shortfall, free_for_kv: int, want_len: int) -> int:
 
 def _load_why(fp: ModelFootprint, load_peak: int) -> str:
     """Why a load of kept blocks in anonymous memory is refused: it holds them twice."""
-    return (f"loading does not fit in memory{_where(fp)}: the GGUF's "
-            f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped "
-            f"for the kernels, and the load peaks near {fmt_bytes(load_peak)} with the "
-            f"runtime; mapped from a file (mmap_weights) they are regrouped into it instead\n")
+    if fp.mapped_bytes or fp.layout is None or fp.layout.mapped_total:
+        return (f"loading does not fit in memory{_where(fp)}: the GGUF's "
+                f"{fmt_bytes(fp.load_extra_bytes)} of kept blocks are read, then regrouped "
+                f"for the kernels, and the load peaks near {fmt_bytes(load_peak)} with the "
+                f"runtime; mapped from a file (mmap_weights) they are regrouped into it instead\n")
+    return (f"loading does not fit in memory{_where(fp)}: the {fmt_bytes(fp.load_extra_bytes)} "
+            "of blocks quantized at load are made, then regrouped for the kernels, and the "
+            f"load peaks near {fmt_bytes(load_peak)} with the runtime\n")
 
 
 def _tight_why(plan: MemoryPlan, fp: ModelFootprint) -> str:

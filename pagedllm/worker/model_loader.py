@@ -2,8 +2,9 @@
 
     resolve the checkpoint -> plan which GGUF matrices keep their blocks -> build the plain model
     (on the meta device, inside the platform's build context) -> swap in block-format modules ->
-    load the weights by checkpoint name -> refuse NaN/inf norms and biases -> quantize a float
-    model (int8/int4) -> regroup blocks for the CPU kernels
+    load the weights by checkpoint name (a float checkpoint's int8/int4 blocks quantized slice by
+    slice as they are read) -> refuse NaN/inf norms and biases -> regroup blocks for the CPU
+    kernels
 
 With config.mmap_weights, the kept blocks instead come regrouped from a cache file, mapped
 (x8_weight_file.py): only the float tensors are read into memory.
@@ -23,14 +24,15 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
-from pagedllm.layers.quantization import QuantPlan, quantize_float_model
+from pagedllm.layers.quantization import QuantPlan, block_quantizers, float_quant_plan
 from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import GGUFWeightReader, gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
+from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.pipeline import held_elsewhere
-from pagedllm.models.registry import build_model
+from pagedllm.models.registry import build_model, model_class
 from pagedllm.models.tensor_parallel import add_collectives
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.worker.x8_weight_file import cache_path, map_slots
@@ -38,15 +40,37 @@ from pagedllm.worker.x8_weight_file import cache_path, map_slots
 logger = logging.getLogger("pagedllm")
 
 
-def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset) -> QuantPlan:
-    """Which matrices keep their GGUF blocks: all the kernels run with "gguf"; with "none",
-    the token embedding only (gguf_kept_embedding: its lookup is exact either way)."""
+def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset,
+                config: EngineConfig) -> QuantPlan:
+    """Which matrices hold blocks: a GGUF's kept ones (all the kernels run with "gguf"; with
+    "none", the token embedding only: gguf_kept_embedding, its lookup is exact either way); a
+    float checkpoint's with int8/int4, made at load (planned on the model built on meta)."""
     if ckpt.kind != "gguf":
-        return {}
+        if quant not in ("int8", "int4"):
+            return {}
+        with torch.device("meta"):
+            shape = model_class(config.arch.architecture)(config.arch,
+                                                          config.scheduler.max_model_len)
+        return float_quant_plan(shape, quant)
     if quant == "gguf":
         return gguf_quant_plan(ckpt.path, kernel_types)
     embed = gguf_kept_embedding(ckpt, kernel_types) if quant == "none" else None
     return {} if embed is None else {"model.embed_tokens": embed}
+
+
+def _encoded_at_load(model: nn.Module, params: dict[str, torch.Tensor], dtype: torch.dtype
+                     ) -> dict[str, torch.Tensor]:
+    """params with each block weight made at load behind EncodedRows: the loader's float rows
+    are quantized into it as they are copied (the float matrix never exists whole)."""
+    quantizers = block_quantizers(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in params.items():
+        if id(t) in quantizers:
+            cols, encode = quantizers[id(t)]
+            out[name] = EncodedRows(t, cols, dtype, encode)  # type: ignore[assignment]
+        else:
+            out[name] = t
+    return out
 
 
 def _load_file_backed(ckpt: Checkpoint, model: nn.Module, params: dict[str, torch.Tensor],
@@ -104,19 +128,19 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
     platform, quant = config.platform, config.quantization
     device = platform.device()
     ckpt = resolve_checkpoint(config.model_path)
-    plan = _block_plan(ckpt, quant, platform.block_types())
+    plan = _block_plan(ckpt, quant, platform.block_types(), config)
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan,
                             stage, tp)
     with torch.no_grad():
         params = model.checkpoint_params()
+        if quant in ("int8", "int4"):
+            params = _encoded_at_load(model, params, config.dtype)
         if config.mmap_weights:
             _load_file_backed(ckpt, model, params, stage, tp)
         else:
             load_weights(ckpt, params, _skip(model, stage), model.checkpoint_shards)
         check_finite_vectors(params, ckpt.path)
-    if quant in ("int8", "int4"):
-        quantize_float_model(model, quant)
     if (quant != "none" or plan) and not config.mmap_weights:
         pack_x8(model)  # the eight-row layout of the CPU kernels
     if tp is not None:

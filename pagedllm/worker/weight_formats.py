@@ -6,7 +6,8 @@ int8 (quantization="int8": Q8_0 blocks made at load, layers/quantization.py) and
 (quantization="int4": Q4_1 matrices, embedding and head in Q8_0).
 
 - Memory comes from the checkpoint's tensor table (loader/metadata.py's weight_layout, as the
-  planner reads it): resident weights, and the load's peak (int8/int4 load in float32 first).
+  planner reads it): resident weights, and the load's peak (int8/int4: made slice by slice
+  as the float tensors are read, then regrouped for the kernels: the blocks twice).
 - Speed: a decode step reads every matrix once, so one stream decodes at most
   READ_BYTES_PER_S / (bytes read per step) tokens a second (the bandwidth bound). Small models
   on few cores are compute-bound well below it, so MEASURED also keeps the measured rate.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.loader.metadata import WeightLayout
+from pagedllm.loader.metadata import AT_LOAD_BYTES, WeightLayout
 from pagedllm.platforms.interface import fmt_bytes
 
 # memory read bandwidth of 2 threads, benchmarks/mem_bandwidth.cpp, best of 3 runs on the
@@ -34,8 +35,8 @@ READ_BYTES_PER_S = 30.7e9
 FORMATS: dict[str, tuple[str, float, float]] = {
     "fp32": ('dtype="float32", quantization="none"', 4.0, 4.0),
     "bf16": ('dtype="bfloat16", quantization="none"', 2.0, 2.0),
-    "int8": ('quantization="int8"', 34 / 32, 34 / 32),  # Q8_0: 32 int8 + an fp16 scale
-    "int4": ('quantization="int4"', 20 / 32, 34 / 32),  # Q4_1: 32 nibbles + fp16 scale, min
+    "int8": ('quantization="int8"', *AT_LOAD_BYTES["int8"]),  # Q8_0: 32 int8 + an fp16 scale
+    "int4": ('quantization="int4"', *AT_LOAD_BYTES["int4"]),  # Q4_1: 32 nibbles + scale, min
 }
 
 
@@ -103,8 +104,9 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
     for name, (how, per_matrix, per_big) in FORMATS.items():
         weights = int(matrices * per_matrix + big * per_big)
         step = int(matrices * per_matrix + step_big * per_big)
-        # int8/int4 quantize after a float32 load (model_loader): both held at the peak
-        peak = weights + int(4 * (matrices + big)) if name in ("int8", "int4") else weights
+        # int8/int4 are made slice by slice as the float tensors are read, then regrouped for
+        # the kernels (model_loader): the blocks held twice at the peak, as a GGUF's
+        peak = 2 * weights if name in AT_LOAD_BYTES else weights
         costs[name] = FormatCost(name, how, weights, peak, step, READ_BYTES_PER_S / max(1, step),
                                  None if known is None else known[1].get(name))
     return costs

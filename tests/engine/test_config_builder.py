@@ -15,6 +15,7 @@ from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
 from pagedllm.loader.tokenizer import load_tokenizer
 from pagedllm.platforms import PlatformChoice
 from pagedllm.platforms.cpu import CpuInfo, CpuPlatform
+from pagedllm.platforms.interface import MemoryInfo
 from pagedllm.sampling_params import SamplingParams
 
 CPUS = {
@@ -88,3 +89,15 @@ def test_an_hf_checkpoint_logs_its_weight_formats_cost(cpu, smollm_hf_dir, caplo
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
     assert lines[0].startswith('weight format int8 (quantization="int8")')
     assert 'instead bf16 (dtype="bfloat16", quantization="none")' in lines[0]
+
+
+def test_int8_at_load_is_planned_as_its_blocks(cpu, smollm_hf_dir, monkeypatch):
+    """quantization="int8" on a float checkpoint plans the Q8_0 blocks it runs with (twice at
+    the load's peak, regrouped), not the float32 weights it is read from: 900 MiB refuses
+    SmolLM2 in float32 (538 MB of weights) and holds it in int8 (~180 MB of blocks)."""
+    mem = MemoryInfo(900 * 1024 ** 2, 900 * 1024 ** 2, "test: 900 MiB")
+    monkeypatch.setattr(cpu, "memory", lambda: mem)
+    with pytest.raises(ValueError, match="does not fit"):
+        _config(smollm_hf_dir, dtype="float32")
+    config = _config(smollm_hf_dir, dtype="float32", quantization="int8")
+    assert config.quantization == "int8" and config.cache.num_blocks > 0

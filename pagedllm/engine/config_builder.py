@@ -12,7 +12,7 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.executor.multiproc import rank_memories
+from pagedllm.executor.rank_memory import rank_memories
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
                                       gguf_weight_bytes, planned_weight_layout, weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform

@@ -132,6 +132,24 @@ class LLMEngine:
         """Size of the model's vocabulary: valid token ids are [0, vocab_size)."""
         return self.config.arch.vocab_size
 
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every rank (one in one process); the answers in rank order."""
+        return self.engine_core.executor.collective_rpc(method, *args)
+
+    @property
+    def max_batches_in_flight(self) -> int:
+        """The most batches seen in flight at once (pipeline parallelism's batch queue); at
+        least 1 once a step ran."""
+        return max(1, self.engine_core.max_batches_in_flight)
+
+    def rank_comm_stats(self, reset: bool = False) -> Optional[list[dict]]:
+        """Each rank's stage send/recv and tensor parallel collective counters
+        (Worker.comm_stats), in rank order, or None in one process (nothing is sent)."""
+        parallel = self.config.parallel
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1:
+            return None
+        return self.collective_rpc("comm_stats", reset)
+
     def shutdown(self) -> None:
         """Stop the workers (worker processes, with several ranks); the engine is unusable
         after."""

@@ -149,8 +149,7 @@ def _llm(args: argparse.Namespace):
 def _comm_stats(llm, reset: bool = False) -> Optional[list[dict]]:
     """Each rank's send/recv and collective counters (worker/stage_comm.py,
     distributed/comm_stats.py), or None in one process."""
-    stats = getattr(llm.llm_engine.engine_core.executor, "comm_stats", None)
-    return None if stats is None else stats(reset)
+    return llm.llm_engine.rank_comm_stats(reset)
 
 
 def _pp_report(stats: list[dict]) -> dict[str, Any]:
@@ -246,7 +245,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "system_cpu_s": after.ru_stime - before.ru_stime,
             "minor_page_faults": after.ru_minflt - before.ru_minflt,
             # pipeline stages: how many batches were in flight at once (1: one step at a time)
-            "max_batches_in_flight": max(1, llm.llm_engine.engine_core.max_batches_in_flight),
+            "max_batches_in_flight": llm.llm_engine.max_batches_in_flight,
             **_comm_report(_comm_stats(llm))}
 
 

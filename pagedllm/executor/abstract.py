@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited or was killed: the engine cannot go on."""
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised while serving a call."""
 
 
 class StepFuture(Protocol):
@@ -74,6 +82,11 @@ class Executor(ABC):
         (executor/deadline.py), naming the rank; the engine's watchdog then waits a little
         longer, so that this more precise failure comes first."""
         return False
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Run a Worker method on every worker (after the steps in flight); the answers in rank
+        order (vLLM's name)."""
 
     @abstractmethod
     def decode_path(self) -> str:

@@ -17,17 +17,21 @@ process would never act on a request to stop.
 
 Up to pipeline_parallel_size steps are in flight (execute_model_async): each rank serves its
 calls in order, so rank 0 computes step k+1 while rank 1 still computes step k, and the
-replies of each pipe come back in step order, read oldest step first. The ranks that do not
-sample are given, with the next step sent, every token sampled since the last send: the
-scheduler never puts a request in two steps in flight, so a request's token is known before
-the request is scheduled again.
+replies of each pipe come back in step order, read oldest step first. Every rank learns the
+tokens sampled since from the next step's SchedulerOutput (CachedRequestData's new token ids):
+the scheduler never puts a request in two steps in flight, so a request's token is known
+before the request is scheduled again.
 
 With tensor_parallel_size=N instead, every rank runs every step on its share of each layer,
 the collectives (all-reduce, all-gather) joining them over the same gloo group; rank 0's reply
-is the step's output, and the others are given its tokens with their next step. With both,
+is the step's output. With both,
 tensor_parallel_size x pipeline_parallel_size ranks: each stage's TP ranks join in a TP group
 of their own, each sends to the same TP rank of the next stage, and TP rank 0 of the last
 stage replies (distributed/parallel_groups.py has the layout).
+
+Modules: rank_places.py (where each rank goes), rank_loop.py (a rank's start, its main loop and
+the pipe's protocol), rank_memory.py (each rank's memory, PAGEDLLM_RANK_CGROUP), this one (the
+executor: the processes, their pipes, failures). The Ray executor uses the first three.
 
 A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
 this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
@@ -47,7 +51,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import shutil
 import socket
@@ -55,10 +58,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Optional
@@ -66,15 +67,14 @@ from typing import Any, Optional
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.distributed.parallel_groups import driver_rank, global_rank, init_tp_group
-from pagedllm.distributed.stage import (PARTITION_ENV, PipelineStage, layer_partition,
-                                       partition_spec)
-from pagedllm.distributed.tensor_parallel import TensorParallelRank
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import Executor, WorkerDiedError, WorkerError
 from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message,
                                         process_stopped)
+from pagedllm.executor.rank_loop import WorkerCall, WorkerReply, recv, send
+from pagedllm.executor.rank_memory import rank_cgroup
+from pagedllm.executor.rank_places import (RankPlace, parallel_kind, partition_note,
+                                           places_driver, rank_places)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
-from pagedllm.platforms.interface import MemoryInfo
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,257 +83,6 @@ STOP_S = 10.0  # how long shutdown waits for a rank to exit before it is killed
 # a step call larger than this is sent only once every reply before it is read: a rank busy
 # writing a large reply to a full pipe would never read a large call the engine is blocked on
 BIG_CALL_BYTES = 64 * 2**10
-# gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
-COMM_TIMEOUT = timedelta(minutes=10)
-
-
-RANK_CGROUP_ENV = "PAGEDLLM_RANK_CGROUP"
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def rank_cgroup(rank: int) -> Optional[str]:
-    """The cgroup directory rank `rank` joins (PAGEDLLM_RANK_CGROUP), or None."""
-    template = os.environ.get(RANK_CGROUP_ENV)
-    if not template:
-        return None
-    if "{rank}" not in template:
-        raise ValueError(f"{RANK_CGROUP_ENV}={template!r} must hold a {{rank}} placeholder: "
-                         "each rank needs a cgroup of its own")
-    return template.replace("{rank}", str(rank))
-
-
-def cgroup_memory(directory: str) -> MemoryInfo:
-    """What a process in the cgroup `directory` may use (v1 under /sys/fs/cgroup/memory, else
-    v2), read from here before the process exists, as the process itself would read it."""
-    import psutil
-
-    from pagedllm.platforms.cgroup import memory_limit
-    from pagedllm.platforms.cpu import memory_info
-
-    path = Path(directory).resolve()
-    v1 = CGROUP_ROOT / "memory"
-    try:
-        line = (f"1:memory:/{path.relative_to(v1)}" if path.is_relative_to(v1)
-                else f"0::/{path.relative_to(CGROUP_ROOT)}")
-    except ValueError:
-        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup directory under "
-                         f"{CGROUP_ROOT}") from None
-    if not (path / "cgroup.procs").exists():
-        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup (no cgroup.procs); "
-                         "make it first (mkdir, then write its memory limit)")
-    vm = psutil.virtual_memory()
-    info = memory_info(vm.available, vm.total, memory_limit(CGROUP_ROOT, line))
-    return MemoryInfo(info.total_bytes, info.available_bytes, f"{directory}: {info.source}")
-
-
-def own_memory(mem: MemoryInfo) -> MemoryInfo:
-    """What a rank may use, read in its own process: what is free plus what the process
-    already holds (Python, torch), which the plan counts as its runtime."""
-    import psutil
-
-    rss = psutil.Process().memory_info().rss
-    return MemoryInfo(mem.total_bytes, min(mem.total_bytes, mem.available_bytes + rss),
-                      f"{mem.source}; this rank already holds {rss / 2**20:.0f} MiB of its "
-                      "runtime")
-
-
-def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
-    """Each rank's memory when each runs in its own cgroup (PAGEDLLM_RANK_CGROUP), else None:
-    the ranks share this machine's memory. The rank whose cgroup holds the engine process
-    plans without what that process will still take to serve."""
-    dirs = [rank_cgroup(r) for r in range(world_size)]
-    if dirs[0] is None:
-        return None
-    from pagedllm.executor.rank_memory import (driver_rss, holds_driver, less_driver,
-                                               own_memory_cgroup)
-
-    driver = own_memory_cgroup(CGROUP_ROOT)  # the engine process is counted where it runs
-    return [less_driver(cgroup_memory(d), driver_rss()) if holds_driver(d, driver)
-            else cgroup_memory(d) for d in dirs]
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process exited or was killed: the engine cannot go on."""
-
-
-class WorkerError(RuntimeError):
-    """A worker process raised while serving a call."""
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """A worker process's place: its rank in the world group, and its pipeline stage, its
-    tensor parallel rank, or both (global rank = stage * tensor_parallel_size + TP rank;
-    distributed/parallel_groups.py)."""
-
-    rank: int
-    world_size: int
-    stage: Optional[PipelineStage] = None
-    tp: Optional[TensorParallelRank] = None
-
-    @property
-    def name(self) -> str:
-        """How messages name it: "pipeline rank 1", "tensor parallel rank 1", "pipeline stage
-        1, tensor parallel rank 0 (rank 2)"."""
-        if self.tp is None:
-            return f"pipeline rank {self.rank}"
-        if self.stage is None:
-            return f"tensor parallel rank {self.rank}"
-        return (f"pipeline stage {self.stage.rank}, tensor parallel rank {self.tp.rank} "
-                f"(rank {self.rank})")
-
-    @property
-    def layers(self) -> str:
-        """" layers a-b" for a pipeline stage, else nothing (for the start-up log)."""
-        if self.stage is None:
-            return ""
-        return f" layers {self.stage.start_layer}-{self.stage.end_layer - 1}"
-
-
-def rank_places(config: EngineConfig) -> list[RankPlace]:
-    """The places of the ranks the parallel config asks for, in global rank order: stage by
-    stage, each stage's TP ranks in order (vLLM's layout)."""
-    parallel = config.parallel
-    tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    world = tp_size * pp_size
-    layers = config.arch.num_hidden_layers
-    # read here, in the driver, and carried in each place: a rank never reads the variable
-    sizes = layer_partition(layers, pp_size) if pp_size > 1 else None
-    places = []
-    for pp_rank in range(pp_size):
-        stage = PipelineStage.of_rank(layers, pp_rank, pp_size, sizes) if pp_size > 1 else None
-        for tp_rank in range(tp_size):
-            tp = TensorParallelRank(tp_rank, tp_size) if tp_size > 1 else None
-            places.append(RankPlace(global_rank(pp_rank, tp_rank, tp_size), world, stage, tp))
-    return places
-
-
-def parallel_kind(places: list[RankPlace]) -> str:
-    """What the ranks split, for the start-up log: "pipeline", "tensor" or "tensor x pipeline"."""
-    first = places[0]
-    if first.tp is None:
-        return "pipeline"
-    return "tensor" if first.stage is None else "tensor x pipeline"
-
-
-def partition_note(places: list[RankPlace]) -> str:
-    """" (VLLM_PP_LAYER_PARTITION=16,8)" when the stages follow that variable, else "" (for the
-    start-up log, which lists each rank's layers)."""
-    spec = partition_spec()
-    return "" if places[0].stage is None or spec is None else f" ({PARTITION_ENV}={spec})"
-
-
-def places_driver(places: list[RankPlace]) -> int:
-    """The rank that samples and whose output is the step's: TP rank 0 of the last stage."""
-    last = places[-1]
-    return driver_rank(1 if last.tp is None else last.tp.world_size,
-                       1 if last.stage is None else last.stage.world_size)
-
-
-@dataclass(frozen=True)
-class WorkerCall:
-    """A Worker method to run on a rank, with its arguments."""
-
-    method: str
-    args: tuple = ()
-
-
-@dataclass(frozen=True)
-class WorkerReply:
-    """What a rank's call returned, or how it failed."""
-
-    value: Any = None
-    error: Optional[str] = None  # "TypeName: message" and the rank's traceback
-
-
-def send(conn: Connection, message: Any) -> None:
-    """Send a message as a plain pickle."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def recv(conn: Connection) -> Any:
-    """Receive a message sent by send()."""
-    return pickle.loads(conn.recv_bytes())
-
-
-def start_worker(config: EngineConfig, place: RankPlace, init_method: str,
-                 num_threads: Optional[int] = None) -> Any:
-    """A rank's Worker (the mp and the Ray executors both start theirs here): join the gloo
-    process group at init_method and make the TP groups, set up the device, load its share of
-    the model (a pipeline stage's layers, a tensor parallel rank's part of every layer, or its
-    part of its stage's layers). num_threads: torch threads for the rank; None: this machine's
-    share."""
-    import torch.distributed as dist
-
-    from pagedllm.worker.worker import Worker
-
-    dist.init_process_group("gloo", init_method=init_method, rank=place.rank,
-                            world_size=place.world_size, timeout=COMM_TIMEOUT)
-    parallel = config.parallel
-    init_tp_group(place.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    worker = Worker(config, place.stage, place.tp, num_threads)
-    worker.init_device()
-    worker.load_model()
-    return worker
-
-
-def worker_main(conn: Connection) -> None:
-    """A rank's process: take its config and place, join the process group, load its share of
-    the model, then serve calls until told to stop or until the engine's end of the pipe
-    closes."""
-    import torch.distributed as dist
-
-    from pagedllm.logger import configure_logging
-
-    configure_logging()
-    try:
-        config, place, init_method = recv(conn)
-        if place.stage is not None and rank_cgroup(place.rank) is not None:
-            # its own memory: its share must fit there
-            from pagedllm.worker.rank_plan import plan_rank_memory
-
-            plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
-                                    config.parallel.tensor_parallel_size)
-            logging.getLogger("pagedllm").info("%s", plan.summary())
-        worker = start_worker(config, place, init_method)
-        send(conn, WorkerReply(worker.model_runner.decode_path))
-        _serve(worker, conn)
-    except (EOFError, KeyboardInterrupt):
-        pass  # the engine is gone (or stopping): nothing to answer
-    except BaseException as err:  # start-up failed: the engine hears why
-        _send_error(conn, err)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _serve(worker: Any, conn: Connection) -> None:
-    """Run calls in order until a "shutdown" call or a closed pipe."""
-    while True:
-        call: WorkerCall = recv(conn)
-        if call.method == "shutdown":
-            send(conn, WorkerReply())
-            return
-        if call.method == "comm_stats":  # send/recv (worker/stage_comm.py), TP collectives
-            from pagedllm.distributed.comm_stats import TP_COMM_STATS
-            from pagedllm.worker.stage_comm import COMM_STATS
-
-            send(conn, WorkerReply({**COMM_STATS.snapshot(*call.args),
-                                    **TP_COMM_STATS.snapshot(*call.args)}))
-            continue
-        try:
-            reply = WorkerReply(getattr(worker, call.method)(*call.args))
-        except Exception as err:
-            _send_error(conn, err)
-            continue
-        send(conn, reply)
-
-
-def _send_error(conn: Connection, err: BaseException) -> None:
-    try:
-        send(conn, WorkerReply(error=f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    except OSError:
-        pass  # the engine closed the pipe
 
 
 @dataclass
@@ -557,11 +306,8 @@ class MultiprocExecutor(Executor):
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]
 
-    def comm_stats(self, reset: bool = False) -> list[dict]:
-        """Each rank's stage-to-stage send/recv counts, bytes and seconds (CommStats) and its
-        tensor-parallel collectives' (CollectiveStats), in rank order; reset=True starts the
-        counters again."""
-        return self._call_all(WorkerCall("comm_stats", (reset,)))
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._call_all(WorkerCall(method, args))
 
     def shutdown(self) -> None:
         """Stop every rank's process and remove the process group's store."""

@@ -11,6 +11,7 @@ will hold once it serves is not, so the rank beside it plans without that.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -69,3 +70,65 @@ def holds_driver(rank_dir: str, driver_dir: Optional[Path]) -> bool:
         return False
     rank = Path(rank_dir).resolve()
     return driver_dir == rank or rank in driver_dir.parents
+
+
+RANK_CGROUP_ENV = "PAGEDLLM_RANK_CGROUP"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def rank_cgroup(rank: int) -> Optional[str]:
+    """The cgroup directory rank `rank` joins (PAGEDLLM_RANK_CGROUP), or None."""
+    template = os.environ.get(RANK_CGROUP_ENV)
+    if not template:
+        return None
+    if "{rank}" not in template:
+        raise ValueError(f"{RANK_CGROUP_ENV}={template!r} must hold a {{rank}} placeholder: "
+                         "each rank needs a cgroup of its own")
+    return template.replace("{rank}", str(rank))
+
+
+def cgroup_memory(directory: str) -> MemoryInfo:
+    """What a process in the cgroup `directory` may use (v1 under /sys/fs/cgroup/memory, else
+    v2), read from here before the process exists, as the process itself would read it."""
+    import psutil
+
+    from pagedllm.platforms.cgroup import memory_limit
+    from pagedllm.platforms.cpu import memory_info
+
+    path = Path(directory).resolve()
+    v1 = CGROUP_ROOT / "memory"
+    try:
+        line = (f"1:memory:/{path.relative_to(v1)}" if path.is_relative_to(v1)
+                else f"0::/{path.relative_to(CGROUP_ROOT)}")
+    except ValueError:
+        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup directory under "
+                         f"{CGROUP_ROOT}") from None
+    if not (path / "cgroup.procs").exists():
+        raise ValueError(f"{RANK_CGROUP_ENV}: {directory} is not a cgroup (no cgroup.procs); "
+                         "make it first (mkdir, then write its memory limit)")
+    vm = psutil.virtual_memory()
+    info = memory_info(vm.available, vm.total, memory_limit(CGROUP_ROOT, line))
+    return MemoryInfo(info.total_bytes, info.available_bytes, f"{directory}: {info.source}")
+
+
+def own_memory(mem: MemoryInfo) -> MemoryInfo:
+    """What a rank may use, read in its own process: what is free plus what the process
+    already holds (Python, torch), which the plan counts as its runtime."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    return MemoryInfo(mem.total_bytes, min(mem.total_bytes, mem.available_bytes + rss),
+                      f"{mem.source}; this rank already holds {rss / 2**20:.0f} MiB of its "
+                      "runtime")
+
+
+def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
+    """Each rank's memory when each runs in its own cgroup (PAGEDLLM_RANK_CGROUP), else None:
+    the ranks share this machine's memory. The rank whose cgroup holds the engine process
+    plans without what that process will still take to serve."""
+    dirs = [rank_cgroup(r) for r in range(world_size)]
+    if dirs[0] is None:
+        return None
+    driver = own_memory_cgroup(CGROUP_ROOT)  # the engine process is counted where it runs
+    return [less_driver(cgroup_memory(d), driver_rss()) if holds_driver(d, driver)
+            else cgroup_memory(d) for d in dirs]

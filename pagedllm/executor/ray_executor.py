@@ -12,12 +12,13 @@ machines of a Ray cluster (vLLM's `--distributed-executor-backend ray`).
                                       --- torch.distributed send/recv (gloo, TCP) --->
                 <-- ray.get -------------------------------------  ModelRunnerOutput
 
-The ranks are the mp executor's (executor/multiproc.py's rank_places): pipeline stages as
+The ranks are the mp executor's (executor/rank_places.py): pipeline stages as
 above, the last one's answer the step's output; or, with tensor_parallel_size=N, N ranks that
 each run every step on their share of every layer, joined by the collectives (all-reduce,
 all-gather), tensor parallel rank 0's answer the step's output; or both, tp x pp ranks, each
 stage's TP ranks in a TP group of their own, TP rank 0 of the last stage answering. The rank
-that samples is the driver; the others are given its tokens with their next step.
+that samples is the driver; every rank learns the tokens sampled from the next step's
+SchedulerOutput.
 
 Ray places the ranks (a placement group, one bundle per rank: STRICT_SPREAD when the cluster
 has a node for each, else PACK) and carries the control calls; the activations (stage to
@@ -56,11 +57,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pagedllm.config import EngineConfig
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.abstract import Executor, WorkerDiedError, WorkerError
 from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message)
-from pagedllm.executor.multiproc import (RankPlace, WorkerDiedError, WorkerError,
-                                         own_memory, parallel_kind, partition_note,
-                                         places_driver, rank_places, start_worker)
+from pagedllm.executor.rank_loop import start_worker
+from pagedllm.executor.rank_memory import own_memory
+from pagedllm.executor.rank_places import (RankPlace, parallel_kind, partition_note,
+                                           places_driver, rank_places)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
 
 logger = logging.getLogger("pagedllm")
@@ -132,13 +134,6 @@ class RankActor:
             logging.getLogger("pagedllm").info("%s", plan.summary())
         self.worker = start_worker(config, place, init_method, num_threads)
         return self.worker.model_runner.decode_path
-
-    def comm_stats(self, reset: bool) -> dict:
-        """This rank's stage send/recv and tensor-parallel collective counters."""
-        from pagedllm.distributed.comm_stats import TP_COMM_STATS
-        from pagedllm.worker.stage_comm import COMM_STATS
-
-        return {**COMM_STATS.snapshot(reset), **TP_COMM_STATS.snapshot(reset)}
 
     def call(self, method: str, *args: Any) -> Any:
         """Run one of the Worker's methods."""
@@ -436,11 +431,8 @@ class RayExecutor(Executor):
     def decode_path(self) -> str:
         return self._decode_paths[self._driver]
 
-    def comm_stats(self, reset: bool = False) -> list[dict]:
-        """Each rank's stage-to-stage send/recv counters and its tensor-parallel collectives',
-        in rank order (as MultiprocExecutor.comm_stats); reset=True starts them again."""
-        self._check_alive()
-        return self._gather([r.actor.comm_stats.remote(reset) for r in self._ranks])
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return self._call_all(method, *args)
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group, and leave Ray if this executor

@@ -1,6 +1,8 @@
 """The executor of one worker in the engine's own process."""
 from __future__ import annotations
 
+from typing import Any
+
 from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
@@ -26,6 +28,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
     def decode_path(self) -> str:
         return self.worker.model_runner.decode_path

@@ -70,3 +70,11 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step (the same message on every rank)."""
         return self.model_runner.execute_model(sched)
+
+    def comm_stats(self, reset: bool = False) -> dict:
+        """This rank's stage-to-stage send/recv counters (worker/stage_comm.py) and its tensor
+        parallel collectives' (distributed/comm_stats.py); reset=True starts them again."""
+        from pagedllm.distributed.comm_stats import TP_COMM_STATS
+        from pagedllm.worker.stage_comm import COMM_STATS
+
+        return {**COMM_STATS.snapshot(reset), **TP_COMM_STATS.snapshot(reset)}

@@ -22,8 +22,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.executor.multiproc import (MultiprocExecutor, WorkerCall, WorkerDiedError,
-                                         WorkerError, rank_places)
+from pagedllm.executor.abstract import WorkerDiedError, WorkerError
+from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.rank_places import rank_places
 from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.gguf_header import gguf_header
@@ -394,7 +395,7 @@ def test_smollm_pp2_with_vllm_pp_layer_partition_equals_one_process(smollm_gguf,
         executor = pp.llm_engine.engine_core.executor
         assert [p.stage.layers for p in rank_places(executor.config)] == [range(0, 20),
                                                                          range(20, 30)]
-        block = executor._call_all(WorkerCall("kv_block_bytes"))
+        block = executor.collective_rpc("kv_block_bytes")
         assert block[0] == 2 * block[1], block
         assert "pipeline parallel (VLLM_PP_LAYER_PARTITION=20,10): rank 0" in caplog.text
         assert " layers 0-19, rank 1 " in caplog.text and " layers 20-29" in caplog.text

@@ -14,7 +14,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.executor.multiproc import WorkerDiedError
+from pagedllm.executor.abstract import WorkerDiedError
 from pagedllm.executor.uniproc import UniProcExecutor
 from rank_helpers import DEADLINE_S, gone
 

@@ -58,7 +58,7 @@ def test_holds_driver_for_its_own_cgroup_or_one_above_it(tmp_path):
 
 RANK_MEMORIES_JOB = """
 import json
-from pagedllm.executor.multiproc import rank_memories
+from pagedllm.executor.rank_memory import rank_memories
 print(json.dumps([[m.available_bytes, m.source] for m in rank_memories(2)]))
 """
 

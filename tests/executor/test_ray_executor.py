@@ -29,7 +29,8 @@ from ray.cluster_utils import Cluster
 import pagedllm
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor import ray_executor
-from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerError
+from pagedllm.executor.abstract import WorkerDiedError, WorkerError
+from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.loader.gguf_header import gguf_header
 from rank_helpers import DEADLINE_S, free_port, gone, kill_mid_generation, wait_healthy
@@ -253,7 +254,7 @@ def test_tp2_on_two_ray_nodes_equals_mp_and_one_process(qwen_hf_dir, ray_address
         tokens, lps = _tp_run(llm)
         # comm_stats, as bench -tp reads it: both ranks ran every step, each with the
         # embedding's all-reduce and two a layer (Qwen's 24)
-        stats = executor.comm_stats()
+        stats = llm.llm_engine.rank_comm_stats()
         assert stats[0]["forwards"] == stats[1]["forwards"] > 0
         assert [s["all_reduces"] for s in stats] == [49 * stats[0]["forwards"]] * 2
     finally:

@@ -26,7 +26,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels import load_kernels
-from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError, WorkerError
+from pagedllm.executor.abstract import WorkerDiedError, WorkerError
+from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.loader import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform

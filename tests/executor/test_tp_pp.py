@@ -19,8 +19,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.distributed.parallel_groups import tp_group_ranks
-from pagedllm.executor.multiproc import (MultiprocExecutor, WorkerDiedError, places_driver,
-                                         rank_places)
+from pagedllm.executor.abstract import WorkerDiedError
+from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.rank_places import places_driver, rank_places
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.stage_comm import peer_rank
@@ -88,9 +89,9 @@ def test_qwen_hf_dir_tp2_pp2_equals_tp2_and_one_process(qwen_hf_dir):
         executor = llm.llm_engine.engine_core.executor
         assert isinstance(executor, MultiprocExecutor) and len(executor.worker_pids) == 4
         assert "tensor parallel rank 0 of 2" in executor.decode_path()
-        executor.comm_stats(reset=True)
+        llm.llm_engine.rank_comm_stats(reset=True)
         got = _tokens(llm)
-        stats = executor.comm_stats()
+        stats = llm.llm_engine.rank_comm_stats()
     finally:
         llm.llm_engine.shutdown()
     assert got == tp2

@@ -66,10 +66,9 @@ def test_moe_tp2_equals_one_process_with_one_all_reduce_a_block(request, family,
     want = _greedy(LLM(**engine), ckpts.prompts)
     llm = LLM(**engine, tensor_parallel_size=2)
     try:
-        executor = llm.llm_engine.engine_core.executor
-        executor.comm_stats(reset=True)
+        llm.llm_engine.rank_comm_stats(reset=True)
         got = _greedy(llm, ckpts.prompts)
-        stats = executor.comm_stats()
+        stats = llm.llm_engine.rank_comm_stats()
     finally:
         llm.llm_engine.shutdown()
     _check(got, want, checkpoint)

@@ -1,11 +1,13 @@
 """A fuzzed API stays up: schemathesis requests, built from the OpenAPI schema the server serves
 (valid bodies and bodies that break it), against the real SmolLM2 server. Passing means no 5xx,
-no hang, every 4xx OpenAI's error object, and the server healthy at the end."""
+no hang, every 4xx OpenAI's error object (Anthropic's under /v1/messages), and the server
+healthy at the end."""
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter
+from functools import partial
 
 import httpx
 import pytest
@@ -15,8 +17,9 @@ from conftest import API_KEY, MODEL
 
 schemathesis = pytest.importorskip("schemathesis")
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
-             "/detokenize")
+MESSAGES = "/v1/messages"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES,
+             MESSAGES + "/count_tokens", "/tokenize", "/detokenize")
 EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
 MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -26,7 +29,9 @@ def _short(case):
     """The case with at most MAX_TOKENS generated (chat's default runs to max_model_len)."""
     body = case.body
     if isinstance(body, dict):
-        names = (("max_output_tokens",) if case.operation.path == "/v1/responses"
+        path = case.operation.path
+        names = (("max_output_tokens",) if path == "/v1/responses" else ("max_tokens",)
+                 if path == MESSAGES else () if path.startswith(MESSAGES)
                  else ("max_tokens", "max_completion_tokens"))
         for name in names:
             if not _at_most(body.get(name), MAX_TOKENS):
@@ -47,6 +52,21 @@ def _check_error_object(status: int, text: str) -> None:
     assert error["param"] is None or isinstance(error["param"], str)
 
 
+def _check_anthropic_error(text: str) -> None:
+    body = json.loads(text)
+    assert body["type"] == "error" and isinstance(body["error"]["type"], str)
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def _check_anthropic_stream(text: str) -> None:
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert events and events[0]["type"] == "message_start", text[-500:]
+    if events[-1]["type"] == "error":  # an error event mid-stream: only a client's fault
+        assert events[-1]["error"]["type"] == "invalid_request_error", events[-1]
+        return
+    assert events[-1]["type"] == "message_stop", text[-500:]
+
+
 def _check_stream(text: str) -> None:
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     if events and '"sequence_number"' in events[0]:  # the Responses API's typed events
@@ -60,13 +80,14 @@ def _check_stream(text: str) -> None:
             assert chunk["error"]["code"] < 500, chunk
 
 
-def _check(response) -> None:
+def _check(response, path: str) -> None:
     status, text = response.status_code, response.text
     assert status < 500, f"{status}: {text[:1000]}"
+    anthropic = path.startswith(MESSAGES)
     if status >= 400:
-        _check_error_object(status, text)
+        (_check_anthropic_error if anthropic else partial(_check_error_object, status))(text)
     elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
-        _check_stream(text)
+        (_check_anthropic_stream if anthropic else _check_stream)(text)
     else:
         json.loads(text)
 
@@ -74,10 +95,13 @@ def _check(response) -> None:
 @pytest.fixture(scope="module")
 def api_schema(server):
     raw = httpx.get(f"{server.url}/openapi.json").json()
-    # `model` is the served name or absent: random names would only ever get the 404
+    # `model` is the served name or absent (where it may be): random names would only ever get
+    # the 404
     for schema in raw["components"]["schemas"].values():
         if "model" in schema.get("properties", {}):
-            schema["properties"]["model"] = {"anyOf": [{"enum": [MODEL]}, {"type": "null"}]}
+            schema["properties"]["model"] = (
+                {"enum": [MODEL]} if "model" in schema.get("required", ())
+                else {"anyOf": [{"enum": [MODEL]}, {"type": "null"}]})
     return schemathesis.openapi.from_dict(raw)
 
 
@@ -95,7 +119,7 @@ def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_sche
         t0 = time.monotonic()
         note(f"body: {case.body!r}"[:2000])
         response = case.call(base_url=server.url, headers=HEADERS, timeout=60)
-        _check(response)
+        _check(response, path)
         slowest = max(slowest, time.monotonic() - t0)
         statuses[response.status_code] += 1
 

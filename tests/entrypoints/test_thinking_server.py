@@ -1,12 +1,13 @@
 """A thinking model through a live server and the official openai SDK: the tiny Qwen3 of
 thinking_model.py (its output is the known chain, checked against transformers), whose
 reasoning the qwen3 parser (picked from Qwen3's template) keeps apart from its answer, its
-JSON-schema answer and its tool calls, in chat completions and in the Responses API, streamed
-and not."""
+JSON-schema answer and its tool calls, in chat completions, the Responses API and Anthropic's
+Messages API (thinking blocks, through the anthropic SDK), streamed and not."""
 from __future__ import annotations
 
 import json
 
+import anthropic
 import pytest
 from openai import OpenAI
 
@@ -170,6 +171,62 @@ def test_responses_json_schema_and_tool_call_after_the_thinking(client, stream):
         else:
             (call,) = [item for item in out.output if item.type == "function_call"]
             assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+def _message(server, stream: bool, **kw):
+    """(the Message, the raw event types when stream) of a Messages API request."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="EMPTY", max_retries=0,
+                                 timeout=60)
+    kw = {"model": MODEL, "messages": ASK, "max_tokens": 20, "extra_body": {"temperature": 0},
+          **kw}
+    if not stream:
+        return client.messages.create(**kw), None
+    with client.messages.stream(**kw) as events:
+        message = events.get_final_message()
+    raw = [(e.type, e.delta.type if e.type == "content_block_delta" else None)
+           for e in client.messages.create(stream=True, **kw)]
+    return message, raw
+
+
+def _blocks(message) -> list[tuple]:
+    return [(b.type, b.thinking if b.type == "thinking" else b.text if b.type == "text"
+             else (b.name, b.input)) for b in message.content]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_thinking_block_then_text(server, stream):
+    message, raw = _message(server, stream)
+    assert _blocks(message) == [("thinking", REASONING), ("text", ANSWER)]
+    assert message.content[0].signature == "" and message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 8
+    if stream:
+        # (the SDK leaves out the ping after message_start)
+        assert raw == [("message_start", None), ("content_block_start", None),
+                       *[("content_block_delta", "thinking_delta")] * 3,
+                       ("content_block_delta", "signature_delta"), ("content_block_stop", None),
+                       ("content_block_start", None), ("content_block_delta", "text_delta"),
+                       ("content_block_stop", None), ("message_delta", None),
+                       ("message_stop", None)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_thinking_disabled_cut_off_and_tool_use(server, stream):
+    off, _ = _message(server, stream, thinking={"type": "disabled"})
+    assert _blocks(off) == [("text", ANSWER)] and off.stop_reason == "end_turn"
+    cut, _ = _message(server, stream, max_tokens=2)
+    assert _blocks(cut) == [("thinking", "Hmm")] and cut.stop_reason == "max_tokens"
+    tool = {"name": "get_weather", "input_schema": CITY["function"]["parameters"]}
+    call, _ = _message(server, stream, tools=[tool],
+                       tool_choice={"type": "tool", "name": "get_weather"})
+    assert _blocks(call) == [("thinking", REASONING), ("tool_use", ("get_weather",
+                                                                   {"city": "Paris"}))]
+    assert call.stop_reason == "tool_use"
+    # the thinking block sent back is dropped from the prompt, as Anthropic drops it
+    again, _ = _message(server, stream, messages=ASK + [
+        {"role": "assistant", "content": [b.model_dump() for b in call.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.content[1].id,
+                                      "content": "sunny"}]}])
+    assert again.content and again.content[0].type == "thinking"
 
 
 def test_reasoning_parser_none_leaves_the_tags_in_the_answer(thinking_dir):

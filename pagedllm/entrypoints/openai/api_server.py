@@ -14,6 +14,9 @@ from starlette.exceptions import HTTPException
 
 from pagedllm.engine.async_engine import (AsyncLLM, EngineClosingError, EngineDeadError,
                                           RequestFailedError)
+from pagedllm.entrypoints.anthropic.errors import error_body
+from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.anthropic.serving_messages import count_tokens, create_message
 from pagedllm.entrypoints.openai.auth import ApiKeyAuth
 from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
 from pagedllm.entrypoints.openai.limits import HttpLimits
@@ -22,9 +25,9 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
 from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
-from pagedllm.entrypoints.openai.serving_common import (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES,
-                                                        OpenAIError, ServerContext, bad_request,
-                                                        now)
+from pagedllm.entrypoints.openai.serving_common import (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES,
+                                                        RESPONSES, OpenAIError, ServerContext,
+                                                        bad_request, now)
 from pagedllm.entrypoints.openai.serving_embedding import create_embedding
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -88,47 +91,46 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> Optional
 
 def build_app(ctx: ServerContext, api_key: Optional[str] = None,
               limits: HttpLimits = HttpLimits()) -> FastAPI:
-    """The FastAPI application. Every error it answers is OpenAI's error object."""
+    """The FastAPI application. Every error it answers is OpenAI's error object (Anthropic's
+    under /v1/messages)."""
     app = FastAPI(title="pagedllm", version=__version__)
     metrics = ServerMetrics(ctx.engine, ctx.served_model_names[0])
     ctx.engine.listener = metrics
 
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+    async def _openai_error(request: Request, err: OpenAIError) -> JSONResponse:
+        return _error(request, err)
 
     @app.exception_handler(RequestFailedError)
     @app.exception_handler(EngineDeadError)
-    async def _failed(_: Request, err: RuntimeError) -> JSONResponse:
+    async def _failed(request: Request, err: RuntimeError) -> JSONResponse:
         # this request failed on its own, or the engine stopped (serve then exits)
-        return JSONResponse(OpenAIError(str(err), 500).body(), status_code=500)
+        return _error(request, OpenAIError(str(err), 500))
 
     @app.exception_handler(EngineClosingError)
-    async def _closing(_: Request, err: EngineClosingError) -> JSONResponse:
-        return JSONResponse(OpenAIError(str(err), 503).body(), status_code=503)
+    async def _closing(request: Request, err: EngineClosingError) -> JSONResponse:
+        return _error(request, OpenAIError(str(err), 503))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         message, field = _validation_message(err)
-        return JSONResponse(OpenAIError(message, 400, field).body(), status_code=400)
+        return _error(request, OpenAIError(message, 400, field))
 
     @app.exception_handler(HTTPException)
     async def _routing(request: Request, err: HTTPException) -> JSONResponse:
-        body = _routing_error(request, err)
-        return JSONResponse(body.body(), status_code=body.status, headers=err.headers)
+        return _error(request, _routing_error(request, err), err.headers)
 
     @app.exception_handler(RecursionError)
-    async def _too_deep(_: Request, err: RecursionError) -> JSONResponse:
+    async def _too_deep(request: Request, err: RecursionError) -> JSONResponse:
         # only input nested beyond the interpreter's stack gets here (a template's tojson of a
         # deep tools object, say)
-        body = OpenAIError(f"the request nests too deeply to process: {err}", 400)
-        return JSONResponse(body.body(), status_code=400)
+        return _error(request, OpenAIError(f"the request nests too deeply to process: {err}", 400))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, err: Exception) -> JSONResponse:
+    async def _internal(request: Request, err: Exception) -> JSONResponse:
         # Starlette re-raises err after this answer: uvicorn logs its traceback
-        body = OpenAIError(f"internal server error: {type(err).__name__}: {err}", 500)
-        return JSONResponse(body.body(), status_code=500)
+        return _error(request, OpenAIError(
+            f"internal server error: {type(err).__name__}: {err}", 500))
 
     @app.get("/health")
     async def health() -> Response:
@@ -185,6 +187,17 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
     async def cancel(response_id: str) -> dict[str, Any]:
         return cancel_response(ctx, response_id)
 
+    @app.post(MESSAGES)
+    async def messages(req: MessagesRequest, raw: Request):
+        ctx.check_serves(MESSAGES)
+        return _respond(await _unless_disconnected(
+            raw, create_message(ctx, req, _client(raw))))
+
+    @app.post(MESSAGES + "/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> dict[str, int]:
+        ctx.check_serves(MESSAGES)
+        return await count_tokens(ctx, req)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(req.model)
@@ -230,6 +243,13 @@ def unhealthy(engine: AsyncLLM) -> Optional[str]:
     if engine.error is not None:
         return f"the engine stopped: {type(engine.error).__name__}: {engine.error}"
     return engine.closing
+
+
+def _error(request: Request, err: OpenAIError,
+           headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    """err answered in the shape of the API the path belongs to (OpenAI's or Anthropic's)."""
+    return JSONResponse(error_body(request.url.path, err), status_code=err.status,
+                        headers=headers)
 
 
 def _respond(result: Any):

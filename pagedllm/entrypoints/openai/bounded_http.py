@@ -36,6 +36,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedllm.entrypoints.openai.limits import (DEFAULT_READ_TIMEOUT_S,
                                                 DEFAULT_SEND_BUFFER_BYTES,
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits)
+from pagedllm.entrypoints.anthropic.errors import error_body
 from pagedllm.entrypoints.openai.serving_common import OpenAIError
 
 logger = logging.getLogger("pagedllm")
@@ -78,7 +79,8 @@ class BoundedBodies:
         if declared is not None and declared > self.limits.max_body_bytes:
             # answered before reading: uvicorn discards the body that still arrives
             err = OpenAIError(_too_large(self.limits.max_body_bytes, declared), 413)
-            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            await JSONResponse(error_body(scope["path"], err), status_code=413)(
+                scope, receive, send)
             return
         await self.app(scope, _BodyReader(receive, self.limits).receive, send)
 

@@ -168,6 +168,15 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, client: Opt
     return ChatRun(model, rid, ids, plan, request_reasoning(ctx, ids), gen)
 
 
+async def count_chat_tokens(ctx: ServerContext, req: ChatCompletionRequest) -> int:
+    """How many tokens the request's templated prompt is (tools included), as start_chat
+    would queue it; nothing is queued."""
+    ctx.check_model(req.model)
+    plan = _plan(ctx, req)
+    ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
+    return len(ids)
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  client: Optional[str] = None):
     """The JSON response, or an async iterator of SSE lines when req.stream; client: who sent

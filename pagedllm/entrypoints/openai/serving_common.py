@@ -41,6 +41,7 @@ class OpenAIError(Exception):
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 EMBEDDINGS = "/v1/embeddings"
+MESSAGES = "/v1/messages"  # Anthropic's Messages API, over the chat path
 
 
 @dataclass
@@ -66,15 +67,15 @@ class ServerContext:
 
     @property
     def runner(self) -> str:
-        """What the model serves: "generate" (completions, chat, responses) or "pooling"
-        (embeddings)."""
+        """What the model serves: "generate" (completions, chat, responses, messages) or
+        "pooling" (embeddings)."""
         return self.engine.engine.config.runner
 
     def endpoints(self) -> list[str]:
         """The endpoints that serve this model."""
         if self.runner == "pooling":
             return [EMBEDDINGS]
-        return [COMPLETIONS, CHAT, RESPONSES]
+        return [COMPLETIONS, CHAT, RESPONSES, MESSAGES]
 
     def check_serves(self, endpoint: str) -> None:
         """A 400 naming the endpoints that serve this model when `endpoint` does not."""

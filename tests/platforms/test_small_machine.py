@@ -144,8 +144,9 @@ def seed_vm() -> Iterator[Path]:
 def test_doctor_in_the_seed_vm_names_the_tested_way_first(seed_vm, tmp_path):
     """doctor on Qwen2-7B-Instruct's shapes in a 3.49 GiB cgroup: the tested way (a Q4_K_M
     GGUF at -pp 2 over two such machines) first, with where to get it; then every format by
-    its expected speed, the fastest that fits one machine a Q2_K GGUF with its blocks mapped;
-    machine counts equal to the sizes, TP sizes that divide the 28 heads and 4 KV heads."""
+    its expected speed: int4 made at load over four such machines (-tp 4), then the Q2_K GGUF
+    with its blocks mapped on this one; machine counts equal to the sizes, TP sizes that divide
+    the 28 heads and 4 KV heads."""
     job = ("import sys; from pagedllm.entrypoints.cli import main; "
            f"sys.exit(main(['doctor', {str(QWEN7B)!r}] + sys.argv[1:]))")
     script = tmp_path / "doctor.py"
@@ -161,7 +162,8 @@ def test_doctor_in_the_seed_vm_names_the_tested_way_first(seed_vm, tmp_path):
     assert model["tested_way"] == {**model["tested_way"], "format": "Q4_K_M", "machines": 2,
                                    "pipeline_parallel_size": 2, "tensor_parallel_size": 1}
     fastest = model["fastest_way"]
-    assert (fastest["format"], fastest["machines"], fastest["mapped"]) == ("Q2_K", 1, True)
+    assert (fastest["format"], fastest["machines"], fastest["tensor_parallel_size"]) == (
+        "int4", 4, 4)
     assert {w["format"] for w in model["ways_out"]} == {"Q4_K_M", "Q2_K", "int4", "int8", "bf16"}
     # bf16's 14 GiB: the even split over 8 such machines; no TP size of 2 or 4 holds it
     assert model["machines_needed"] == {"pipeline_parallel_size": 8, "tensor_parallel_size": None}
@@ -170,7 +172,8 @@ def test_doctor_in_the_seed_vm_names_the_tested_way_first(seed_vm, tmp_path):
     assert ways[0].startswith("    - the tested way: a Q4_K_M GGUF with pipeline_parallel_size=2 "
                               "over two machines like this one")
     assert "pagedllm serve Qwen/Qwen2-7B-Instruct-GGUF:Q4_K_M -pp 2" in ways[0]
-    assert ways[1].startswith("    - a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, "
+    assert ways[1].startswith("    - int4 at load (quantization='int4': Q4_1 blocks)")
+    assert ways[2].startswith("    - a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, "
                               "its blocks mapped from a file")
     for size, count in re.findall(r"_parallel_size=(\d+) over (\d+) machines", text):
         assert size == count

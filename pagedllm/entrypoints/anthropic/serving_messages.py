@@ -77,24 +77,12 @@ def stop_of(finish_reason: Optional[str], comp: CompletionOutput
     return "end_turn", None
 
 
-def _renamed(err: OpenAIError) -> OpenAIError:
-    """The chat path's error in the Messages API's field names (its param and the message's
-    leading field)."""
-    param = _FIELDS.get(err.param or "", err.param)
-    message = err.message
-    for old, new in _FIELDS.items():
-        if message.startswith(old + " ") or message.startswith(old + ":"):
-            message = new + message[len(old):]
-            break
-    return OpenAIError(message, err.status, param, err.err_type)
-
-
 async def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> dict[str, int]:
     """{"input_tokens": n}: the templated prompt with its tools, as a Messages request sends it."""
     try:
         return {"input_tokens": await count_chat_tokens(ctx, req.chat_request())}
     except OpenAIError as err:
-        raise _renamed(err) from None
+        raise err.renamed(_FIELDS) from None
 
 
 async def create_message(ctx: ServerContext, req: MessagesRequest,
@@ -104,7 +92,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest,
     try:
         run = await start_chat(ctx, chat, client, prefix="msg")
     except OpenAIError as err:
-        raise _renamed(err) from None
+        raise err.renamed(_FIELDS) from None
     if req.stream:
         return _events(run, run.choice_stream(ctx, chat))
     final: Optional[RequestOutput] = None

@@ -33,6 +33,17 @@ class OpenAIError(Exception):
                                      503: "service_unavailable"}.get(
             status, "invalid_request_error" if status < 500 else "server_error")
 
+    def renamed(self, names: dict[str, str]) -> "OpenAIError":
+        """This error in another API's field names (the chat path's -> the Responses or the
+        Messages API's): its param, and the field its message starts with."""
+        message = self.message
+        for old, new in names.items():
+            if message.startswith(old + " ") or message.startswith(old + ":"):
+                message = new + message[len(old):]
+                break
+        return OpenAIError(message, self.status, names.get(self.param or "", self.param),
+                           self.err_type)
+
     def body(self) -> dict[str, Any]:
         """The JSON body."""
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param,

@@ -29,16 +29,6 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "response_format.json_schema.schema": "text.format.schema"}
 
 
-def _renamed(err: OpenAIError) -> OpenAIError:
-    param = _PARAMS.get(err.param or "", err.param)
-    message = err.message
-    for old, new in _PARAMS.items():
-        if message.startswith(old + " ") or message.startswith(old + ":"):
-            message = new + message[len(old):]
-            break
-    return OpenAIError(message, err.status, param, err.err_type)
-
-
 def _history(ctx: ServerContext, previous: Optional[str]) -> list[dict[str, Any]]:
     if previous is None:
         return []
@@ -74,7 +64,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest,
         chat = req.chat_request(history)
         run = await start_chat(ctx, chat, client, prefix="resp")
     except OpenAIError as err:
-        raise _renamed(err) from None
+        raise err.renamed(_PARAMS) from None
     conversation = history + input_messages(req.input)
     body = _skeleton(run.request_id, run.model, req)
     running = Running(body)

@@ -14,7 +14,8 @@ from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.rank_memory import rank_memories
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
-                                      gguf_weight_bytes, planned_weight_layout, weight_layout)
+                                      gguf_weight_bytes, planned_weight_layout,
+                                      quantized_at_load, weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
@@ -177,7 +178,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
         kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
         layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
-        at_load = ckpt.kind != "gguf" and quantization in ("int8", "int4")
+        at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
             weights, name = layout.total, f"{_dtype_name(dt)} with {quantization} blocks"
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,

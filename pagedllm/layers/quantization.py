@@ -4,8 +4,9 @@
   GGMLEmbedding modules with the file's bytes (exact: the kernels dequantize to the very
   values ggml produces).
 - Float checkpoints can be quantized at load (`quantization="int8"` or `"int4"`) into the same
-  block formats, row slice by row slice as the loader reads them (loader/row_encoding.py): int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an
-  fp16 scale and minimum) for the decoder's linear layers, with the embedding and output head
+  block formats, row slice by row slice as the loader reads them (loader/row_encoding.py):
+  int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an fp16 scale
+  and minimum) for the decoder's linear layers, with the embedding and output head
   kept in Q8_0, as llama.cpp's 4-bit mixes keep them at higher precision.
 """
 from __future__ import annotations

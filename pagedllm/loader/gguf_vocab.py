@@ -104,8 +104,8 @@ class _Walker:
         return values if keep else None
 
     def _strings(self, count: int) -> tuple[str, ...]:
-        """count strings, decoded: one tight loop (a 262k-token vocabulary in ~0.15 s, where a
-        call per string took ~1 s)."""
+        """count strings, decoded, in one tight loop (Gemma 3's 262k tokens: 0.30 s, where a
+        call per string took 0.60 s; Zen 3, busy)."""
         unpack, buf, pos, size = _U64.unpack_from, self.buf, self.pos, len(self.buf)
         out = []
         for _ in range(count):

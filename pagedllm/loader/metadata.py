@@ -171,6 +171,12 @@ AT_LOAD_BYTES: dict[str, tuple[float, float]] = {"int8": (34 / 32, 34 / 32),
                                                  "int4": (20 / 32, 34 / 32)}
 
 
+def quantized_at_load(ckpt: Checkpoint, quantization: str) -> bool:
+    """Whether the model's matrices are quantized as the loader reads them: a float (HF)
+    checkpoint with int8/int4 (a GGUF with those is refused before)."""
+    return ckpt.kind != "gguf" and quantization in AT_LOAD_BYTES
+
+
 def _at_load_bytes(name: str, shape: tuple[int, ...], itemsize: int,
                    rates: Optional[tuple[float, float]]) -> int:
     """Bytes of an HF tensor as the model holds it: a linear layer's or the embedding's matrix
@@ -231,6 +237,6 @@ def planned_weight_layout(ckpt: Checkpoint, block_types: frozenset, quantization
         if embed is not None:
             return weight_layout(ckpt, itemsize, frozenset({embed}),
                                  frozenset({"token_embd.weight"}))
-    if ckpt.kind != "gguf" and quantization in AT_LOAD_BYTES:
+    if quantized_at_load(ckpt, quantization):
         return weight_layout(ckpt, itemsize, at_load=quantization)
     return weight_layout(ckpt, itemsize)

@@ -4,8 +4,9 @@ quantization="int8"/"int4" on a float checkpoint: the model is built with its bl
 modules (as for a GGUF's kept blocks) and each block weight is handed to the loader wrapped in
 EncodedRows. It looks like the float matrix the checkpoint holds (shape, numel, row slices,
 copy_), so the safetensors loader's row-sliced copy needs no change; each copy_ quantizes its
-rows into the blocks at once. The float matrix never exists whole: the load's peak is the
-blocks plus one slice, where quantizing a loaded float model held both (5x the blocks).
+rows into the blocks at once. The float matrix never exists whole: the load holds the blocks
+and one slice (then the blocks twice while they are regrouped for the kernels), where
+quantizing a loaded float model held the float model and its blocks at once.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pagedllm.loader.metadata import WeightLayout
 from pagedllm.platforms.interface import MemoryInfo
 from pagedllm.worker.decode_speed import (pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.footprint import ModelFootprint, footprint
+from pagedllm.worker.footprint import ModelFootprint, footprint, regrouped_bytes
 from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
                                     plan_pipeline_memory)
 
@@ -129,6 +129,7 @@ def format_layout(arch: ModelArchConfig, fmt: WeightFormat) -> WeightLayout:
     head = 0 if arch.tie_word_embeddings else embed
     matrices = (arch.num_params() - embed - head - h) // layers - vectors
     mlp = 3 * h * arch.intermediate_size if arch.moe is None else 0
+
     def size(n: int, bits: float) -> int:
         return int(n * bits / 8)
 
@@ -151,7 +152,7 @@ def format_footprints(arch: ModelArchConfig, num_params: int, fmt: WeightFormat,
     layout = format_layout(arch, fmt)
     fp = footprint(arch, num_params, fmt.itemsize, fmt.name, source, layout.total, 0, layout)
     if fmt.at_load:
-        return [replace(fp, load_extra_bytes=layout.total)]
+        return [replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load=True))]
     if not fmt.gguf:
         return [fp]
     mapped = footprint(arch, num_params, fmt.itemsize, fmt.name, source, layout.total,

@@ -28,7 +28,7 @@ from pagedllm.layers.quantization import QuantPlan, block_quantizers, float_quan
 from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import GGUFWeightReader, gguf_quant_plan
-from pagedllm.loader.metadata import gguf_kept_embedding
+from pagedllm.loader.metadata import gguf_kept_embedding, quantized_at_load
 from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.models.pipeline import held_elsewhere
@@ -40,13 +40,13 @@ from pagedllm.worker.x8_weight_file import cache_path, map_slots
 logger = logging.getLogger("pagedllm")
 
 
-def _block_plan(ckpt: Checkpoint, quant: str, kernel_types: frozenset,
-                config: EngineConfig) -> QuantPlan:
+def _block_plan(ckpt: Checkpoint, config: EngineConfig) -> QuantPlan:
     """Which matrices hold blocks: a GGUF's kept ones (all the kernels run with "gguf"; with
     "none", the token embedding only: gguf_kept_embedding, its lookup is exact either way); a
     float checkpoint's with int8/int4, made at load (planned on the model built on meta)."""
+    quant, kernel_types = config.quantization, config.platform.block_types()
     if ckpt.kind != "gguf":
-        if quant not in ("int8", "int4"):
+        if not quantized_at_load(ckpt, quant):
             return {}
         with torch.device("meta"):
             shape = model_class(config.arch.architecture)(config.arch,
@@ -128,13 +128,13 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
     platform, quant = config.platform, config.quantization
     device = platform.device()
     ckpt = resolve_checkpoint(config.model_path)
-    plan = _block_plan(ckpt, quant, platform.block_types(), config)
+    plan = _block_plan(ckpt, config)
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan,
                             stage, tp)
     with torch.no_grad():
         params = model.checkpoint_params()
-        if quant in ("int8", "int4"):
+        if quantized_at_load(ckpt, quant):
             params = _encoded_at_load(model, params, config.dtype)
         if config.mmap_weights:
             _load_file_backed(ckpt, model, params, stage, tp)

@@ -8,7 +8,8 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+from pagedllm.loader.metadata import (checkpoint_num_params, planned_weight_layout,
+                                      quantized_at_load)
 from pagedllm.platforms.interface import MemoryInfo
 from pagedllm.worker.advice_text import advise
 from pagedllm.worker.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
@@ -30,7 +31,7 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
     fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
                    layout.mapped_total if config.mmap_weights else 0, layout)
     if not config.mmap_weights:
-        at_load = ckpt.kind != "gguf" and config.quantization in ("int8", "int4")
+        at_load = quantized_at_load(ckpt, config.quantization)
         fp = replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
     sched = config.scheduler
     return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,

@@ -10,15 +10,18 @@ import sys as _sys
 if ("torch" not in _sys.modules and "GOMP_SPINCOUNT" not in _os.environ
         and "OMP_WAIT_POLICY" not in _os.environ):
     _os.environ["GOMP_SPINCOUNT"] = "1000"
-from pagedllm.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
-                              PoolingOutput, PoolingRequestOutput, RequestOutput)
+from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                              CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                              PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "model_path",
            "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "__version__"]
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
+           "ScoringOutput", "ScoringRequestOutput", "__version__"]
 
 
 def model_path(model: str = "qwen2.5-coder-0.5b-instruct") -> str:

@@ -80,6 +80,9 @@ class GemmaConfig:
 
 
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "relu")  # BERT hidden_act values the encoder runs
+# what a classification head's logits go through: for a score (a cross-encoder's relevance)
+# and for classify's probabilities
+HEAD_ACTIVATIONS = ("sigmoid", "softmax", "identity")
 
 
 @dataclass(frozen=True)
@@ -93,8 +96,23 @@ class EncoderConfig:
     # Matryoshka-trained: the first n values of an embedding are an embedding (dimensions=n)
     matryoshka_dimensions: Optional[tuple[int, ...]] = None
     is_matryoshka: bool = False  # any n is allowed (matryoshka_dimensions names the trained ones)
+    # a sequence-classification head (BertForSequenceClassification: a cross-encoder or a
+    # classifier) over the [CLS] row: its labels (id2label order), what its logits go through
+    # for a score and for classify's probabilities; no labels: a plain encoder that embeds
+    labels: tuple[str, ...] = ()
+    score_activation: str = "sigmoid"
+    classify_activation: str = "softmax"
+
+    @property
+    def num_labels(self) -> int:
+        """Outputs of the classification head (0: none, the encoder embeds)."""
+        return len(self.labels)
 
     def __post_init__(self) -> None:
+        for name in ("score_activation", "classify_activation"):
+            if getattr(self, name) not in HEAD_ACTIVATIONS:
+                raise ValueError(f"{name} must be one of {', '.join(HEAD_ACTIVATIONS)}, got "
+                                 f"{getattr(self, name)!r}")
         if self.type_vocab_size < 1:
             raise ValueError(f"type_vocab_size must be >= 1, got {self.type_vocab_size}")
         if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):

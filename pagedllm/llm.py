@@ -1,8 +1,10 @@
-"""LLM: vLLM's offline API (generate, chat; embed, encode for pooling models) over the engine."""
+"""LLM: vLLM's offline API (generate, chat; embed, encode, classify, score for pooling
+models) over the engine."""
 from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -12,8 +14,12 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader.hf_tokenizer import to_transformers
 from pagedllm.logger import configure_logging
-from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.engine.scoring import as_texts, cosine, pair_requests, pair_up
+from pagedllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+                              PoolingRequestOutput, RequestOutput, ScoringOutput,
+                              ScoringRequestOutput)
+from pagedllm.pooling_params import (POOLING_TASKS, PoolingParams, check_pooling_params,
+                                     check_pooling_task)
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -79,18 +85,72 @@ class LLM:
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
                pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-               use_tqdm: bool = True, pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+               use_tqdm: bool = True, pooling_task: Optional[str] = None
+               ) -> list[PoolingRequestOutput]:
         """Pool each prompt (a pooling model only); outputs come back in input order, each
-        `.outputs.data` a float32 tensor."""
-        if pooling_task != "embed":
-            raise ValueError(f"pooling_task={pooling_task!r} is not supported; supported: embed")
+        `.outputs.data` a float32 tensor. pooling_task: "embed", "classify" or "score" (None:
+        each PoolingParams' task, else the model's own: embed, or classify with a head)."""
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported; supported: "
+                             f"{', '.join(POOLING_TASKS)}")
         prompt_list = _as_prompt_list(prompts)
         params = _pooling_params_list(pooling_params, len(prompt_list))
+        if pooling_task is not None:
+            params = [_with_task(p, pooling_task) for p in params]
+        return self._pool(list(zip(prompt_list, params)), use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (a pooling model only); `.outputs.embedding` is a list of floats."""
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *,
+                 pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (a model with a classification head):
+        `.outputs.probs`, one per label in the head's order."""
+        return [ClassificationRequestOutput.from_base(o)
+                for o in self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")]
+
+    def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]], /, *,
+              truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+              pooling_params: Optional[PoolingParams] = None) -> list[ScoringRequestOutput]:
+        """The relevance of each (data_1, data_2) pair: one data_1 text against every data_2
+        text, or the two lists side by side. A cross-encoder (one-label head) reads each pair
+        as one input; an embedding model scores the cosine of the two texts' embeddings."""
+        first, second = as_texts(data_1, "data_1"), as_texts(data_2, "data_2")
+        pairs = pair_up(first, second, ("data_1", "data_2"))
+        params = check_pooling_params(pooling_params).clone()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         engine = self.llm_engine
-        ids = [str(next(self._counter)) for _ in prompt_list]
+        arch = engine.input_processor.pooling_arch
+        if arch is not None and arch.encoder is not None and arch.encoder.num_labels:
+            check_pooling_task("score", arch)
+            prompts = pair_requests(engine.tokenizer, pairs, engine.input_processor.max_model_len,
+                                    params)
+            outs = self._pool(prompts, use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])),
+                                         o.prompt_token_ids) for o in outs]
+        params.task = "embed"
+        texts = list(dict.fromkeys(first + second))  # each distinct text embedded once
+        outs = dict(zip(texts, self._pool([(t, params) for t in texts], use_tqdm)))
+        return [ScoringRequestOutput(f"{outs[a].request_id}_{outs[b].request_id}",
+                                     ScoringOutput(cosine(outs[a].outputs.data,
+                                                          outs[b].outputs.data)),
+                                     outs[a].prompt_token_ids + outs[b].prompt_token_ids)
+                for a, b in pairs]
+
+    def _pool(self, prompts: list[tuple[PromptType, Optional[PoolingParams]]],
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Run pooling requests to the end; outputs in input order."""
+        engine = self.llm_engine
+        ids = [str(next(self._counter)) for _ in prompts]
         finished: dict[str, PoolingRequestOutput] = {}
         try:
-            for request_id, prompt, p in zip(ids, prompt_list, params):
+            for request_id, (prompt, p) in zip(ids, prompts):
                 engine.add_pooling_request(request_id, prompt, p)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while len(finished) < len(ids):
@@ -105,13 +165,6 @@ class LLM:
         if failed:
             raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [finished[r] for r in ids]
-
-    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
-              pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Embed each prompt (a pooling model only); `.outputs.embedding` is a list of floats."""
-        return [EmbeddingRequestOutput.from_base(o)
-                for o in self.encode(prompts, pooling_params, use_tqdm)]
 
     # ---- helpers ------------------------------------------------------------
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -161,6 +214,17 @@ def _per_prompt(params: Any, n: int, cls: type, field: str, default: Any) -> lis
 def _pooling_params_list(params: Any, n: int) -> list[Optional[PoolingParams]]:
     """One PoolingParams (or None: the model's defaults) per prompt."""
     return _per_prompt(params, n, PoolingParams, "pooling_params", None)
+
+
+def _with_task(params: Optional[PoolingParams], task: str) -> PoolingParams:
+    """A copy of params (None: the defaults) asking for task; a different task already set is
+    a ValueError naming both."""
+    params = check_pooling_params(params)
+    if params.task is not None and params.task != task:
+        raise ValueError(f"pooling_params.task={params.task!r} but this call runs {task!r}")
+    copy = params.clone()
+    copy.task = task
+    return copy
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

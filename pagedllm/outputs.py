@@ -117,3 +117,52 @@ class EmbeddingRequestOutput:
             raise ValueError(f"request {out.request_id} failed: {out.error}")
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
                    out.prompt_token_ids, out.finished, out.prompt)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classification head's probabilities, one per label (vLLM's name)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """Labels of the head."""
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One classify request: `.outputs.probs` (vLLM's shape)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        """The classification view of a (successful) pooling output."""
+        if out.outputs is None:
+            raise ValueError(f"request {out.request_id} failed: {out.error}")
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished, out.prompt)
+
+
+@dataclass
+class ScoringOutput:
+    """The relevance of a text pair (vLLM's name): a cross-encoder's activated logit, or the
+    cosine similarity of an embedding model's two vectors."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One scored pair: `.outputs.score` (vLLM's shape); prompt_token_ids are the pair's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

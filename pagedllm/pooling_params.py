@@ -4,16 +4,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-POOLING_TASKS = ("embed",)  # what a pooling request may ask for (vLLM also has classify, score)
+# what a pooling request may ask for: a vector (embed), a classification head's probabilities
+# (classify) or a cross-encoder's relevance of a text pair (score)
+POOLING_TASKS = ("embed", "classify", "score")
 # vLLM's PoolingParams fields this engine does not implement: refused by name when set
-_NOT_IMPLEMENTED = ("truncate_prompt_tokens", "use_activation", "activation", "softmax",
-                    "step_tag_id", "returned_token_ids")
+_NOT_IMPLEMENTED = ("activation", "softmax", "step_tag_id", "returned_token_ids")
+# extra_kwargs (vLLM's, internal): where a pair's second text starts (its token type 1)
+SECOND_TEXT = "compressed_token_type_ids"
 
 
 @dataclass
 class PoolingParams:
     """dimensions: keep the first n values (Matryoshka models only); normalize: L2-normalise
-    (None: as the model's files say); task: "embed"."""
+    (None: as the model's files say); task: "embed", "classify" or "score";
+    truncate_prompt_tokens: keep k tokens of a longer input (-1: max_model_len); use_activation:
+    classify's and score's activation on the head's logits (None/True: apply it, False: the raw
+    logits)."""
 
     dimensions: Optional[int] = None
     normalize: Optional[bool] = None
@@ -24,8 +30,24 @@ class PoolingParams:
     softmax: Optional[bool] = None
     step_tag_id: Optional[int] = None
     returned_token_ids: Optional[list[int]] = None
+    extra_kwargs: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be a positive int, -1 (the model's "
+                             f"max_model_len) or None, got {k!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
+        extra = self.extra_kwargs
+        if extra is not None:
+            if not isinstance(extra, dict) or set(extra) - {SECOND_TEXT}:
+                raise ValueError(f"extra_kwargs may only hold {SECOND_TEXT!r}, got {extra!r}")
+            start = extra.get(SECOND_TEXT)
+            if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                      or start < 1):
+                raise ValueError(f"extra_kwargs[{SECOND_TEXT!r}] must be a positive int, got "
+                                 f"{start!r}")
         for name in _NOT_IMPLEMENTED:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is not supported by this engine's pooling requests")
@@ -54,9 +76,43 @@ class PoolingParams:
         if d > hidden_size:
             raise ValueError(f"dimensions {d} is larger than the model's {hidden_size}")
 
+    @property
+    def second_text_start(self) -> Optional[int]:
+        """Where a text pair's second text starts (its tokens have token type 1), or None."""
+        return None if self.extra_kwargs is None else self.extra_kwargs.get(SECOND_TEXT)
+
     def clone(self) -> "PoolingParams":
         """A copy (vLLM's name)."""
-        return PoolingParams(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        copy = PoolingParams(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        if copy.extra_kwargs is not None:
+            copy.extra_kwargs = dict(copy.extra_kwargs)
+        return copy
+
+
+def model_tasks(labels: int) -> tuple[str, ...]:
+    """What a pooling model serves: an encoder with a classification head of `labels` outputs
+    classifies (and scores a pair when it has one output); one without embeds."""
+    if not labels:
+        return ("embed",)
+    return ("classify", "score") if labels == 1 else ("classify",)
+
+
+def check_pooling_task(task: Optional[str], arch: Any) -> str:
+    """The task a request runs (None: the model's first), or a ValueError naming what the
+    model serves. arch: the model's ModelArchConfig."""
+    labels = 0 if arch.encoder is None else arch.encoder.num_labels
+    tasks = model_tasks(labels)
+    if task is None:
+        return tasks[0]
+    if task not in tasks:
+        why = ("it has no classification head: it embeds (LLM.score and /score compare its "
+               "embeddings)" if not labels else
+               f"its classification head has {labels} labels" +
+               (", and only a one-label head scores a pair" if task == "score" else
+                ": it classifies and does not embed"))
+        raise ValueError(f"task {task!r} is not one this model serves ({', '.join(tasks)}): "
+                         f"{why}")
+    return task
 
 
 def check_pooling_params(value: Any) -> PoolingParams:

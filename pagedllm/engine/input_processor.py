@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional, Union
 from pagedllm.config import ModelArchConfig, StructuredOutputsConfig
 from pagedllm.core.request import Request
 from pagedllm.engine.chat_messages import render_chat
-from pagedllm.pooling_params import PoolingParams, check_pooling_params
+from pagedllm.pooling_params import PoolingParams, check_pooling_params, check_pooling_task
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar import CompiledGrammar
@@ -108,18 +108,41 @@ class InputProcessor:
         if arch is None:
             raise ValueError("this model generates and does not embed: use LLM.generate / "
                              "LLM.chat (the server's /v1/completions, /v1/chat/completions)")
-        params = check_pooling_params(params)
+        params = check_pooling_params(params).clone()
         enc = arch.encoder
+        params.task = check_pooling_task(params.task, arch)
         params.verify(arch.hidden_size, enc is not None and enc.is_matryoshka,
                       None if enc is None else enc.matryoshka_dimensions)
-        text, ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        keep = self.max_model_len if keep == -1 else keep
+        if keep is not None and keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens is {keep}, larger than max_model_len "
+                             f"({self.max_model_len})")
+        text, ids = self._tokenize_pooling(prompt, keep)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens long but max_model_len is "
-                             f"{self.max_model_len}: shorten the input")
+                             f"{self.max_model_len}: shorten the input or set "
+                             "truncate_prompt_tokens")
+        second = params.second_text_start
+        if second is not None and second >= len(ids):
+            raise ValueError(f"the pair's second text starts at token {second}, past the "
+                             f"input's {len(ids)} tokens")
         # a pooling request samples nothing: its SamplingParams are the defaults, never read
         request = Request(request_id, list(ids), SamplingParams(), 0, frozenset(),
                           self.block_size, time.monotonic(), pooling_params=params)
         return ProcessedPrompt(text, ids, [request])
+
+    def _tokenize_pooling(self, prompt: PromptType,
+                          keep: Optional[int]) -> tuple[Optional[str], list[int]]:
+        """A pooling prompt's ids; with keep (truncate_prompt_tokens), a longer one cut to it as
+        vLLM cuts: a text by the tokenizer from the right (its special tokens kept), token ids
+        to their last `keep`."""
+        text, ids = self._tokenize(prompt)
+        if keep is None or len(ids) <= keep:
+            return text, ids
+        if text is not None and not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            return text, self.tokenizer.encode_truncated(text, None, keep)[0]
+        return text, ids[-keep:]
 
     def _grammar_state(self, grammar: CompiledGrammar, budget: Any, ids: list[int]) -> Any:
         """A sequence's grammar state; with a reasoning parser, gated to start after the

@@ -56,7 +56,10 @@ def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
                              "/v1/embeddings)")
         _check_encoder_options(args, arch.architecture)
         root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-        return RunnerChoice("pooling", pooler_config(root), _max_seq_length(root))
+        # a classification head reads the [CLS] row, as HF's BertForSequenceClassification
+        pooler = (PoolerConfig("cls", normalize=False) if arch.encoder.num_labels
+                  else pooler_config(root))
+        return RunnerChoice("pooling", pooler, _max_seq_length(root))
     if asked == "pooling":
         raise ValueError(f"runner='pooling' with a {arch.architecture} decoder is not "
                          "implemented yet: only BERT-family encoders pool; use runner='generate'")

@@ -1,21 +1,39 @@
 """Pooling: one sequence's hidden states -> one vector (sentence-transformers' Pooling module),
-cut to a request's dimensions and L2-normalised (its Normalize module), in float32."""
+cut to a request's dimensions and L2-normalised (its Normalize module), in float32. A model
+with a classification head (a cross-encoder, a classifier) instead gives its [CLS] row to the
+head and returns the logits through the task's activation: classify's probabilities, score's
+relevance."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 
-from pagedllm.config import PoolerConfig
+from pagedllm.config import EncoderConfig, PoolerConfig
 from pagedllm.pooling_params import PoolingParams
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # [N, H] [CLS] rows -> [N, labels] logits
+
+
+def activate(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    """A head's float32 logits [labels] through sigmoid, softmax or nothing."""
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    if kind == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return logits
 
 
 class Pooler:
-    """CLS, mean or last-token pooling over each sequence's rows of the step's hidden states."""
+    """CLS, mean or last-token pooling over each sequence's rows of the step's hidden states;
+    with a head, the head's activated logits from the [CLS] rows."""
 
-    def __init__(self, config: PoolerConfig) -> None:
-        self.config = config
+    def __init__(self, config: PoolerConfig, head: Optional[Head] = None,
+                 encoder: Optional[EncoderConfig] = None) -> None:
+        if head is not None and (encoder is None or not encoder.num_labels):
+            raise ValueError("a classification head needs the encoder's labels")
+        self.config, self.head, self.encoder = config, head, encoder
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] of one whole sequence -> [H] float32."""
@@ -28,7 +46,9 @@ class Pooler:
 
     def __call__(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
                  params: list[Optional[PoolingParams]]) -> list[torch.Tensor]:
-        """One [D] float32 CPU vector per (first row, tokens) span of hidden [T, H]."""
+        """One float32 CPU vector per (first row, tokens) span of hidden [T, H]."""
+        if self.head is not None:
+            return self._classified(hidden, spans, params)
         out = []
         for (start, n), p in zip(spans, params):
             vec = self.pool(hidden[start:start + n])
@@ -38,4 +58,21 @@ class Pooler:
             if normalize:
                 vec = F.normalize(vec, p=2.0, dim=0)
             out.append(vec.cpu())
+        return out
+
+    def _classified(self, hidden: torch.Tensor, spans: list[tuple[int, int]],
+                    params: list[Optional[PoolingParams]]) -> list[torch.Tensor]:
+        """The head over every sequence's [CLS] row in one call, then each request's task
+        activation (score's or classify's; none with use_activation=False)."""
+        assert self.head is not None and self.encoder is not None
+        rows = torch.tensor([start for start, _ in spans], dtype=torch.int64,
+                            device=hidden.device)
+        logits = self.head(hidden.index_select(0, rows)).float()
+        out = []
+        for row, p in zip(logits, params):
+            kind = (self.encoder.score_activation if p is not None and p.task == "score"
+                    else self.encoder.classify_activation)
+            if p is not None and p.use_activation is False:
+                kind = "identity"
+            out.append(activate(row, kind).cpu())
         return out

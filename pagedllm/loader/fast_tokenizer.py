@@ -251,6 +251,36 @@ class FastTokenizer:
         # long prompt tokenized on a worker thread does not stall the server's event loop
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_truncated(self, text: str, pair: Optional[str] = None,
+                         max_length: Optional[int] = None) -> tuple[list[int], Optional[int]]:
+        """Token ids of text (and of a second text, pair: a cross-encoder's query and
+        document) with the special tokens, cut to max_length tokens as transformers'
+        `truncation=True` cuts (from the right, the longer text first for a pair); and where
+        the pair's second text starts (its token type 1), None without a pair or when the
+        tokenizer does not mark the texts apart."""
+        for name, value in (("text", text), ("pair", pair)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+        texts = [text] if pair is None else [text, pair]
+        parts = self._backend.encode_batch(texts, add_special_tokens=False)
+        if max_length is not None:
+            budget = max_length - self._backend.num_special_tokens_to_add(pair is not None)
+            if budget < len(parts):
+                raise ValueError(f"truncation to {max_length} tokens leaves no room for the "
+                                 "input's own tokens beside its special tokens")
+            lengths = [len(p.ids) for p in parts]
+            while sum(lengths) > budget:  # longest_first: one token off the longer text
+                lengths[lengths.index(max(lengths))] -= 1
+            for part, n in zip(parts, lengths):
+                part.truncate(n)
+        enc = self._backend.post_process(parts[0], parts[1] if pair is not None else None,
+                                         add_special_tokens=True)
+        types = list(enc.type_ids)
+        second = next((i for i, t in enumerate(types) if t == 1), None)
+        if second is not None and any(t != 1 for t in types[second:]):
+            second = None  # not two runs of token types: left as type 0
+        return list(enc.ids), second if pair is not None else None
+
     def decode(self, token_ids: Any, skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: Optional[bool] = None) -> Union[str, list[str]]:
         """Text of token ids (an id, a list, or a list of lists: a list of texts)."""

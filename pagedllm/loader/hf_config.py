@@ -14,6 +14,7 @@ from pagedllm.loader.window_layers import full_attention_layers
 # HF model class name (config.json "architectures") -> registry key.
 HF_ARCHITECTURES: dict[str, str] = {
     "BertModel": "bert",
+    "BertForSequenceClassification": "bert_classifier",  # a cross-encoder or a classifier
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "LlamaForCausalLM": "llama",

@@ -2,9 +2,11 @@
 types, bidirectional attention, post-LayerNorm blocks, a plain GELU MLP.
 
 Parameter names follow Hugging Face's BertModel, except q/k/v, one merged module loading the
-checkpoint's query/key/value by shard. Every sequence is embedded with token type 0 (one
-sentence per input, as sentence-transformers embeds). The output is the last layer's hidden
-states; pooling them into one vector is the pooler's job (layers/pooler.py).
+checkpoint's query/key/value by shard. A sequence is embedded with token type 0 (one sentence
+per input, as sentence-transformers embeds) unless the step gives token types (a cross-encoder's
+pair: 0 for the query, 1 for the document). The output is the last layer's hidden states;
+pooling them into one vector is the pooler's job (layers/pooler.py), which for
+BertForSequenceClassification runs its head (`classify`) on the [CLS] row.
 """
 from __future__ import annotations
 
@@ -40,10 +42,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = _embedding(enc.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T] ids at [T] positions -> [T, H]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T] ids at [T] positions (of [T] token types; None: all 0) -> [T, H]."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        types = (self.token_type_embeddings.weight[0] if token_type_ids is None
+                 else self.token_type_embeddings(token_type_ids))
+        return self.LayerNorm(x + types)
 
 
 class BertSelfAttention(nn.Module):
@@ -139,13 +144,15 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(cfg, cfg.encoder)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate: Optional[object] = None) -> torch.Tensor:
-        """Hidden states [T, H] of flattened whole sequences input_ids [T] at positions [T];
-        where each sequence starts comes from the step's metadata."""
+                intermediate: Optional[object] = None,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states [T, H] of flattened whole sequences input_ids [T] at positions [T]
+        (token types [T], None: all 0); where each sequence starts comes from the step's
+        metadata."""
         if intermediate is not None:
             raise ValueError("an encoder runs as one pipeline stage")
         batch = EncoderBatch.from_spans(encoder_spans(get_forward_metadata()), input_ids.device)
-        x = self.embeddings(input_ids, positions)
+        x = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x
@@ -161,3 +168,51 @@ class BertModel(nn.Module):
     def skips_checkpoint_tensor(cls, name: str) -> bool:
         """Whether a checkpoint tensor is one the encoder leaves unread."""
         return name.startswith(cls.unused_checkpoint_prefixes)
+
+
+class BertPooler(nn.Module):
+    """HF's BertPooler: dense and tanh over the [CLS] row."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+
+    def forward(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls_rows))
+
+
+class BertForSequenceClassification(nn.Module):
+    """A BERT encoder with HF's sequence-classification head (a cross-encoder such as
+    bge-reranker's and ms-marco's, or a classifier): the encoder's hidden states come out of
+    forward as BertModel's do; `classify` turns [CLS] rows into the head's logits."""
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        if cfg.encoder is None or not cfg.encoder.num_labels:
+            raise ValueError(f"architecture {cfg.architecture!r} has no classification labels")
+        self.config = cfg
+        self.bert = BertModel(cfg, max_positions)
+        self.bert.pooler = BertPooler(cfg.hidden_size)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.encoder.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: Optional[object] = None,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states [T, H], as BertModel.forward."""
+        return self.bert(input_ids, positions, intermediate, token_type_ids)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] hidden states of each sequence's first ([CLS]) token -> [N, labels] logits."""
+        return self.classifier(self.bert.pooler(cls_rows))
+
+    def tie_weights(self) -> None:
+        """Nothing is tied in an encoder."""
+
+    def checkpoint_params(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> the tensor it loads into (models/checkpoint_names.py)."""
+        return checkpoint_params(self)
+
+    @classmethod
+    def skips_checkpoint_tensor(cls, name: str) -> bool:
+        """The position-id buffer some checkpoints save is not a weight."""
+        return name == "bert.embeddings.position_ids"

@@ -11,7 +11,7 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.bert import BertModel
+from pagedllm.models.bert import BertForSequenceClassification, BertModel
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
@@ -21,6 +21,7 @@ from pagedllm.models.tensor_parallel import shard_model
 
 _MODELS: dict[str, type[nn.Module]] = {
     "bert": BertModel,
+    "bert_classifier": BertForSequenceClassification,
     "gemma2": Gemma2ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,

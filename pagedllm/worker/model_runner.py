@@ -72,13 +72,16 @@ class ModelRunner:
                                     sched.max_num_seqs, -(-sched.max_model_len // self.block_size),
                                     self.device)
         self.requests: dict[str, CachedRequestState] = {}
-        # a pooling runner pools each whole sequence and never samples
-        self.pooler = None if config.pooler is None else Pooler(config.pooler)
+        # a pooling runner pools each whole sequence and never samples (made at load_model:
+        # a classification head is the model's)
+        self.pooler: Optional[Pooler] = None
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
         self.model = load_model(self.config, self.stage, self.tp)
-        if self.pooler is not None:
+        if self.config.pooler is not None:
+            self.pooler = Pooler(self.config.pooler, getattr(self.model, "classify", None),
+                                 self.config.arch.encoder)
             self.captured_decode, self.decode_path = None, (
                 "none (a pooling model: each request is one whole-sequence step)")
             return
@@ -165,6 +168,9 @@ class ModelRunner:
         if self.captured_decode is not None and meta.decode_only:
             result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
                                           incoming)
+        elif self.pooler is not None:
+            result = self.model(step.input_ids, step.positions, incoming,
+                                **self._token_types(step))
         else:
             result = self.model(step.input_ids, step.positions, incoming)
         if stage is None or stage.is_last:
@@ -188,6 +194,19 @@ class ModelRunner:
             st.token_ids.extend(cached.new_token_ids)  # sampled here or on another rank
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+
+    def _token_types(self, step: StepInputs) -> dict[str, torch.Tensor]:
+        """{"token_type_ids": [T]} when a sequence of the step is a text pair (a cross-encoder's
+        query and document: type 1 from where the second text starts), else {}."""
+        starts = [(seq, seq.state.pooling_params.second_text_start) for seq in step.seqs
+                  if seq.state.pooling_params is not None]
+        if all(first is None for _, first in starts):
+            return {}
+        types = torch.zeros(step.input_ids.shape[0], dtype=torch.int64, device=self.device)
+        for seq, first in starts:
+            if first is not None:  # a pooling step holds whole sequences from their token 0
+                types[seq.start + first:seq.start + seq.num_tokens] = 1
+        return {"token_type_ids": types}
 
     def _pool(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Each pooling request's vector from its whole sequence's hidden states."""

@@ -88,7 +88,10 @@ def test_raw_base64_is_little_endian_float32(embed_server, client):
     (dict(input=[]), "input", "must not be empty"),
     (dict(input=" ".join(["word"] * 300)), "input", "302 tokens long but max_model_len is 256"),
     (dict(input=[[101, 102], [101, 30522]]), "input[1]", "token ids in [0, 30522), got 30522"),
-    (dict(extra_body={"truncate_prompt_tokens": 8}), "truncate_prompt_tokens", "not supported"),
+    (dict(extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens",
+     "must be a positive int, -1"),
+    (dict(extra_body={"truncate_prompt_tokens": 300}), "truncate_prompt_tokens",
+     "larger than max_model_len (256)"),
 ])
 def test_bad_requests_name_the_field(client, kwargs, param, text):
     kwargs = {"model": NAME, "input": "hello", "encoding_format": "float", **kwargs}
@@ -102,11 +105,12 @@ def test_a_pooling_model_refuses_generation_naming_embeddings(client, embed_serv
     with pytest.raises(BadRequestError) as info:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
     assert "/v1/chat/completions does not serve this model" in info.value.body["message"]
-    assert "/v1/embeddings serve" in info.value.body["message"]
+    assert "/v1/embeddings, /score, /v1/score, /rerank" in info.value.body["message"]
     with pytest.raises(BadRequestError, match="/v1/embeddings"):
         client.completions.create(model=NAME, prompt="hi")
     models = httpx.get(f"{embed_server.url}/v1/models").json()["data"]
-    assert models[0]["runner"] == "pooling" and models[0]["endpoints"] == ["/v1/embeddings"]
+    assert models[0]["runner"] == "pooling" and models[0]["endpoints"] == [
+        "/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"]
     assert models[0]["max_model_len"] == 256
 
 
@@ -119,3 +123,31 @@ def test_a_generating_model_refuses_embeddings_naming_its_endpoints(server):
     assert "/v1/chat/completions" in message and info.value.body["param"] == "model"
     models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert models.json()["data"][0]["runner"] == "generate"
+
+
+def test_rerank_and_score_by_the_cosine_of_embeddings(embed_server, reference):
+    query, docs = "Who plays music?", TEXTS
+    vecs, _ = reference([query, *docs])
+    cos = (vecs[1:] @ vecs[0]).tolist()
+    body = httpx.post(f"{embed_server.url}/v1/rerank", timeout=60,
+                      json={"model": NAME, "query": query, "documents": docs}).json()
+    assert [r["index"] for r in body["results"]] == sorted(range(3), key=lambda i: -cos[i])
+    assert body["results"][0]["index"] == 1  # the guitar
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    assert [got[i] for i in range(3)] == pytest.approx(cos, abs=1e-4)
+    score = httpx.post(f"{embed_server.url}/score", timeout=60,
+                       json={"text_1": query, "text_2": docs[1]}).json()
+    assert score["data"][0]["score"] == pytest.approx(cos[1], abs=1e-4)
+
+
+def test_truncate_prompt_tokens_cuts_a_text_as_the_tokenizer_does(client, minilm_dir):
+    from transformers import AutoTokenizer
+
+    long = " ".join(["word"] * 300)
+    resp = client.embeddings.create(model=NAME, input=long, encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": 256})
+    assert resp.usage.prompt_tokens == 256
+    tok = AutoTokenizer.from_pretrained(minilm_dir)
+    ids = tok(long, truncation=True, max_length=256)["input_ids"]
+    again = client.embeddings.create(model=NAME, input=ids, encoding_format="float")
+    assert np.allclose(resp.data[0].embedding, again.data[0].embedding, atol=1e-6)

@@ -116,10 +116,13 @@ def test_unsupported_requests_are_refused_by_name(cls_model):
     _, llm = cls_model
     with pytest.raises(ValueError, match="dimensions is 16, but the model does not support Matryoshka"):
         llm.embed("hi", PoolingParams(dimensions=16), use_tqdm=False)
-    with pytest.raises(ValueError, match="truncate_prompt_tokens is not supported"):
-        PoolingParams(truncate_prompt_tokens=8)
-    with pytest.raises(ValueError, match="task 'classify' is not supported"):
-        PoolingParams(task="classify")
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be a positive int, -1"):
+        PoolingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="task 'rank' is not supported"):
+        PoolingParams(task="rank")
+    with pytest.raises(ValueError, match="task 'classify' is not one this model serves "
+                                         r"\(embed\): it has no classification head"):
+        llm.classify("hi", use_tqdm=False)
     with pytest.raises(ValueError, match="embeds and does not generate"):
         llm.generate("hi", use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len is 128"):

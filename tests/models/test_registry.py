@@ -23,12 +23,13 @@ def test_known_architectures():
     assert model_class("gemma3") is Gemma3ForCausalLM
     assert model_class("smollm3") is SmolLM3ForCausalLM
     assert model_class("bert") is BertModel
-    assert supported_architectures() == ["bert", "gemma2", "gemma3", "llama", "phi3", "qwen2",
+    assert model_class("bert_classifier").__name__ == "BertForSequenceClassification"
+    assert supported_architectures() == ["bert", "bert_classifier", "gemma2", "gemma3", "llama", "phi3", "qwen2",
                                          "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*bert, gemma2, gemma3, llama, phi3, qwen2, "
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*bert, bert_classifier, gemma2, gemma3, llama, phi3, qwen2, "
                                          "qwen2_moe, qwen3, qwen3_moe, smollm3"):
         model_class("gpt2")
 

@@ -25,10 +25,16 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
 from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
-from pagedllm.entrypoints.openai.serving_common import (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES,
-                                                        RESPONSES, OpenAIError, ServerContext,
+from pagedllm.entrypoints.openai.serving_common import (CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS,
+                                                        MESSAGES, RERANK, RERANK_PATHS,
+                                                        RESPONSES, SCORE, SCORE_PATHS,
+                                                        OpenAIError, ServerContext,
                                                         bad_request, now)
 from pagedllm.entrypoints.openai.serving_embedding import create_embedding
+from pagedllm.entrypoints.openai.serving_scoring import (create_classify, create_rerank,
+                                                         create_score)
+from pagedllm.entrypoints.openai.scoring_protocol import (ClassifyRequest, RerankRequest,
+                                                          ScoreRequest)
 from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import (cancel_response, create_response,
@@ -178,6 +184,23 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
     async def embeddings(req: EmbeddingRequest, raw: Request):
         ctx.check_serves(EMBEDDINGS)
         return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
+
+    for path in SCORE_PATHS:
+        @app.post(path)
+        async def score(req: ScoreRequest, raw: Request):
+            ctx.check_serves(SCORE)
+            return _respond(await _unless_disconnected(raw, create_score(ctx, req)))
+
+    for path in RERANK_PATHS:
+        @app.post(path)
+        async def rerank(req: RerankRequest, raw: Request):
+            ctx.check_serves(RERANK)
+            return _respond(await _unless_disconnected(raw, create_rerank(ctx, req)))
+
+    @app.post(CLASSIFY)
+    async def classify(req: ClassifyRequest, raw: Request):
+        ctx.check_serves(CLASSIFY)
+        return _respond(await _unless_disconnected(raw, create_classify(ctx, req)))
 
     @app.get("/v1/responses/{response_id}")
     async def response(response_id: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ class EmbeddingRequest(RequestBody):
     dimensions: Optional[Int] = _described(minimum=1)
     user: Optional[str] = None  # OpenAI's end-user id: accepted, not used
     normalize: Optional[bool] = None  # vLLM's: None keeps the model's own (its Normalize module)
-    truncate_prompt_tokens: Optional[Int] = None  # vLLM's: refused by name when set
+    truncate_prompt_tokens: Optional[Int] = None  # vLLM's: keep k tokens (-1: max_model_len)
 
     @field_validator("input", mode="before")
     @classmethod

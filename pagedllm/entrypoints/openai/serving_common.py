@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import model_tasks
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.compile_pool import CompileBusyError
 from pagedllm.structured_output.grammar import CompiledGrammar
@@ -52,6 +53,10 @@ class OpenAIError(Exception):
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 EMBEDDINGS = "/v1/embeddings"
+# pooling models' other endpoints (vLLM's): a pair's relevance, a query's documents ranked
+# (also at Jina's /v1/rerank and Cohere's /v2/rerank), a head's class probabilities
+SCORE, RERANK, CLASSIFY = "/score", "/rerank", "/classify"
+SCORE_PATHS, RERANK_PATHS = (SCORE, "/v1/score"), (RERANK, "/v1/rerank", "/v2/rerank")
 MESSAGES = "/v1/messages"  # Anthropic's Messages API, over the chat path
 
 
@@ -82,20 +87,32 @@ class ServerContext:
         "pooling" (embeddings)."""
         return self.engine.engine.config.runner
 
+    @property
+    def labels(self) -> int:
+        """Outputs of the pooling model's classification head (0: none, or a generator)."""
+        encoder = self.engine.engine.config.arch.encoder
+        return 0 if encoder is None else encoder.num_labels
+
     def endpoints(self) -> list[str]:
         """The endpoints that serve this model."""
-        if self.runner == "pooling":
-            return [EMBEDDINGS]
-        return [COMPLETIONS, CHAT, RESPONSES, MESSAGES]
+        if self.runner != "pooling":
+            return [COMPLETIONS, CHAT, RESPONSES, MESSAGES]
+        tasks = model_tasks(self.labels)
+        out = [EMBEDDINGS] if "embed" in tasks else [CLASSIFY]
+        if "embed" in tasks or "score" in tasks:  # an embedder scores by cosine
+            out += [*SCORE_PATHS, *RERANK_PATHS]
+        return out
 
     def check_serves(self, endpoint: str) -> None:
         """A 400 naming the endpoints that serve this model when `endpoint` does not."""
         if endpoint in self.endpoints():
             return
-        kind = ("an embedding (pooling) model" if self.runner == "pooling"
-                else "a text generation model; it does not embed")
+        pooling = ("an embedding (pooling) model" if not self.labels else
+                   f"a classification (pooling) model with {self.labels} label"
+                   f"{'s' if self.labels > 1 else ''}")
+        kind = pooling if self.runner == "pooling" else "a text generation model; it does not pool"
         raise OpenAIError(f"{endpoint} does not serve this model: it is {kind}; "
-                          f"{' and '.join(self.endpoints())} serve it", 400, "model")
+                          f"{', '.join(self.endpoints())} serve it", 400, "model")
 
     def check_model(self, model: Optional[str]) -> str:
         """The served name for a request's `model`; 404 for an unknown one."""

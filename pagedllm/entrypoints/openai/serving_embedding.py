@@ -16,16 +16,26 @@ from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 
 
-async def _engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]]) -> list[dict]:
+async def engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]],
+                        field: str = "input", keep: Optional[int] = None) -> list[dict]:
     """Each input as the engine's {"prompt", "prompt_token_ids"}, texts tokenized off the event
-    loop (a 400 naming input[i] for an empty one)."""
-    fields = ["input"] if len(inputs) == 1 else [f"input[{i}]" for i in range(len(inputs))]
+    loop (a 400 naming input[i] for an empty one). keep (truncate_prompt_tokens, -1:
+    max_model_len): a longer text is cut by the tokenizer from the right, its special tokens
+    kept, and the engine keeps the last `keep` of longer token ids (vLLM's rules); without it a
+    longer input is refused."""
+    fields = [field] if len(inputs) == 1 else [f"{field}[{i}]" for i in range(len(inputs))]
+    keep = ctx.max_model_len if keep == -1 else keep
+    if keep is not None and keep > ctx.max_model_len:
+        raise ValueError(f"truncate_prompt_tokens is {keep}, larger than max_model_len "
+                         f"({ctx.max_model_len})")
     texts = [(f, p) for f, p in zip(fields, inputs) if isinstance(p, str)]
     for f, text in texts:
         if not text:
             raise ValueError(f"{f} must not be empty")
+    tokenizer = ctx.engine.tokenizer
     encoded = iter(await ctx.tokens.run(
-        lambda: [ctx.engine.tokenizer.encode(t) for _, t in texts]))
+        lambda: [tokenizer.encode(t) if keep is None else tokenizer.encode_truncated(t, None, keep)[0]
+                 for _, t in texts]))
     out = []
     for f, p in zip(fields, inputs):
         ids = next(encoded) if isinstance(p, str) else p
@@ -36,9 +46,10 @@ async def _engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]]
         bad = next((t for t in ids if not 0 <= t < ctx.engine.vocab_size), None)
         if bad is not None:
             raise ValueError(f"{f} must be token ids in [0, {ctx.engine.vocab_size}), got {bad}")
-        if len(ids) > ctx.max_model_len:
+        if keep is None and len(ids) > ctx.max_model_len:
             raise ValueError(f"{f} is {len(ids)} tokens long but max_model_len is "
-                             f"{ctx.max_model_len}: shorten the input")
+                             f"{ctx.max_model_len}: shorten the input or set "
+                             "truncate_prompt_tokens")
         out.append({"prompt_token_ids": ids, **({"prompt": p} if isinstance(p, str) else {})})
     return out
 
@@ -50,13 +61,13 @@ def _encoded(vector: Any, encoding_format: str) -> Union[list[float], str]:
     return vector.tolist()
 
 
-async def _pool_all(ctx: ServerContext, prompts: list[dict], params: PoolingParams,
-                    request_id: str) -> list[PoolingRequestOutput]:
-    """Queue every input (sub-request ids request_id-0, -1, ...) and await them together; a
-    bad input or a full queue cancels those already queued."""
+async def pool_all(ctx: ServerContext, prompts: list[tuple[dict, PoolingParams]],
+                   request_id: str) -> list[PoolingRequestOutput]:
+    """Queue every (input, params) (sub-request ids request_id-0, -1, ...) and await them
+    together; a bad input or a full queue cancels those already queued."""
     tasks: list[asyncio.Future] = []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, params) in enumerate(prompts):
             coro = ctx.engine.encode(prompt, params, f"{request_id}-{i}")
             tasks.append(asyncio.ensure_future(coro))  # admitted in order, when they start
         return list(await asyncio.gather(*tasks))
@@ -74,7 +85,7 @@ async def _pool_all(ctx: ServerContext, prompts: list[dict], params: PoolingPara
 
 def _params(req: EmbeddingRequest) -> PoolingParams:
     try:
-        return PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
+        return PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize,
                              truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as err:
         raise bad_request(err) from None
@@ -89,10 +100,10 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
         inputs = req.inputs()
         check_prompt_count(ctx.engine, len(inputs))
         params = _params(req)
-        prompts = await _engine_inputs(ctx, inputs)
+        prompts = await engine_inputs(ctx, inputs, "input", params.truncate_prompt_tokens)
     except ValueError as err:
         raise bad_request(err) from None
-    outs = await _pool_all(ctx, prompts, params, new_id("embd"))
+    outs = await pool_all(ctx, [(p, params) for p in prompts], new_id("embd"))
     data = [{"object": "embedding", "index": i,
              "embedding": _encoded(out.outputs.data, req.encoding_format)}
             for i, out in enumerate(outs)]

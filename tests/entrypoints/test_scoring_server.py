@@ -76,8 +76,13 @@ def test_classify_and_the_endpoints_a_cross_encoder_serves(ce_server, cross_enco
     assert [d["num_classes"] for d in body["data"]] == [1, 1]
     assert body["data"][0]["label"] == "LABEL_0" and 0 < body["data"][0]["probs"][0] < 1
     models = httpx.get(f"{ce_server.url}/v1/models").json()["data"]
-    assert models[0]["endpoints"] == ["/classify", "/score", "/v1/score", "/rerank",
+    assert models[0]["endpoints"] == ["/classify", "/pooling", "/score", "/v1/score", "/rerank",
                                       "/v1/rerank", "/v2/rerank"]
+    pooled = _post(ce_server, "/pooling", {"input": [QUERY, DOCS[0]]}).json()
+    assert pooled["data"][0]["object"] == "pooling"
+    assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in body["data"]]
+    bad = _post(ce_server, "/pooling", {"input": "hi", "task": "embed"}).json()["error"]
+    assert bad["param"] == "task" and "not one this model serves" in bad["message"]
     err = _post(ce_server, "/v1/embeddings", {"input": "hi"})
     assert err.status_code == 400 and "/classify" in err.json()["error"]["message"]
 

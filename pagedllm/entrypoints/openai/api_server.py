@@ -24,13 +24,13 @@ from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
-from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.serving_common import (CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS,
-                                                        MESSAGES, RERANK, RERANK_PATHS,
+                                                        MESSAGES, POOLING, RERANK, RERANK_PATHS,
                                                         RESPONSES, SCORE, SCORE_PATHS,
                                                         OpenAIError, ServerContext,
                                                         bad_request, now)
-from pagedllm.entrypoints.openai.serving_embedding import create_embedding
+from pagedllm.entrypoints.openai.serving_embedding import create_embedding, create_pooling
 from pagedllm.entrypoints.openai.serving_scoring import (create_classify, create_rerank,
                                                          create_score)
 from pagedllm.entrypoints.openai.scoring_protocol import (ClassifyRequest, RerankRequest,
@@ -184,6 +184,11 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
     async def embeddings(req: EmbeddingRequest, raw: Request):
         ctx.check_serves(EMBEDDINGS)
         return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
+
+    @app.post(POOLING)
+    async def pooling(req: PoolingRequest, raw: Request):
+        ctx.check_serves(POOLING)
+        return _respond(await _unless_disconnected(raw, create_pooling(ctx, req)))
 
     for path in SCORE_PATHS:
         @app.post(path)

@@ -1,4 +1,4 @@
-"""POST /v1/embeddings' body, in OpenAI's shape (and vLLM's extra normalize)."""
+"""POST /v1/embeddings' body, in OpenAI's shape (and vLLM's extra normalize); /pooling's."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
@@ -37,3 +37,10 @@ class EmbeddingRequest(RequestBody):
         if all(isinstance(t, int) for t in value):
             return [list(value)]
         return list(value)
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's POST /pooling: the embeddings body, and the task to pool for (embed, classify,
+    score; unset: the model's own)."""
+
+    task: Optional[str] = None

@@ -55,7 +55,7 @@ COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/r
 EMBEDDINGS = "/v1/embeddings"
 # pooling models' other endpoints (vLLM's): a pair's relevance, a query's documents ranked
 # (also at Jina's /v1/rerank and Cohere's /v2/rerank), a head's class probabilities
-SCORE, RERANK, CLASSIFY = "/score", "/rerank", "/classify"
+SCORE, RERANK, CLASSIFY, POOLING = "/score", "/rerank", "/classify", "/pooling"
 SCORE_PATHS, RERANK_PATHS = (SCORE, "/v1/score"), (RERANK, "/v1/rerank", "/v2/rerank")
 MESSAGES = "/v1/messages"  # Anthropic's Messages API, over the chat path
 
@@ -98,7 +98,7 @@ class ServerContext:
         if self.runner != "pooling":
             return [COMPLETIONS, CHAT, RESPONSES, MESSAGES]
         tasks = model_tasks(self.labels)
-        out = [EMBEDDINGS] if "embed" in tasks else [CLASSIFY]
+        out = [EMBEDDINGS, POOLING] if "embed" in tasks else [CLASSIFY, POOLING]
         if "embed" in tasks or "score" in tasks:  # an embedder scores by cosine
             out += [*SCORE_PATHS, *RERANK_PATHS]
         return out

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: every input pooled by the engine, answered in OpenAI's shape."""
+"""POST /v1/embeddings (and vLLM's /pooling): every input pooled by the engine, answered in
+OpenAI's shape (vLLM's for /pooling)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ import numpy as np
 
 from pagedllm.engine.async_engine import EngineDeadError, EngineOverloadedError
 from pagedllm.engine.input_processor import no_tokens_error
-from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest
+from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest, PoolingRequest
 from pagedllm.entrypoints.openai.serving_common import (OpenAIError, ServerContext, bad_request,
                                                         check_prompt_count, new_id, now)
 from pagedllm.outputs import PoolingRequestOutput
@@ -83,30 +84,50 @@ async def pool_all(ctx: ServerContext, prompts: list[tuple[dict, PoolingParams]]
         raise
 
 
-def _params(req: EmbeddingRequest) -> PoolingParams:
+def _params(req: EmbeddingRequest, task: Optional[str]) -> PoolingParams:
     try:
-        return PoolingParams(task="embed", dimensions=req.dimensions, normalize=req.normalize,
+        return PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize,
                              truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as err:
         raise bad_request(err) from None
 
 
-async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
-                           client: Optional[str] = None) -> dict[str, Any]:
-    """The embeddings of every input, in input order, with the prompt tokens used."""
+async def _pool_inputs(ctx: ServerContext, req: EmbeddingRequest, task: Optional[str],
+                       prefix: str) -> tuple[str, list[PoolingRequestOutput]]:
+    """The served model's name and every input's pooling output, in input order."""
     try:
         req.check_unsupported()
         model = ctx.check_model(req.model)
         inputs = req.inputs()
         check_prompt_count(ctx.engine, len(inputs))
-        params = _params(req)
+        params = _params(req, task)
         prompts = await engine_inputs(ctx, inputs, "input", params.truncate_prompt_tokens)
     except ValueError as err:
         raise bad_request(err) from None
-    outs = await pool_all(ctx, [(p, params) for p in prompts], new_id("embd"))
-    data = [{"object": "embedding", "index": i,
-             "embedding": _encoded(out.outputs.data, req.encoding_format)}
-            for i, out in enumerate(outs)]
+    return model, await pool_all(ctx, [(p, params) for p in prompts], new_id(prefix))
+
+
+def _response(prefix: str, model: str, data: list[dict[str, Any]],
+              outs: list[PoolingRequestOutput]) -> dict[str, Any]:
     tokens = sum(len(out.prompt_token_ids) for out in outs)
-    return {"id": new_id("embd"), "object": "list", "created": now(), "model": model,
+    return {"id": new_id(prefix), "object": "list", "created": now(), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
+                           client: Optional[str] = None) -> dict[str, Any]:
+    """The embeddings of every input, in input order, with the prompt tokens used."""
+    model, outs = await _pool_inputs(ctx, req, "embed", "embd")
+    return _response("embd", model, [
+        {"object": "embedding", "index": i,
+         "embedding": _encoded(out.outputs.data, req.encoding_format)}
+        for i, out in enumerate(outs)], outs)
+
+
+async def create_pooling(ctx: ServerContext, req: PoolingRequest) -> dict[str, Any]:
+    """vLLM's /pooling: every input's pooled output as the model gives it (an embedding, or a
+    classification head's probabilities), for the request's task (None: the model's own)."""
+    model, outs = await _pool_inputs(ctx, req, req.task, "pool")
+    return _response("pool", model, [
+        {"object": "pooling", "index": i, "data": _encoded(out.outputs.data, req.encoding_format)}
+        for i, out in enumerate(outs)], outs)

@@ -285,6 +285,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    # a pooling request may be read in chunks over several steps (a decoder's last-token
+    # pooling: causal attention keeps each chunk's keys and values); an encoder's may not
+    chunked_pooling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

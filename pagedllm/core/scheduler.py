@@ -14,10 +14,11 @@ request in flight frees its blocks at once: every rank runs the steps in the ord
 scheduled, so a later step that reuses the blocks writes them after the in-flight step has;
 the in-flight step's output for it is dropped when it comes.
 
-A pooling request (an encoder's input) is prefill-only: it is scheduled only when its whole
-prompt fits the step's budget (bidirectional attention needs every token at once), never hits
-the prefix cache, and finishes in the update of that one step with its pooled vector, its
-blocks freed; many short ones pack into one step.
+A pooling request is prefill-only. An encoder's is scheduled only when its whole prompt fits the
+step's budget (bidirectional attention needs every token at once); a decoder's (last-token
+pooling, config.chunked_pooling) is read in chunks like any prompt. It never hits the prefix
+cache, and finishes in the update of the step that reads its last token, with its pooled
+vector, its blocks freed; many short ones pack into one step.
 """
 from __future__ import annotations
 
@@ -124,7 +125,8 @@ class Scheduler:
                 break  # an id reused while the aborted request of that id is still in flight
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if request.pooling_params is not None and num_new < request.num_tokens:
+            if (request.pooling_params is not None and num_new < request.num_tokens
+                    and not self.config.chunked_pooling):
                 break  # an encoder sees a whole sequence at once: it waits for room
             if not self.kv.allocate_slots(request, num_new, hit.blocks):
                 break
@@ -239,8 +241,11 @@ class Scheduler:
 
     def _pooled(self, request: Request, out: ModelRunnerOutput,
                 core_out: EngineCoreOutput) -> EngineCoreOutput:
-        """A pooling request after its one step: finished with its vector, its blocks freed."""
+        """A pooling request after the step that read its last token: finished with its vector,
+        its blocks freed (after an earlier chunk, nothing yet)."""
         if request.num_computed_tokens != request.num_tokens:
+            if self.config.chunked_pooling:
+                return core_out
             raise RuntimeError(f"pooling request ran {request.num_computed_tokens} of its "
                                f"{request.num_tokens} tokens in one step")
         pooled = out.pooled.get(request.request_id)

@@ -308,15 +308,17 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
-    if runner.runner == "pooling":  # a whole input runs in one step: the budget must hold one
-        batched = max(batched, mem_plan.max_model_len)
+    chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
+    if runner.runner == "pooling" and not chunked_pooling:
+        batched = max(batched, mem_plan.max_model_len)  # an encoder reads a whole input a step
     return EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype, platform=choice.platform,
         cache=CacheConfig(block_size=args.block_size, num_blocks=mem_plan.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
-                                  max_model_len=mem_plan.max_model_len),
+                                  max_model_len=mem_plan.max_model_len,
+                                  chunked_pooling=chunked_pooling),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
         structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,

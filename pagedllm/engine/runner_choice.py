@@ -12,6 +12,9 @@ from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
 from pagedllm.loader.pooling_files import pooler_config
 
+# vLLM's default for a decoder run as an embedding model: the last token, normalised
+DECODER_POOLER = PoolerConfig("last", normalize=True)
+
 
 @dataclass(frozen=True)
 class RunnerChoice:
@@ -61,6 +64,23 @@ def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
                   else pooler_config(root))
         return RunnerChoice("pooling", pooler, _max_seq_length(root))
     if asked == "pooling":
-        raise ValueError(f"runner='pooling' with a {arch.architecture} decoder is not "
-                         "implemented yet: only BERT-family encoders pool; use runner='generate'")
+        return _decoder_pooling(args, ckpt)
     return RunnerChoice("generate")
+
+
+def _decoder_pooling(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
+    """A decoder as an embedding model (Qwen3-Embedding's, gte-Qwen2's shape): the last
+    token's final hidden state, normalised, unless its sentence-transformers files say
+    otherwise; its prompt is read in chunks, so only last-token pooling is possible."""
+    arch = ckpt.arch.architecture
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(f"{name}={getattr(args, name)} with runner='pooling' is not "
+                             f"implemented: a pooling {arch} decoder runs on one rank")
+    root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    pooler = pooler_config(root, DECODER_POOLER)
+    if pooler.pooling_type != "last":
+        raise ValueError(f"{pooler.pooling_type} pooling with a {arch} decoder is not "
+                         "implemented: a decoder's prompt is read in chunks, and only its last "
+                         "token's state sees the whole input (last-token pooling)")
+    return RunnerChoice("pooling", pooler, _max_seq_length(root))

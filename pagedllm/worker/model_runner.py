@@ -209,10 +209,13 @@ class ModelRunner:
         return {"token_type_ids": types}
 
     def _pool(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Each pooling request's vector from its whole sequence's hidden states."""
-        vectors = self.pooler(hidden, [(s.start, s.num_tokens) for s in step.seqs],
-                              [s.state.pooling_params for s in step.seqs])
-        for seq, vec in zip(step.seqs, vectors):
+        """The vector of each pooling request whose last token this step reads, from its rows
+        of the hidden states (a decoder's earlier chunks give nothing)."""
+        done = [s for s in step.seqs
+                if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
+        vectors = self.pooler(hidden, [(s.start, s.num_tokens) for s in done],
+                              [s.state.pooling_params for s in done])
+        for seq, vec in zip(done, vectors):
             out.pooled[seq.state.req_id] = vec
 
     def _make_generator(self, seed: Optional[int]) -> Optional[torch.Generator]:

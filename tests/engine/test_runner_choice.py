@@ -41,9 +41,12 @@ def test_an_encoder_pools_and_refuses_to_generate(minilm_dir):
         choose_runner(EngineArgs(str(minilm_dir), quantization="int8"), ckpt)
 
 
-def test_a_decoder_generates_and_refuses_to_pool(smollm_gguf):
+def test_a_decoder_generates_and_pools_its_last_token_when_asked(smollm_gguf):
     ckpt = resolve_checkpoint(smollm_gguf)
     assert choose_runner(EngineArgs(str(smollm_gguf)), ckpt).runner == "generate"
-    with pytest.raises(ValueError, match="runner='pooling' with a llama decoder is not "
-                                         "implemented yet"):
-        choose_runner(EngineArgs(str(smollm_gguf), task="embed"), ckpt)
+    pooling = choose_runner(EngineArgs(str(smollm_gguf), task="embed"), ckpt)
+    assert pooling.runner == "pooling"
+    assert (pooling.pooler.pooling_type, pooling.pooler.normalize) == ("last", True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 with runner='pooling'"):
+        choose_runner(EngineArgs(str(smollm_gguf), runner="pooling",
+                                 pipeline_parallel_size=2), ckpt)

@@ -1,5 +1,6 @@
 """A fuzzed API stays up: schemathesis requests, built from the OpenAPI schema the server serves
-(valid bodies and bodies that break it), against the real SmolLM2 server. Passing means no 5xx,
+(valid bodies and bodies that break it), against the real SmolLM2 server and, for the pooling
+endpoints, the real all-MiniLM-L6-v2. Passing means no 5xx,
 no hang, every 4xx OpenAI's error object (Anthropic's under /v1/messages), and the server
 healthy at the end."""
 from __future__ import annotations
@@ -13,13 +14,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings, strategies as st
 
-from conftest import API_KEY, MODEL
+from conftest import API_KEY, MODEL, Server
 
 schemathesis = pytest.importorskip("schemathesis")
 
 MESSAGES = "/v1/messages"
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", MESSAGES,
              MESSAGES + "/count_tokens", "/tokenize", "/detokenize")
+POOLING_ENDPOINTS = ("/v1/embeddings", "/pooling", "/score", "/rerank", "/v2/rerank")
+POOLING_NAME = "minilm"
 EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
 MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -92,21 +95,32 @@ def _check(response, path: str) -> None:
         json.loads(text)
 
 
-@pytest.fixture(scope="module")
-def api_schema(server):
+def _schema(server, name: str):
     raw = httpx.get(f"{server.url}/openapi.json").json()
     # `model` is the served name or absent (where it may be): random names would only ever get
     # the 404
     for schema in raw["components"]["schemas"].values():
         if "model" in schema.get("properties", {}):
             schema["properties"]["model"] = (
-                {"enum": [MODEL]} if "model" in schema.get("required", ())
-                else {"anyOf": [{"enum": [MODEL]}, {"type": "null"}]})
+                {"enum": [name]} if "model" in schema.get("required", ())
+                else {"anyOf": [{"enum": [name]}, {"type": "null"}]})
     return schemathesis.openapi.from_dict(raw)
 
 
-@pytest.mark.parametrize("path", ENDPOINTS)
-def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_schema, path):
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return _schema(server, MODEL)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(minilm_dir):
+    srv = Server("--served-model-name", POOLING_NAME, "--dtype", "float32",
+                 "--api-key", API_KEY, model=str(minilm_dir))
+    yield srv
+    srv.stop()
+
+
+def _fuzz(server, api_schema, path: str) -> None:
     operation = api_schema[path]["POST"]
     cases = st.one_of(operation.as_strategy(mode) for mode in schemathesis.GenerationMode)
     started, slowest, statuses = time.monotonic(), 0.0, Counter()
@@ -128,3 +142,13 @@ def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_sche
     assert statuses[200] >= 3, statuses  # the fuzz got past validation, into the engine
     print(f"{path}: {sum(statuses.values())} cases in {time.monotonic() - started:.1f} s "
           f"(slowest {slowest:.2f} s), statuses {dict(statuses)}")
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_schema, path):
+    _fuzz(server, api_schema, path)
+
+
+@pytest.mark.parametrize("path", POOLING_ENDPOINTS)
+def test_fuzzed_pooling_endpoint_answers_4xx_error_objects_and_stays_up(pooling_server, path):
+    _fuzz(pooling_server, _schema(pooling_server, POOLING_NAME), path)

@@ -7,7 +7,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, ParallelConfig,
-                             StructuredOutputsConfig, check_quantization)
+                             StructuredOutputsConfig, check_positive_int, check_quantization)
 from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, check_parser_name
 
 if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
@@ -284,19 +284,17 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
-        self.parallel_config()  # a ValueError naming the field
-        self.structured_outputs_config()
+        # built (and checked: a ValueError naming the field) once; the engine's config takes them
+        self._parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                        self.distributed_executor_backend)
+        self._structured_outputs = StructuredOutputsConfig(
+            **{f.name: getattr(self, f.name) for f in fields(StructuredOutputsConfig)})
         check_parser_name(self.reasoning_parser)
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "num_gpu_blocks_override"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            check_positive_int(name, getattr(self, name), optional=True)
         gmu = self.gpu_memory_utilization
         if gmu is not None and (isinstance(gmu, bool) or not isinstance(gmu, (int, float))
                                 or not 0 < gmu <= 1):
@@ -336,11 +334,9 @@ class EngineArgs:
         return self.runner if implied == "auto" else implied
 
     def parallel_config(self) -> ParallelConfig:
-        """The ranks asked for, checked."""
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                              self.distributed_executor_backend)
+        """The ranks asked for, as checked when these arguments were built."""
+        return self._parallel
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
-        """The structured-output limits asked for, checked."""
-        return StructuredOutputsConfig(**{f.name: getattr(self, f.name)
-                                          for f in fields(StructuredOutputsConfig)})
+        """The structured-output limits asked for, as checked when these arguments were built."""
+        return self._structured_outputs

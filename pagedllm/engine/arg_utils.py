@@ -114,7 +114,7 @@ def _opt(default: Any, help: str, *, type: Optional[Callable[[str], Any]] = None
          metavar: Optional[str] = None, action: Optional[str] = None,
          group: Optional[tuple[str, str]] = None) -> Any:
     """An EngineArgs field that is also a command-line flag: its help, argparse type (default:
-    the default's type, str for None), choices, vLLM's short flag, and the help group it is listed in."""
+    the default's type, str for None), choices, vLLM's short flag, and its help group."""
     return field(default=default, metadata=dict(help=help, type=type, choices=choices,
                                                 short=short, metavar=metavar, action=action,
                                                 group=group))

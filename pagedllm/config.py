@@ -26,6 +26,16 @@ def check_quantization(value: Optional[str]) -> Optional[str]:
                      f"got {value!r}")
 
 
+def check_positive_int(name: str, value: Any, optional: bool = False) -> None:
+    """A ValueError naming `name` unless `value` is an int > 0 (or None, when `optional`): the
+    one check of every count and size option (EngineArgs and the configs built from it)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got "
+                         f"{value!r}")
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Routed experts of a sparse decoder (Qwen2-MoE, Qwen3-MoE): a softmax router picks
@@ -272,10 +282,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        check_positive_int("block_size", self.block_size)
+        check_positive_int("num_blocks", self.num_blocks, optional=True)
 
 
 @dataclass(frozen=True)
@@ -291,8 +299,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            check_positive_int(name, getattr(self, name))
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
@@ -375,9 +382,7 @@ class StructuredOutputsConfig:
                              f"{self.reasoning_parser!r}")
         for name in ("max_grammar_bytes", "max_grammar_rules", "max_json_schema_nodes",
                      "max_guided_choices", "grammar_cache_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("grammar_compile_timeout", "max_grammar_mask_ms"):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float))

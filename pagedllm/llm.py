@@ -2,9 +2,10 @@
 models) over the engine."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -25,20 +26,31 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 Conversation = list[dict[str, Any]]
 
 
+def _signature() -> inspect.Signature:
+    """LLM(model, *, tokenizer=None, dtype="auto", ...): EngineArgs' fields and defaults, spelled
+    once there, as LLM's keyword arguments (for help(), IDEs and inspect)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str)]
+        + [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+           for f in fields(EngineArgs) if f.name != "model"]
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)],
+        return_annotation=None)
+
+
 class LLM:
     """An offline engine: LLM(model=...).generate(prompts, SamplingParams(...)).
 
     It logs at INFO to stderr (device, dtype, kernels, memory plan) unless the application has
     set up logging; PAGEDLLM_LOGGING_LEVEL changes the level."""
 
-    def __init__(self, model: str, tokenizer: Optional[str] = None, dtype: Any = "auto",
-                 device: str = "auto", max_model_len: Optional[int] = None, seed: int = 0,
-                 max_num_seqs: int = 64, trust_remote_code: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """Keyword arguments are EngineArgs' fields (vLLM's names, with their defaults there:
+        inspect.signature(LLM) lists them) and vLLM's options this engine ignores (a warning
+        each); any other is a TypeError naming it."""
         configure_logging()
-        args = EngineArgs.from_kwargs(model, tokenizer=tokenizer, dtype=dtype, device=device,
-                                      max_model_len=max_model_len, seed=seed,
-                                      max_num_seqs=max_num_seqs,
-                                      trust_remote_code=trust_remote_code, **kwargs)
+        args = EngineArgs.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(args)
         self._counter = itertools.count()
         self._transformers_tokenizer: Any = None
@@ -274,3 +286,6 @@ def _check_conversation(conv: Any) -> None:
         if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
             raise ValueError(f"messages[{i}].role must be one of system, user, assistant, tool, "
                              f"got {m['role']!r}")
+
+
+LLM.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

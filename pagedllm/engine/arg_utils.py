@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
-from pagedllm.config import ParallelConfig, StructuredOutputsConfig, check_quantization
-from pagedllm.structured_output.reasoning import check_parser_name
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, ParallelConfig,
+                             StructuredOutputsConfig, check_positive_int, check_quantization)
+from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, check_parser_name
 
 if TYPE_CHECKING:  # the command line reads this module's tables: it stays free of torch
     import torch
@@ -60,7 +61,18 @@ RUNNER_CHOICES = ("auto", "generate", "pooling")  # vLLM's --runner
 # vLLM's older --task values -> the runner each implies; others are refused by name
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # as vLLM's --dtype
+MODEL_SOURCES = ("huggingface", "modelscope")
 DEVICE_HELP = "auto, cpu, cuda (or cuda:N), rocm, xpu or mps; auto takes the first usable"
+
+
+def cli_fields(names: Optional[Sequence[str]] = None) -> list[Field]:
+    """The EngineArgs fields that are flags (those with a help text), or those in `names`."""
+    flags = [f for f in fields(EngineArgs) if "help" in f.metadata]
+    if names is None:
+        return flags
+    unknown = set(names) - {f.name for f in flags}
+    assert not unknown, f"not EngineArgs flags: {sorted(unknown)}"
+    return [f for f in flags if f.name in names]
 
 
 def warn_ignored(name: str, value: Any) -> None:
@@ -93,93 +105,166 @@ def ignored_cli_values(args: argparse.Namespace,
 
 
 _SO = StructuredOutputsConfig()  # the defaults of the structured-output limits
-# the help of each structured-output limit (the field names of StructuredOutputsConfig)
-STRUCTURED_OUTPUT_HELP: dict[str, str] = {
-    "max_grammar_bytes": "largest constraint a request may send, in UTF-8 bytes (a JSON "
-                         "schema's text, a grammar, a regex, the choices together)",
-    "max_grammar_rules": "most rules in a Lark or GBNF grammar",
-    "max_json_schema_nodes": "most objects and arrays in a JSON schema",
-    "max_guided_choices": "most strings in a choice constraint (guided_choice)",
-    "grammar_compile_timeout": "seconds a constraint may take to compile; a longer one is "
-                               "refused (HTTP 400)",
-    "max_grammar_mask_ms": "CPU milliseconds one request's allowed-token masks (all its n "
-                           "samples) may take in one step; a request over it is stopped with "
-                           "an error, so that it cannot slow the others' steps",
-    "grammar_cache_bytes": "estimated bytes of compiled grammars kept for reuse",
-}
+_SO_GROUP = ("structured outputs", "what one request's constraint may cost; each refusal names "
+             "its limit")
 
 
-def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of the structured-output limits (--max-grammar-bytes, ...), in a group."""
-    group = parser.add_argument_group("structured outputs", "what one request's constraint may "
-                                      "cost; each refusal names its limit")
-    for name, text in STRUCTURED_OUTPUT_HELP.items():
-        default = getattr(_SO, name)
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=type(default),
-                           default=default, help=text)
+def _opt(default: Any, help: str, *, type: Optional[Callable[[str], Any]] = None,
+         choices: Optional[Sequence[str]] = None, short: Optional[str] = None,
+         metavar: Optional[str] = None, action: Optional[str] = None,
+         group: Optional[tuple[str, str]] = None) -> Any:
+    """An EngineArgs field that is also a command-line flag: its help, argparse type (default:
+    the default's type, str for None), choices, vLLM's short flag, and its help group."""
+    return field(default=default, metadata=dict(help=help, type=type, choices=choices,
+                                                short=short, metavar=metavar, action=action,
+                                                group=group))
 
 
-def structured_output_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The structured-output limits parsed by add_structured_output_args, by field name."""
-    return {name: getattr(args, name) for name in STRUCTURED_OUTPUT_HELP}
+def _so(name: str, help: str) -> Any:
+    """A structured-output limit: its default is StructuredOutputsConfig's."""
+    return _opt(getattr(_SO, name), help, group=_SO_GROUP)
 
 
 @dataclass
 class EngineArgs:
-    """Options for building an engine; LLM(...) keyword arguments map onto these fields."""
+    """Options for building an engine; LLM(...) keyword arguments map onto these fields, and
+    every field with a help text is a flag of each command that starts an engine (serve, bench,
+    chat and complete without --url, run)."""
 
     model: str
-    tokenizer: Optional[str] = None
-    dtype: Union[str, torch.dtype] = "auto"
-    device: str = "auto"
-    max_model_len: Optional[int] = None
-    seed: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: Optional[int] = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: Optional[int] = None
-    num_gpu_blocks_override: Optional[int] = None  # vLLM's name; here: number of KV blocks
-    gpu_memory_utilization: Optional[float] = None  # GPU only: share of free device memory to use
-    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (vLLM's default)
-    trust_remote_code: bool = False
-    revision: Optional[str] = None  # Hub branch, tag or commit
-    gguf_file: Optional[str] = None  # a .gguf file inside a Hub repo
-    model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
+    tokenizer: Optional[str] = _opt(None, "a tokenizer directory or Hub id (default: the "
+                                    "model's)")
+    revision: Optional[str] = _opt(None, "Hub branch, tag or commit (default: main)")
+    gguf_file: Optional[str] = _opt(None, "a .gguf file inside a Hub repo (default: the one the "
+                                    "repo's files or a ':TAG' suffix pick)")
+    # None: Hugging Face, or ModelScope when PAGEDLLM_USE_MODELSCOPE=1
+    model_source: Optional[str] = _opt(
+        None, "where Hub ids are fetched from (default: huggingface, or modelscope when "
+        "PAGEDLLM_USE_MODELSCOPE=1)", choices=MODEL_SOURCES)
+    dtype: Union[str, torch.dtype] = _opt("auto", "compute dtype; auto picks per device and "
+                                          "checkpoint", choices=DTYPE_CHOICES)
+    device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
     # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
-    quantization: Optional[str] = None
+    quantization: Optional[str] = _opt(
+        None, "default: a GGUF keeps its quantized blocks on the CPU; int8/int4 quantize a "
+        "float checkpoint at load; none dequantizes", choices=QUANTIZATION_METHODS)
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never
-    mmap_weights: Optional[bool] = None
-    # ranks: the layers split into pipeline_parallel_size stages, or every layer split over
-    # tensor_parallel_size ranks; one process each ("mp") or one Ray actor each ("ray"); both
-    # at once are refused
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None  # None: "mp" with several ranks
+    mmap_weights: Optional[bool] = _opt(
+        None, "map a GGUF's kept blocks, regrouped, from a cache file (page cache) instead of "
+        "reading them into memory (default: only when they do not fit)",
+        action="BooleanOptionalAction")
+    max_model_len: Optional[int] = _opt(None, "longest prompt + output (default: the model's, "
+                                        "shrunk to what memory holds)", type=int)
+    max_num_seqs: int = _opt(64, "most sequences in a batch")
+    max_num_batched_tokens: Optional[int] = _opt(
+        None, "most tokens one step computes (default: chosen per device for short steps)",
+        type=int)
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already "
+                                       "computed", action="BooleanOptionalAction")
+    kv_cache_memory_bytes: Optional[int] = _opt(
+        None, "bytes for the KV cache (default: sized from the memory available)", type=int)
+    # vLLM's name; here: the number of KV blocks on any device
+    num_gpu_blocks_override: Optional[int] = _opt(
+        None, "number of KV-cache blocks on any device (default: sized from memory)", type=int)
+    gpu_memory_utilization: Optional[float] = _opt(
+        None, "share of free GPU memory to plan with (default: the platform's; no effect on "
+        "the CPU)", type=float)
+    # vLLM's default
+    max_logprobs: int = _opt(20, "most logprobs a request may ask for")
+    seed: int = _opt(0, "seed of the sampling generators")
+    trust_remote_code: bool = _opt(False, "let the tokenizer run code from the model's repo",
+                                   action="store_true")
+    # ranks: the layers split into pipeline_parallel_size stages and every layer of a stage
+    # split over tensor_parallel_size ranks (tp x pp ranks in all); one process each ("mp") or
+    # one Ray actor each ("ray")
+    pipeline_parallel_size: int = _opt(1, "split the layers into this many stages, one process "
+                                       "each", short="-pp")
+    tensor_parallel_size: int = _opt(1, "ranks each layer is split over, one process (or Ray "
+                                     "actor) each; with -pp, in every stage", short="-tp")
+    distributed_executor_backend: Optional[str] = _opt(
+        None, "mp: one process per rank on this machine; ray: one Ray actor per rank on the "
+        "Ray cluster at RAY_ADDRESS (else a local one; needs pagedllm[ray]); uni: the model in "
+        "this process (default: mp with several ranks, else uni)",
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     # who drives the engine, as vLLM's UsageContext: "llm" (offline LLM class) or "api_server";
     # it picks the default token budget (a server keeps steps short for time to first token)
     usage_context: str = "llm"
-    # seconds a step may take, plus its work at a floor speed (executor/deadline.py: 195 s
-    # more for a 256-token prefill chunk of a 7B), before the engine is declared hung (a rank
-    # stopped, a kernel stuck): the requests fail and a server exits 1; None or 0: no deadline
-    step_timeout: Optional[float] = 30.0
-    # structured outputs: caps on a request's constraint, checked before it is compiled (each
-    # refusal names its cap), the compile's time limit, one mask's CPU time, the grammar cache
-    max_grammar_bytes: int = _SO.max_grammar_bytes
-    max_grammar_rules: int = _SO.max_grammar_rules
-    max_json_schema_nodes: int = _SO.max_json_schema_nodes
-    max_guided_choices: int = _SO.max_guided_choices
-    grammar_compile_timeout: float = _SO.grammar_compile_timeout
-    max_grammar_mask_ms: float = _SO.max_grammar_mask_ms
-    grammar_cache_bytes: int = _SO.grammar_cache_bytes
-    # a thinking model's reasoning parser (qwen3, deepseek_r1): structured outputs start after
-    # the thinking, and the server splits it from the answer; None: picked from the chat template
-    reasoning_parser: Optional[str] = None
+    # executor/deadline.py: the floor speed, and 195 s more for a 256-token prefill chunk of a 7B
+    step_timeout: Optional[float] = _opt(
+        30.0, "seconds a step may take, plus its work at 20 GFLOP/s (195 s more for a "
+        "256-token prefill of a 7B), before the engine is declared hung (a rank stopped, a "
+        "kernel stuck): the requests fail, and a server answers /health with 503 and the "
+        "reason and exits 1 (0: no deadline)", type=float)
     # "pooling": the model embeds (LLM.embed, /v1/embeddings); "generate": it completes;
     # "auto": pooling for an encoder (BERT), generate otherwise (vLLM's --runner)
-    runner: str = "auto"
-    task: Optional[str] = None  # vLLM's older spelling: "embed" is runner "pooling"
+    runner: str = _opt("auto", "pooling: the model embeds (/v1/embeddings); generate: it "
+                       "completes; auto: pooling for an encoder (BERT), generate otherwise",
+                       choices=RUNNER_CHOICES)
+    task: Optional[str] = _opt(None, "vLLM's older spelling of --runner: embed is --runner "
+                               "pooling (default: none, --runner decides)",
+                               choices=tuple(TASK_RUNNERS))
+    # None: picked from the chat template
+    reasoning_parser: Optional[str] = _opt(
+        None, "split a thinking model's <think> ... </think> from its answer (a server's "
+        "message.reasoning); structured outputs and tool calls apply to the answer (default: "
+        "the one the chat template implies, if any; none: off)",
+        choices=(*REASONING_PARSERS, "none"))
+    # structured outputs: caps on a request's constraint, checked before it is compiled (each
+    # refusal names its cap), the compile's time limit, one mask's CPU time, the grammar cache
+    max_grammar_bytes: int = _so("max_grammar_bytes", "largest constraint a request may send, "
+                                 "in UTF-8 bytes (a JSON schema's text, a grammar, a regex, "
+                                 "the choices together)")
+    max_grammar_rules: int = _so("max_grammar_rules", "most rules in a Lark or GBNF grammar")
+    max_json_schema_nodes: int = _so("max_json_schema_nodes", "most objects and arrays in a "
+                                     "JSON schema")
+    max_guided_choices: int = _so("max_guided_choices", "most strings in a choice constraint "
+                                  "(guided_choice)")
+    grammar_compile_timeout: float = _so("grammar_compile_timeout", "seconds a constraint may "
+                                         "take to compile; a longer one is refused (HTTP 400)")
+    max_grammar_mask_ms: float = _so(
+        "max_grammar_mask_ms", "CPU milliseconds one request's allowed-token masks (all its n "
+        "samples) may take in one step; a request over it is stopped with an error, so that "
+        "it cannot slow the others' steps")
+    grammar_cache_bytes: int = _so("grammar_cache_bytes", "estimated bytes of compiled "
+                                   "grammars kept for reuse")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *,
+                     names: Optional[Sequence[str]] = None, title: Optional[str] = None,
+                     with_ignored: bool = False, honored: frozenset[str] = frozenset()) -> None:
+        """Each flag field (or those in `names`) as a flag named after it, in the fields'
+        order; `title` lists them in a help group of that name. `with_ignored`: vLLM's options
+        that are taken and ignored too, but the `honored` ones (the command has its own)."""
+        engine = parser.add_argument_group(title) if title else parser
+        groups: dict[tuple[str, str], Any] = {}
+        for f in cli_fields(names):
+            meta = f.metadata
+            group = meta["group"]
+            if group is not None and group not in groups:
+                groups[group] = parser.add_argument_group(*group)
+            target = engine if group is None else groups[group]
+            flags = ["--" + f.name.replace("_", "-")] + ([meta["short"]] if meta["short"] else [])
+            if meta["action"] is not None:
+                kind = dict(action=getattr(argparse, meta["action"], meta["action"]))
+            else:
+                default_type = str if f.default is None else type(f.default)
+                kind = dict(type=meta["type"] or default_type, choices=meta["choices"],
+                            metavar=meta["metavar"])
+            target.add_argument(*flags, dest=f.name, default=f.default, help=meta["help"], **kind)
+        if with_ignored:
+            add_ignored_cli_args(parser, exclude=honored)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, model: str, *,
+                      honored: frozenset[str] = frozenset(), **overrides: Any) -> "EngineArgs":
+        """EngineArgs from the flags add_cli_args added (with the same `honored`), `overrides`
+        winning; ignored vLLM options warn as LLM() does, a bad value is a ValueError naming
+        its field."""
+        values = {f.name: getattr(args, f.name) for f in cli_fields() if hasattr(args, f.name)}
+        return cls.from_kwargs(model, **{**values, **ignored_cli_values(args, honored),
+                                         **overrides})
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
@@ -199,24 +284,22 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
-        self.parallel_config()  # a ValueError naming the field
-        self.structured_outputs_config()
+        # built (and checked: a ValueError naming the field) once; the engine's config takes them
+        self._parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                        self.distributed_executor_backend)
+        self._structured_outputs = StructuredOutputsConfig(
+            **{f.name: getattr(self, f.name) for f in fields(StructuredOutputsConfig)})
         check_parser_name(self.reasoning_parser)
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
                      "num_gpu_blocks_override"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            check_positive_int(name, getattr(self, name), optional=True)
         gmu = self.gpu_memory_utilization
         if gmu is not None and (isinstance(gmu, bool) or not isinstance(gmu, (int, float))
                                 or not 0 < gmu <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
-        if self.model_source not in (None, "huggingface", "modelscope"):
+        if self.model_source is not None and self.model_source not in MODEL_SOURCES:
             raise ValueError("model_source must be 'huggingface' or 'modelscope', got "
                              f"{self.model_source!r}")
         if self.mmap_weights is not None and not isinstance(self.mmap_weights, bool):
@@ -251,11 +334,9 @@ class EngineArgs:
         return self.runner if implied == "auto" else implied
 
     def parallel_config(self) -> ParallelConfig:
-        """The ranks asked for, checked."""
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                              self.distributed_executor_backend)
+        """The ranks asked for, as checked when these arguments were built."""
+        return self._parallel
 
     def structured_outputs_config(self) -> StructuredOutputsConfig:
-        """The structured-output limits asked for, checked."""
-        return StructuredOutputsConfig(**{f.name: getattr(self, f.name)
-                                          for f in fields(StructuredOutputsConfig)})
+        """The structured-output limits asked for, as checked when these arguments were built."""
+        return self._structured_outputs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import resource
@@ -14,8 +15,7 @@ import statistics
 import time
 from typing import Any, Optional
 
-from pagedllm.config import QUANTIZATION_METHODS
-from pagedllm.engine.arg_utils import DEVICE_HELP, DTYPE_CHOICES
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 
@@ -66,28 +66,7 @@ def add_bench_parser(sub) -> None:
                            help="requests in flight at once")
             p.add_argument("--api-key", default=None, help="the server's key (default: no key)")
         else:
-            p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                           help="compute dtype; auto picks per device and checkpoint")
-            p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                           help="default: gguf for a GGUF on the CPU, else none; int8/int4 "
-                           "quantize a float checkpoint at load")
-            p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
-            p.add_argument("--mmap-weights", action=argparse.BooleanOptionalAction, default=None,
-                           help="map a GGUF's kept blocks from a cache file (default: only "
-                           "when they do not fit in memory)")
-            p.add_argument("--max-num-seqs", type=int, default=64,
-                           help="most sequences in a batch")
-            p.add_argument("--pipeline-parallel-size", "-pp", type=_positive, default=1,
-                           help="pipeline stages, one process each (reports the stage-to-stage "
-                                "send/recv time per step)")
-            p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1,
-                           help="tensor-parallel ranks, one process each (with -pp: tp x pp "
-                                "processes, each stage split over tp ranks)")
-            p.add_argument("--distributed-executor-backend", default=None,
-                           choices=("mp", "ray", "uni"),
-                           help="mp: one process per rank; ray: one Ray actor per rank, on the "
-                                "cluster at RAY_ADDRESS (else a local one) (default: mp with "
-                                "several ranks)")
+            EngineArgs.add_cli_args(p, title="engine", with_ignored=True)
             p.add_argument("--structured-output", choices=("none", "json"), default="none",
                            help="json: every request constrained to a JSON array of at least "
                                 "--output-len integers (so it runs to --output-len tokens)")
@@ -135,15 +114,11 @@ def _params(args: argparse.Namespace):
 
 
 def _llm(args: argparse.Namespace):
-    """The LLM the offline modes measure."""
+    """The LLM the offline modes measure (a bad engine flag is refused before torch loads)."""
+    engine_args = EngineArgs.from_cli_args(args, args.model)
     from pagedllm.llm import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
-               max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-               mmap_weights=args.mmap_weights,
-               pipeline_parallel_size=args.pipeline_parallel_size,
-               tensor_parallel_size=args.tensor_parallel_size,
-               distributed_executor_backend=args.distributed_executor_backend)
+    return LLM(**dataclasses.asdict(engine_args))
 
 
 def _comm_stats(llm, reset: bool = False) -> Optional[list[dict]]:

@@ -6,7 +6,7 @@ import signal
 import sys
 from typing import Optional
 
-from pagedllm.engine.arg_utils import DEVICE_HELP
+from pagedllm.engine.arg_utils import EngineArgs, cli_fields
 from pagedllm.loader.model_store import DEFAULT_MODEL
 
 CHAT_HELP = """commands (never sent to the model):
@@ -24,16 +24,15 @@ def _add_backend_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[
                    f"load in-process (default: the server's first model, or {DEFAULT_MODEL})")
     p.add_argument("--api-key", default=None, help="the server's key (default: no key)")
     add_reply_flags(p, default_max_tokens)
+    EngineArgs.add_cli_args(p, title="in-process engine (without --url)")
 
 
 def add_reply_flags(p: argparse.ArgumentParser, default_max_tokens: Optional[int]) -> None:
-    """--max-tokens, --temperature and --device: how an in-process or served reply is made."""
+    """--max-tokens and --temperature: how an in-process or served reply is made."""
     p.add_argument("--max-tokens", type=int, default=default_max_tokens,
                    help="most tokens per reply" + ("" if default_max_tokens else
                                                    " (default: up to the context length)"))
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    p.add_argument("--device", default="auto", metavar="DEVICE",
-                   help=f"in-process only: {DEVICE_HELP}")
 
 
 def add_client_parsers(sub) -> None:
@@ -57,9 +56,21 @@ def _backend(args: argparse.Namespace):
     from pagedllm.entrypoints.client_backends import LocalBackend, ServerBackend
 
     if args.url:
+        _refuse_engine_flags(args)
         return ServerBackend(args.url, args.api_key, args.model)
-    print(f"loading {args.model or DEFAULT_MODEL} ...", file=sys.stderr, flush=True)
-    return LocalBackend(args.model or DEFAULT_MODEL, device=args.device)
+    engine_args = EngineArgs.from_cli_args(args, args.model or DEFAULT_MODEL)  # bad values: now
+    print(f"loading {engine_args.model} ...", file=sys.stderr, flush=True)
+    return LocalBackend(engine_args)
+
+
+def _refuse_engine_flags(args: argparse.Namespace) -> None:
+    """A ValueError naming the in-process engine's flags given with --url: the server's own
+    settings apply there, so such a flag would have no effect."""
+    given = ["--" + f.name.replace("_", "-") for f in cli_fields()
+             if getattr(args, f.name) != f.default]
+    if given:
+        raise ValueError(f"{', '.join(given)} set up the in-process engine, which --url does "
+                         "not start (the server's own settings apply): drop them or --url")
 
 
 def run_complete(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any, Callable, NoReturn, Optional
 
-from pagedllm.engine.arg_utils import DEVICE_HELP, DTYPE_CHOICES
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.bench import add_bench_parser, run_bench
 from pagedllm.entrypoints.chat_cli import add_client_parsers, run_chat, run_complete
 from pagedllm.entrypoints.models_cli import (add_models_parsers, run_list, run_pull, run_rm,
@@ -66,11 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("model", nargs="?", help="a .gguf file, an HF directory, a Hub id or a "
                         "known name (default: none, the machine only)")
     doctor.add_argument("--json", action="store_true", help="print JSON for scripts")
-    doctor.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
-    doctor.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                        help="compute dtype; auto picks per device and checkpoint")
-    doctor.add_argument("--max-model-len", type=int, default=None, help="longest prompt + "
-                        "output to plan for (default: the model's, shrunk to what memory holds)")
+    EngineArgs.add_cli_args(doctor, names=("dtype", "device", "max_model_len"))
     return parser
 
 

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import httpx
 
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
 
 
 class ServerBackend:
@@ -69,11 +72,10 @@ class ServerBackend:
 class LocalBackend:
     """Streams from an engine in this process."""
 
-    def __init__(self, model: str, **engine_kwargs: Any) -> None:
-        from pagedllm.engine.arg_utils import EngineArgs
+    def __init__(self, engine_args: EngineArgs) -> None:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model, **engine_kwargs))
+        self.engine = LLMEngine.from_engine_args(engine_args)
         self._ids = itertools.count()
 
     def _stream(self, prompt, params: SamplingParams) -> Iterator[str]:

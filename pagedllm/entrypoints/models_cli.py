@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.chat_cli import (CHAT_HELP, add_reply_flags, catch_ctrl_c, chat_loop,
                                            stream_reply)
 
@@ -53,6 +54,7 @@ def add_models_parsers(sub) -> None:
     run.add_argument("prompt", nargs="?", help="answer this one message and exit (default: chat)")
     run.add_argument("--system", default=None, help="a system prompt (default: none)")
     add_reply_flags(run, None)
+    EngineArgs.add_cli_args(run, title="engine")
 
 
 def _human(size: int) -> str:
@@ -170,8 +172,9 @@ def run_run(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.client_backends import LocalBackend
 
     catch_ctrl_c()
+    engine_args = EngineArgs.from_cli_args(args, args.model)  # a bad value is refused here
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    backend = LocalBackend(args.model, device=args.device)
+    backend = LocalBackend(engine_args)
     if args.prompt is None:
         return chat_loop(backend, args)
     history: list[dict[str, str]] = []

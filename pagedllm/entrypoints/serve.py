@@ -16,11 +16,8 @@ from typing import Awaitable, Callable, Optional
 
 import uvicorn
 
-from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG, QUANTIZATION_METHODS
-from pagedllm.engine.arg_utils import (DEVICE_HELP, DTYPE_CHOICES, RUNNER_CHOICES, TASK_RUNNERS,
-                                       EngineArgs,
-                                       add_ignored_cli_args, add_structured_output_args,
-                                       ignored_cli_values, structured_output_values)
+from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
+from pagedllm.engine.arg_utils import EngineArgs, add_ignored_cli_args
 from pagedllm.entrypoints.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CLIENT_SHARE,
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
@@ -29,7 +26,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
 from pagedllm.entrypoints.openai.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES,
                                                         ResponseStore)
 from pagedllm.loader.model_store import DEFAULT_MODEL
-from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, parser_for_template
+from pagedllm.structured_output.reasoning import parser_for_template
 
 logger = logging.getLogger("pagedllm")
 STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
@@ -62,17 +59,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--model", dest="model", default=None, action=_ModelOnce, metavar="MODEL",
                    help="the model as a flag, as vLLM's older command lines give it "
                    f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
-    p.add_argument("--gguf-file", default=None, help="a .gguf file inside a Hub repo (default: "
-                   "the one the repo's files or a ':TAG' suffix pick)")
-    p.add_argument("--model-source", default=None, choices=["huggingface", "modelscope"],
-                   help="where Hub ids are fetched from (default: huggingface, or modelscope "
-                   "when PAGEDLLM_USE_MODELSCOPE=1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="name clients send as `model` "
                    "(default: the model argument)")
-    _add_engine_flags(p)
+    EngineArgs.add_cli_args(p)
     _add_slot_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
                    "endpoint but /health, /metrics, /version and the API docs (default: "
@@ -86,10 +77,6 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how tool calls are read from the output (default: the one the chat "
                    "template implies, if any)")
-    p.add_argument("--reasoning-parser", default=None, choices=[*REASONING_PARSERS, "none"],
-                   help="split a thinking model's <think> ... </think> from its answer "
-                   "(message.reasoning); structured outputs and tool calls apply to the answer "
-                   "(default: the one the chat template implies, if any; none: off)")
     p.add_argument("--responses-store-max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                    help="most /v1/responses responses kept in memory for GET and "
                    "previous_response_id (store=true); the least recently used go first")
@@ -123,62 +110,6 @@ def add_serve_parser(sub) -> None:
     add_ignored_cli_args(p, exclude=HONORED_VLLM_ARGS)
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """EngineArgs fields as flags (LLM()'s keyword arguments)."""
-    p.add_argument("--tokenizer", default=None, help="a tokenizer directory or Hub id (default: "
-                   "the model's)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="compute dtype; auto picks per device and checkpoint")
-    p.add_argument("--device", default="auto", metavar="DEVICE", help=DEVICE_HELP)
-    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                   help="default: a GGUF keeps its quantized blocks on the CPU; int8/int4 "
-                   "quantize a float checkpoint at load; none dequantizes")
-    p.add_argument("--mmap-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="map a GGUF's kept blocks, regrouped, from a cache file (page cache) "
-                   "instead of reading them into memory (default: only when they do not fit)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output "
-                   "(default: the model's, shrunk to what memory holds)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens one "
-                   "step computes (default: chosen per device for short steps)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of prompt prefixes already computed")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="bytes for the KV "
-                   "cache (default: sized from the memory available)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="number of KV-cache blocks on any device (default: sized from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of free "
-                   "GPU memory to plan with (default: the platform's; no effect on the CPU)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may "
-                   "ask for")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generators")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the tokenizer run code from the model's repo")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="split the layers into this many stages, one process each")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks each layer is split over, one process (or Ray actor) each; "
-                   "with -pp, in every stage")
-    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "uni", "ray"],
-                   help="mp: one process per rank on this machine; ray: one Ray actor per "
-                   "rank on the Ray cluster at RAY_ADDRESS (else a local one; needs "
-                   "pagedllm[ray]); uni: the model in the server's process (default: mp with "
-                   "several ranks, else uni)")
-    p.add_argument("--step-timeout", type=float, default=EngineArgs.step_timeout,
-                   help="seconds a step may take, plus its work at 20 GFLOP/s (195 s more for "
-                   "a 256-token prefill of a 7B), before the engine is declared hung: /health "
-                   "answers 503 with the reason, the requests fail and the server exits 1 "
-                   "(0: no deadline)")
-    p.add_argument("--runner", default="auto", choices=RUNNER_CHOICES,
-                   help="pooling: the model embeds (/v1/embeddings); generate: it completes; "
-                   "auto: pooling for an encoder (BERT), generate otherwise")
-    p.add_argument("--task", default=None, choices=list(TASK_RUNNERS),
-                   help="vLLM's older spelling of --runner: embed is --runner pooling "
-                   "(default: none, --runner decides)")
-    add_structured_output_args(p)
-
-
 def _add_slot_flags(p: argparse.ArgumentParser) -> None:
     """How many sequence slots one client may hold, and for how long while it does not read
     (limits.HttpLimits, limits.SlotLimits; docs/server_limits.md)."""
@@ -200,24 +131,9 @@ def _add_slot_flags(p: argparse.ArgumentParser) -> None:
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed flags; ignored vLLM options warn as LLM() does."""
-    return EngineArgs.from_kwargs(
-        args.model or DEFAULT_MODEL, tokenizer=args.tokenizer, dtype=args.dtype,
-        device=args.device, max_model_len=args.max_model_len, seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_logprobs=args.max_logprobs,
-        trust_remote_code=args.trust_remote_code, revision=args.revision,
-        gguf_file=args.gguf_file, model_source=args.model_source,
-        quantization=args.quantization, mmap_weights=args.mmap_weights,
-        usage_context="api_server",
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        step_timeout=args.step_timeout, reasoning_parser=_reasoning_parser(args),
-        runner=args.runner, task=args.task,
-        **structured_output_values(args), **ignored_cli_values(args, HONORED_VLLM_ARGS))
+    return EngineArgs.from_cli_args(args, args.model or DEFAULT_MODEL, honored=HONORED_VLLM_ARGS,
+                                    usage_context="api_server",
+                                    reasoning_parser=_reasoning_parser(args))
 
 
 def _reasoning_parser(args: argparse.Namespace) -> Optional[str]:

@@ -11,19 +11,19 @@ from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
-from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.executor.rank_memory import rank_memories
+from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
                                       gguf_weight_bytes, planned_weight_layout,
                                       quantized_at_load, weight_layout)
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.footprint import footprint, regrouped_bytes
+from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, plan_memory,
+                                  plan_pipeline_memory)
+from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint, regrouped_bytes
-from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
-                                    plan_pipeline_memory)
-from pagedllm.worker.weight_formats import FormatCost, format_costs, format_of, format_summary
 
 if TYPE_CHECKING:
     from pagedllm.executor.ray_nodes import RankNodes
@@ -158,7 +158,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
     which the rank checks again where it runs before it loads anything; rank_mems, when
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
-    tensor_parallel_size M too, a rank's share is its stage's over M (worker/footprint.py's
+    tensor_parallel_size M too, a rank's share is its stage's over M (memory/footprint.py's
     tp_share)."""
     num_params, source = checkpoint_num_params(ckpt)
     mem = platform.memory()
@@ -263,7 +263,7 @@ def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quanti
 
 def weight_format_costs(ckpt: Checkpoint) -> dict[str, FormatCost]:
     """What fp32, bf16, int8 and int4 weights of a float checkpoint cost and give on the CPU
-    (worker/weight_formats.py), from its tensor table; doctor reports them."""
+    (memory/weight_formats.py), from its tensor table; doctor reports them."""
     return format_costs(ckpt.arch, weight_layout(ckpt, 1))
 
 

@@ -81,7 +81,7 @@ def worker_main(conn: Connection) -> None:
         config, place, init_method = recv(conn)
         if place.stage is not None and rank_cgroup(place.rank) is not None:
             # its own memory: its share must fit there
-            from pagedllm.worker.rank_plan import plan_rank_memory
+            from pagedllm.memory.rank_plan import plan_rank_memory
 
             plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
                                     config.parallel.tensor_parallel_size)

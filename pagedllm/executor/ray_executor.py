@@ -127,7 +127,7 @@ class RankActor:
         if config.rank_nodes and place.stage is not None:
             # planned against this node's memory: its share must fit here (as an mp rank in
             # its own cgroup checks)
-            from pagedllm.worker.rank_plan import plan_rank_memory
+            from pagedllm.memory.rank_plan import plan_rank_memory
 
             plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
                                     config.parallel.tensor_parallel_size)

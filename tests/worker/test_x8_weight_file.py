@@ -15,11 +15,11 @@ from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.memory.footprint import footprint
+from pagedllm.memory.plan import InsufficientMemoryError, plan_memory
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker import x8_weight_file
-from pagedllm.worker.footprint import footprint
-from pagedllm.worker.memory import InsufficientMemoryError, plan_memory
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from pagedllm.distributed.stage import PipelineStage
-from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
-from pagedllm.worker.footprint import (ModelFootprint, activation_bytes, shared_footprint,
+from pagedllm.memory.footprint import (ModelFootprint, activation_bytes, shared_footprint,
                                        stage_footprint, tp_share)
+from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
 
 RUNTIME_OVERHEAD_BYTES = 384 * 1024 ** 2  # tokenizer, Python objects, allocator slack still to come
 MEMORY_UTILIZATION = 0.92  # share of available memory the engine plans to use

@@ -10,10 +10,10 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import (checkpoint_num_params, planned_weight_layout,
                                       quantized_at_load)
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
+from pagedllm.memory.plan import MemoryPlan, plan_memory
 from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
-from pagedllm.worker.memory import MemoryPlan, plan_memory
 
 
 def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo,

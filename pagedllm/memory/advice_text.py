@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
-from pagedllm.worker.advice import (FAMILY_SIZES, TESTED, FormatWays, Way, all_format_ways,
+from pagedllm.memory.advice import (FAMILY_SIZES, TESTED, FormatWays, Way, all_format_ways,
                                     gguf_hub_ref, split_ways, tested_way, tp_sizes)
-from pagedllm.worker.decode_speed import MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S
-from pagedllm.worker.footprint import ModelFootprint
-from pagedllm.worker.memory import DISK_READ_BYTES_PER_S, InsufficientMemoryError, Shortfall
+from pagedllm.memory.decode_speed import MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S
+from pagedllm.memory.footprint import ModelFootprint
+from pagedllm.memory.plan import DISK_READ_BYTES_PER_S, InsufficientMemoryError, Shortfall
+from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
 SPLIT_HOW = ("a split runs one rank a machine: distributed_executor_backend='ray' over a Ray "
              "cluster (docs/ray_two_vms.md), or one rank per cgroup (PAGEDLLM_RANK_CGROUP); "

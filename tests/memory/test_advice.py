@@ -11,16 +11,16 @@ from pagedllm.distributed.stage import even_partition
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.hub import parse_hub_ref
 from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
-from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
+from pagedllm.memory.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
                                     tp_sizes)
-from pagedllm.worker.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S,
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S,
                                           pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint
-from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, plan_memory,
-                                    plan_pipeline_memory)
+from pagedllm.memory.footprint import footprint
+from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, plan_memory,
+                                  plan_pipeline_memory)
+from pagedllm.platforms.interface import MemoryInfo
 
 GiB = 1024 ** 3
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -13,12 +13,12 @@ from typing import Optional, Sequence
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed.stage import PipelineStage, even_partition
-from pagedllm.loader.metadata import WeightLayout
 from pagedllm.memory.decode_speed import (pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
 from pagedllm.memory.footprint import ModelFootprint, footprint, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, plan_memory,
                                   plan_pipeline_memory)
+from pagedllm.memory.weight_layout import WeightLayout
 from pagedllm.platforms.interface import MemoryInfo
 
 

@@ -8,11 +8,11 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import (checkpoint_num_params, planned_weight_layout,
-                                      quantized_at_load)
+from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
 from pagedllm.memory.plan import MemoryPlan, plan_memory
+from pagedllm.memory.weight_layout import planned_weight_layout, quantized_at_load
 from pagedllm.platforms.interface import MemoryInfo
 
 

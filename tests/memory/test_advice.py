@@ -10,7 +10,7 @@ import torch
 from pagedllm.distributed.stage import even_partition
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.hub import parse_hub_ref
-from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
                                     tp_sizes)
 from pagedllm.memory.advice_text import advise
@@ -20,6 +20,7 @@ from pagedllm.memory.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER
 from pagedllm.memory.footprint import footprint
 from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, plan_memory,
                                   plan_pipeline_memory)
+from pagedllm.memory.weight_layout import planned_weight_layout
 from pagedllm.platforms.interface import MemoryInfo
 
 GiB = 1024 ** 3

@@ -13,11 +13,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, kv_bytes_per_token, stage_footprint, tp_share
 from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION,
                                   InsufficientMemoryError, plan_memory, plan_pipeline_memory)
+from pagedllm.memory.weight_layout import planned_weight_layout
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.model_loader import load_model

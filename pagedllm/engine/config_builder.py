@@ -11,13 +11,13 @@ from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
-from pagedllm.executor.rank_memory import rank_memories
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, plan_memory,
                                   plan_pipeline_memory)
+from pagedllm.memory.rank_memory import rank_memories
 from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
 from pagedllm.memory.weight_layout import (gguf_block_bytes, gguf_weight_bytes,
                                            planned_weight_layout, quantized_at_load, weight_layout)
@@ -26,7 +26,7 @@ from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
 if TYPE_CHECKING:
-    from pagedllm.executor.ray_nodes import RankNodes
+    from pagedllm.memory.rank_memory import RankNodes
 
 logger = logging.getLogger("pagedllm")
 

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_groups import init_tp_group
-from pagedllm.executor.rank_memory import own_memory, rank_cgroup
 from pagedllm.executor.rank_places import RankPlace
+from pagedllm.memory.rank_memory import own_memory, rank_cgroup
 
 # gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
 COMM_TIMEOUT = timedelta(minutes=10)

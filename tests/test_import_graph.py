@@ -183,3 +183,26 @@ def test_engine_imports_nothing_below_the_executor():
         "pagedllm.engine.x -> pagedllm.layers.norm", "pagedllm.engine.x -> pagedllm.worker.worker"]
     bad = engine_reaches_below_the_executor(graph)
     assert not bad, "the engine imports below the executor:\n" + "\n".join(bad)
+
+
+# The engine's configuration and doctor plan on metadata with pagedllm.memory: neither reaches
+# the workers or the executors (the engine core does, through the Executor interface, and
+# hands the config builder the executors' reading of a cluster's rank nodes).
+PLANNERS = ("pagedllm.engine.config_builder", "pagedllm.entrypoints.doctor")
+PLANNERS_MAY_NOT_IMPORT = ("pagedllm.worker", "pagedllm.executor")
+
+
+def planners_reaching_workers(graph: Graph) -> list[str]:
+    """'importer -> imported' for each of PLANNERS importing a worker or an executor module."""
+    return [f"{a} -> {b}" for a in PLANNERS for b in sorted(graph.get(a, ()))
+            if any(b == p or b.startswith(p + ".") for p in PLANNERS_MAY_NOT_IMPORT)]
+
+
+def test_config_builder_and_doctor_import_no_worker_or_executor():
+    graph = build_graph(PACKAGE_DIR)
+    assert planners_reaching_workers(
+        {"pagedllm.entrypoints.doctor": {"pagedllm.memory.plan", "pagedllm.executor.ray_nodes"}}
+    ) == ["pagedllm.entrypoints.doctor -> pagedllm.executor.ray_nodes"]
+    assert all(p in graph for p in PLANNERS), "a planner module moved: update PLANNERS"
+    bad = planners_reaching_workers(graph)
+    assert not bad, "the planners import workers or executors:\n" + "\n".join(bad)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
@@ -17,7 +17,7 @@ from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, plan_memory,
                                   plan_pipeline_memory)
-from pagedllm.memory.rank_memory import rank_memories
+from pagedllm.memory.rank_memory import RankNodes, rank_memories
 from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
 from pagedllm.memory.weight_layout import (gguf_block_bytes, gguf_weight_bytes,
                                            planned_weight_layout, quantized_at_load, weight_layout)
@@ -25,10 +25,11 @@ from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, res
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
-if TYPE_CHECKING:
-    from pagedllm.memory.rank_memory import RankNodes
-
 logger = logging.getLogger("pagedllm")
+
+# where each rank of a cluster will run and the memory it has there, read on its node
+# (pagedllm.executor.read_rank_nodes: Ray's), else None
+RankNodeReader = Callable[[ParallelConfig], Optional[RankNodes]]
 
 
 def _max_num_batched_tokens(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> int:
@@ -129,18 +130,15 @@ def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
 
 
 def ray_rank_nodes(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
-                   quantization: str) -> Optional[RankNodes]:
+                   quantization: str, read_nodes: Optional[RankNodeReader]) -> Optional[RankNodes]:
     """With pipeline stages as Ray actors on a cluster, the node each rank will run on and
-    the memory it has there (read on its node; the largest stage on the most memory), else
-    None."""
+    the memory it has there (read on its node by read_nodes; the largest stage on the most
+    memory), else None."""
     parallel = args.parallel_config()
-    if (parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
+    if (read_nodes is None or parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
             or platform.name != "cpu"):
         return None
-    from pagedllm.executor.ray_nodes import ray_rank_memories
-
-    kind = "pipeline" if parallel.tensor_parallel_size == 1 else "tensor x pipeline"
-    nodes = ray_rank_memories(parallel.world_size, kind + " parallel")
+    nodes = read_nodes(parallel)
     if nodes is None:
         return None
     return nodes.fit(_rank_weight_bytes(args, ckpt, platform, dtype, quantization))
@@ -279,8 +277,11 @@ def _pooling_args(args: EngineArgs, runner: RunnerChoice) -> EngineArgs:
     return dataclasses.replace(args, max_model_len=max_len, enable_prefix_caching=False)
 
 
-def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
-    """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint."""
+def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
+                       read_nodes: Optional[RankNodeReader] = None) -> EngineConfig:
+    """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint;
+    read_nodes: where a cluster's ranks will run, and their memory there (the engine passes
+    the executors' pagedllm.executor.read_rank_nodes; None plans on this machine)."""
     runner = choose_runner(args, ckpt)
     args = _pooling_args(args, runner)
     choice = resolve_platform(args.device)
@@ -293,7 +294,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
-    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization)
+    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization, read_nodes)
     mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization,
                                            None if nodes is None else nodes.memories)
     fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"

@@ -19,6 +19,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice import FormatWays, Way, all_format_ways
 from pagedllm.memory.advice_text import rate
+from pagedllm.memory.plan import PlanLimits
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import GiB, MemoryInfo
 
@@ -67,9 +68,9 @@ def table() -> list[list[str]]:
         for _, gib in MACHINES:
             total = int(gib * GiB)
             mem = MemoryInfo(total, total - IN_USE, f"{gib} GiB")
-            sizes = dict(SIZES, max_num_batched_tokens=CpuPlatform()
-                         .default_max_num_batched_tokens(ckpt.arch.intermediate_size, False))
-            row.append(cell(all_format_ways(ckpt.arch, n, source, mem, sizes)))
+            limits = PlanLimits(**SIZES, max_num_batched_tokens=CpuPlatform()
+                                .default_max_num_batched_tokens(ckpt.arch.intermediate_size, False))
+            row.append(cell(all_format_ways(ckpt.arch, n, source, mem, limits)))
         rows.append(row)
     return rows
 

@@ -15,7 +15,7 @@ from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes
-from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, plan_memory,
+from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories
 from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
@@ -183,14 +183,13 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        layout)
         if not mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
-        sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
-                     kv_cache_bytes=args.kv_cache_memory_bytes,
-                     num_blocks=args.num_gpu_blocks_override, mapped_forced=forced,
-                     advisor=advise)
+        limits = PlanLimits(args.block_size, args.max_num_seqs, batched, args.max_model_len,
+                            args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
+                            mapped_forced=forced)
         if world > 1:
-            return plan_pipeline_memory(fp, world, mem, rank_mems, tp_size, **sizes)
-        return plan_memory(fp, mem, **sizes)
+            return plan_pipeline_memory(fp, world, mem, limits, rank_mems, tp_size,
+                                        advisor=advise)
+        return plan_memory(fp, mem, limits, advise)
 
     can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"
     if args.mmap_weights and not can_map:

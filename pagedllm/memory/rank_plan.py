@@ -11,7 +11,7 @@ from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
-from pagedllm.memory.plan import MemoryPlan, plan_memory
+from pagedllm.memory.plan import MemoryPlan, PlanLimits, plan_memory
 from pagedllm.memory.weight_layout import planned_weight_layout, quantized_at_load
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -34,8 +34,7 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
         at_load = quantized_at_load(ckpt, config.quantization)
         fp = replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
     sched = config.scheduler
-    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,
-                       block_size=config.cache.block_size,
-                       max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-                       max_num_batched_tokens=sched.max_num_batched_tokens,
-                       num_blocks=config.cache.num_blocks, advisor=advise)
+    limits = PlanLimits(config.cache.block_size, sched.max_num_seqs,
+                        sched.max_num_batched_tokens, sched.max_model_len,
+                        num_blocks=config.cache.num_blocks)
+    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem, limits, advise)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -148,8 +149,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        dtype: torch.dtype, quantization: Optional[str] = None,
                        rank_mems: Optional[Sequence[MemoryInfo]] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
-    """Size the KV cache and max_model_len from metadata; with dtype 'auto', fall back to a
-    half-size dtype when float32 weights do not fit.
+    """Size the KV cache and max_model_len from metadata, trying _candidates' plans in turn
+    (a GGUF's blocks mapped, or with dtype 'auto' a half-size dtype, when the first does not fit).
 
     With pipeline_parallel_size N, each rank's share is planned (its layers' weights, KV cache
     and workspace, and a runtime): ranks that share this machine's memory for their sum, ranks
@@ -169,64 +170,105 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
 
-    def plan(dt: torch.dtype, mapped: bool = False, forced: bool = False) -> MemoryPlan:
-        itemsize = torch.empty((), dtype=dt).element_size()
+    def plan(c: Candidate) -> MemoryPlan:
+        itemsize = torch.empty((), dtype=c.dtype).element_size()
         weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
-        name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
-        mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
+        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if weights is not None else "")
+        mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if c.mapped else 0
         kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
         layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
-            weights, name = layout.total, f"{_dtype_name(dt)} with {quantization} blocks"
+            weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
-        if not mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
+        if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
         limits = PlanLimits(args.block_size, args.max_num_seqs, batched, args.max_model_len,
                             args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
-                            mapped_forced=forced)
+                            mapped_forced=c.forced)
         if world > 1:
             return plan_pipeline_memory(fp, world, mem, limits, rank_mems, tp_size,
                                         advisor=advise)
         return plan_memory(fp, mem, limits, advise)
 
+    candidates = _candidates(args, ckpt, platform, dtype, quantization, mem)
+    result, chosen = _first_that_fits(candidates, plan)
+    if chosen.forced:
+        for share in result.ranks or (result,):
+            if share.mapped_tight():
+                logger.warning("%s", share.reread_warning())
+    return result, chosen.dtype
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to try: the dtype, whether the GGUF's kept blocks are mapped from a file
+    (forced: mmap_weights=True), the warning logged when it is chosen after the ones before it
+    were refused, and a note its own refusal adds."""
+
+    dtype: torch.dtype
+    mapped: bool = False
+    forced: bool = False
+    chosen_warning: str = ""
+    refusal_note: str = ""
+
+    def refusal(self, first: InsufficientMemoryError,
+                own: InsufficientMemoryError) -> InsufficientMemoryError:
+        """The error to raise when every plan up to this one was refused: a mapped plan whose
+        page cache would be short says so (its advice is the same), else the first refusal
+        stands; a note is added where one is given."""
+        if self.mapped and not self.forced:
+            return own if own.page_cache else first
+        return own.with_note(self.refusal_note) if self.refusal_note else own
+
+
+def _candidates(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                quantization: str, mem: MemoryInfo) -> list[Candidate]:
+    """The plans to try, in turn: the dtype asked for with the weights in anonymous memory;
+    then, for a GGUF whose blocks are kept on the CPU (mmap_weights unset), its blocks mapped;
+    or, with dtype 'auto' and float32 weights, a half-size dtype. mmap_weights=True: only the
+    mapped plan, kept even where the page cache is short."""
     can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"
     if args.mmap_weights and not can_map:
         raise ValueError("mmap_weights=True maps a GGUF's kept blocks on the CPU; this engine "
                          f"runs a {ckpt.kind} checkpoint with quantization {quantization!r} on "
                          f"the {platform.name}")
-    if args.mmap_weights:  # asked for: kept even where the page cache is short, with a warning
-        result = plan(dtype, mapped=True, forced=True)
-        for share in result.ranks or (result,):
-            if share.mapped_tight():
-                logger.warning("%s", share.reread_warning())
-        return result, dtype
-    try:
-        return plan(dtype), dtype
-    except InsufficientMemoryError as err:
-        if can_map and args.mmap_weights is None:
-            try:
-                result = plan(dtype, mapped=True)
-            except InsufficientMemoryError as mapped_err:
-                # mapped, the page cache would be too short: say so (its advice is the same)
-                raise (mapped_err if mapped_err.page_cache else err) from None
-            logger.warning("the GGUF's blocks do not fit in memory beside the runtime and the "
-                           "KV cache: they are mapped, regrouped, from a cache file instead "
-                           "(mmap_weights), so the page cache holds them")
-            return result, dtype
-        half = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else None
-        kept_blocks = quantization != "none"  # computed in float32: no half-size fallback
-        if str(args.dtype) != "auto" or dtype != torch.float32 or half is None or kept_blocks:
-            raise
+    if args.mmap_weights:
+        return [Candidate(dtype, mapped=True, forced=True)]
+    out = [Candidate(dtype)]
+    if can_map and args.mmap_weights is None:
+        out.append(Candidate(dtype, mapped=True, chosen_warning=(
+            "the GGUF's blocks do not fit in memory beside the runtime and the KV cache: they "
+            "are mapped, regrouped, from a cache file instead (mmap_weights), so the page "
+            "cache holds them")))
+        return out
+    half = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else None
+    kept_blocks = quantization != "none"  # computed in float32: no half-size fallback
+    if str(args.dtype) == "auto" and dtype == torch.float32 and half and not kept_blocks:
+        out.append(Candidate(half, chosen_warning=(
+            f"float32 weights do not fit in {fmt_bytes(mem.available_bytes)}; "
+            f"using {_dtype_name(half)} (dtype='auto')"),
+            refusal_note="  (float32, this device's default, needs twice the weights)"))
+    return out
+
+
+def _first_that_fits(candidates: Sequence[Candidate], plan: Callable[[Candidate], MemoryPlan]
+                     ) -> tuple[MemoryPlan, Candidate]:
+    """The first candidate's plan that fits, and that candidate; when none does, the
+    refusal the last one names (Candidate.refusal)."""
+    first: Optional[InsufficientMemoryError] = None
+    for candidate in candidates:
         try:
-            result = plan(half)
+            result = plan(candidate)
         except InsufficientMemoryError as err:
-            raise err.with_note("  (float32, this device's default, needs twice the "
-                                "weights)") from None
-        logger.warning("float32 weights do not fit in %s; using %s (dtype='auto')",
-                       fmt_bytes(mem.available_bytes), _dtype_name(half))
-        return result, half
+            first = first or err
+            refusal = candidate.refusal(first, err)
+            continue
+        if candidate.chosen_warning:
+            logger.warning("%s", candidate.chosen_warning)
+        return result, candidate
+    raise refusal
 
 
 def _dequantized_note(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,

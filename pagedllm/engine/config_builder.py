@@ -13,15 +13,16 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding
+from pagedllm.loader.gguf_header import GGUFTensorInfo
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories
 from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
-from pagedllm.memory.weight_layout import (gguf_block_bytes, gguf_weight_bytes,
-                                           planned_weight_layout, quantized_at_load, weight_layout)
+from pagedllm.memory.weight_layout import (gguf_weight_bytes, planned_weight_layout,
+                                           quantized_at_load, weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
@@ -100,17 +101,14 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
-def _kept_weight_bytes(ckpt: Checkpoint, platform: Platform, quantization: str,
-                       itemsize: int) -> Optional[int]:
-    """Resident weight bytes of a GGUF that keeps some blocks (model_loader's plan), else None
-    (every weight at itemsize)."""
+def _keeps_gguf_blocks(ckpt: Checkpoint, platform: Platform, quantization: str,
+                       tensors: Optional[Sequence[GGUFTensorInfo]]) -> bool:
+    """Whether a GGUF keeps some of its blocks (model_loader's plan): every matrix of the
+    kernels' types, or run dequantized, the token embedding's (gguf_kept_embedding)."""
     if ckpt.kind != "gguf" or quantization not in ("gguf", "none"):
-        return None
-    if quantization == "gguf":
-        return gguf_weight_bytes(ckpt, platform.block_types(), itemsize)
-    embed = gguf_kept_embedding(ckpt, platform.block_types())
-    return (None if embed is None else gguf_weight_bytes(
-        ckpt, frozenset({embed}), itemsize, kept_names=frozenset({"token_embd.weight"})))
+        return False
+    return quantization == "gguf" or gguf_kept_embedding(
+        ckpt, platform.block_types(), tensors) is not None
 
 
 def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
@@ -159,7 +157,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
     tensor_parallel_size M too, a rank's share is its stage's over M (memory/footprint.py's
     tp_share)."""
-    num_params, source = checkpoint_num_params(ckpt)
+    tensors = gguf_tensors(ckpt)  # read once, handed down to every candidate's plan
+    num_params, source = checkpoint_num_params(ckpt, tensors)
     mem = platform.memory()
     world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
     # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
@@ -169,14 +168,16 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
+    keeps_blocks = _keeps_gguf_blocks(ckpt, platform, quantization, tensors)
 
     def plan(c: Candidate) -> MemoryPlan:
         itemsize = torch.empty((), dtype=c.dtype).element_size()
-        weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
-        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if weights is not None else "")
-        mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if c.mapped else 0
         kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
-        layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+        layout = planned_weight_layout(ckpt, kept, quantization, itemsize, tensors)
+        # a GGUF keeping blocks holds the layout's bytes (its kept ones mapped, when asked)
+        weights = layout.total if keeps_blocks else None
+        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if keeps_blocks else "")
+        mapped_bytes = layout.mapped_total if c.mapped else 0
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"

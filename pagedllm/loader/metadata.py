@@ -4,23 +4,31 @@ the memory planner's (memory/weight_layout.py)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 from gguf import GGMLQuantizationType
 
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
-from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.safetensors_header import safetensors_num_params
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
-    """(parameters, where the number came from), reading no weight data."""
+def gguf_tensors(ckpt: Checkpoint) -> Optional[tuple[GGUFTensorInfo, ...]]:
+    """A GGUF's tensor table (None for other checkpoints): a plan reads it once and hands it
+    down to what it calls (the `tensors` parameters here and in memory/weight_layout.py)."""
+    return gguf_header(ckpt.path)[1] if ckpt.kind == "gguf" else None
+
+
+def checkpoint_num_params(ckpt: Checkpoint,
+                          tensors: Optional[Sequence[GGUFTensorInfo]] = None) -> tuple[int, str]:
+    """(parameters, where the number came from), reading no weight data (a GGUF's `tensors`
+    as gguf_tensors read them, else read here)."""
     if ckpt.kind == "gguf":
-        tensors = gguf_header(ckpt.path)[1]
+        tensors = gguf_header(ckpt.path)[1] if tensors is None else tensors
         return sum(math.prod(t.shape) for t in tensors), "GGUF tensor table"
     files = sorted(ckpt.path.glob("*.safetensors"))
     if files:
@@ -35,8 +43,9 @@ def checkpoint_num_params(ckpt: Checkpoint) -> tuple[int, str]:
     return ckpt.arch.num_params(), "config.json shapes"
 
 
-def gguf_kept_embedding(ckpt: Checkpoint,
-                        kernel_types: frozenset) -> Optional[GGMLQuantizationType]:
+def gguf_kept_embedding(ckpt: Checkpoint, kernel_types: frozenset,
+                        tensors: Optional[Sequence[GGUFTensorInfo]] = None
+                        ) -> Optional[GGMLQuantizationType]:
     """The block format the token embedding of a GGUF keeps when it runs with quantization
     "none", else None. A lookup dequantizes whole rows to the values a dequantized table would
     hold (llama.cpp's get_rows does the same), so keeping its blocks changes only the memory
@@ -44,7 +53,7 @@ def gguf_kept_embedding(ckpt: Checkpoint,
     embedding (the head must be float) or its type has no kernels."""
     if ckpt.kind != "gguf" or ckpt.arch.tie_word_embeddings:
         return None
-    by_name = {t.name: t for t in gguf_header(ckpt.path)[1]}
+    by_name = {t.name: t for t in (gguf_header(ckpt.path)[1] if tensors is None else tensors)}
     embed = by_name.get("token_embd.weight")
     if embed is None or embed.qtype not in kernel_types or "output.weight" not in by_name:
         return None

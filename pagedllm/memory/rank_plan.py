@@ -8,7 +8,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_tensors
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
 from pagedllm.memory.plan import MemoryPlan, PlanLimits, plan_memory
@@ -25,8 +25,9 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
     ckpt = resolve_checkpoint(config.model_path)
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
-    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize)
-    num_params, source = checkpoint_num_params(ckpt)
+    tensors = gguf_tensors(ckpt)  # read once, handed down
+    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize, tensors)
+    num_params, source = checkpoint_num_params(ckpt, tensors)
     name = str(config.dtype).removeprefix("torch.")
     fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
                    layout.mapped_total if config.mmap_weights else 0, layout)

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from gguf import GGML_QUANT_SIZES
 
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.gguf_header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.safetensors_header import safetensors_shapes
-
-
-def gguf_block_bytes(ckpt: Checkpoint, kept_types: frozenset) -> int:
-    """Bytes of a GGUF's matrices that stay in blocks of kept_types (what mmap_weights maps)."""
-    return sum(t.nbytes for t in gguf_header(ckpt.path)[1]
-               if len(t.shape) in (2, 3) and t.qtype in kept_types)
 
 
 def gguf_weight_bytes(ckpt: Checkpoint, kept_types: frozenset, itemsize: int,
@@ -154,17 +148,19 @@ def _at_load_bytes(name: str, shape: tuple[int, ...], itemsize: int,
 
 
 def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = frozenset(),
-                  kept_names: Optional[frozenset] = None,
-                  at_load: Optional[str] = None) -> WeightLayout:
+                  kept_names: Optional[frozenset] = None, at_load: Optional[str] = None,
+                  tensors: Optional[Sequence[GGUFTensorInfo]] = None) -> WeightLayout:
     """The checkpoint's weights grouped by stage, from its tensor table (GGUF header or
     safetensors headers; else the config's shapes, layers of equal size): float tensors at
     itemsize bytes a value, a GGUF's matrices of kept_types (of kept_names, when given) in
     their blocks, as gguf_weight_bytes counts them; an HF checkpoint's matrices in the blocks
-    at_load ("int8"/"int4") makes of them."""
+    at_load ("int8"/"int4") makes of them. tensors: a GGUF's table as the plan read it
+    (loader.metadata.gguf_tensors), else read here."""
     a = ckpt.arch
     tied = a.tie_word_embeddings
     if ckpt.kind == "gguf":
-        sizes, tensors = [], gguf_header(ckpt.path)[1]
+        sizes = []
+        tensors = gguf_header(ckpt.path)[1] if tensors is None else tensors
         for t in tensors:
             kept = (len(t.shape) in (2, 3) and t.qtype in kept_types
                     and (kept_names is None or t.name in kept_names))
@@ -190,18 +186,20 @@ def weight_layout(ckpt: Checkpoint, itemsize: int, kept_types: frozenset = froze
 
 
 def planned_weight_layout(ckpt: Checkpoint, block_types: frozenset, quantization: str,
-                          itemsize: int) -> WeightLayout:
+                          itemsize: int,
+                          tensors: Optional[Sequence[GGUFTensorInfo]] = None) -> WeightLayout:
     """The layout of the weights as model_loader holds them: a GGUF run with its blocks kept
     ("gguf") keeps every matrix of block_types; run dequantized ("none"), only the token
     embedding's blocks (gguf_kept_embedding); an HF checkpoint with int8/int4, its matrices
-    in the blocks made at load; anything else at itemsize bytes a value."""
+    in the blocks made at load; anything else at itemsize bytes a value. tensors: a GGUF's
+    table as the plan read it, else read here."""
     if ckpt.kind == "gguf" and quantization == "gguf":
-        return weight_layout(ckpt, itemsize, block_types)
+        return weight_layout(ckpt, itemsize, block_types, tensors=tensors)
     if ckpt.kind == "gguf" and quantization == "none":
-        embed = gguf_kept_embedding(ckpt, block_types)
+        embed = gguf_kept_embedding(ckpt, block_types, tensors)
         if embed is not None:
             return weight_layout(ckpt, itemsize, frozenset({embed}),
-                                 frozenset({"token_embd.weight"}))
+                                 frozenset({"token_embd.weight"}), tensors=tensors)
     if quantized_at_load(ckpt, quantization):
         return weight_layout(ckpt, itemsize, at_load=quantization)
-    return weight_layout(ckpt, itemsize)
+    return weight_layout(ckpt, itemsize, tensors=tensors)

@@ -278,7 +278,7 @@ class CacheConfig:
     """Paged KV cache: block size, how many blocks, prefix caching."""
 
     block_size: int = 16
-    num_blocks: Optional[int] = None  # chosen by the memory planner (worker/memory.py)
+    num_blocks: Optional[int] = None  # chosen by the memory planner (memory/plan.py)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """README's "what runs where" table, from the planner: Qwen2.5 0.5B/1.5B/3B and Qwen2-7B shapes
 (tests/data/*-shapes) on machines of 3.49 GiB, 8 GiB and 32 GiB, each way's expected one-stream
-decode from the planner's bandwidth model (pagedllm/worker/decode_speed.py). Estimates, not
+decode from the planner's bandwidth model (pagedllm/memory/decode_speed.py). Estimates, not
 measurements. Run from the repository root:
 
     PYTHONPATH=$PWD python scripts/what_runs_where.py
@@ -17,10 +17,11 @@ from typing import Optional
 
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.memory.advice import FormatWays, Way, all_format_ways
+from pagedllm.memory.advice_text import rate
+from pagedllm.memory.plan import PlanLimits
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import GiB, MemoryInfo
-from pagedllm.worker.advice import FormatWays, Way, all_format_ways
-from pagedllm.worker.advice_text import rate
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 MODELS = (("Qwen2.5-0.5B", "qwen2.5-0.5b-instruct-shapes"),
@@ -67,9 +68,9 @@ def table() -> list[list[str]]:
         for _, gib in MACHINES:
             total = int(gib * GiB)
             mem = MemoryInfo(total, total - IN_USE, f"{gib} GiB")
-            sizes = dict(SIZES, max_num_batched_tokens=CpuPlatform()
-                         .default_max_num_batched_tokens(ckpt.arch.intermediate_size, False))
-            row.append(cell(all_format_ways(ckpt.arch, n, source, mem, sizes)))
+            limits = PlanLimits(**SIZES, max_num_batched_tokens=CpuPlatform()
+                                .default_max_num_batched_tokens(ckpt.arch.intermediate_size, False))
+            row.append(cell(all_format_ways(ckpt.arch, n, source, mem, limits)))
         rows.append(row)
     return rows
 

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.structured_output",),
     ("pagedllm.core",),
     ("pagedllm.loader",),
+    ("pagedllm.memory",),  # planning on metadata: below the workers, executors and engine
     ("pagedllm.sample",),
     ("pagedllm.attention",),
     ("pagedllm.layers",),
@@ -160,22 +161,16 @@ def test_imports_go_down_the_layers():
 
 # The engine reaches the model only through the executor: what runs below it (model code, its
 # layers, kernels, attention, sampling, the worker) is the executor's business. Memory planning
-# is pure functions over metadata that the config builder calls before anything is loaded: the
-# footprint, the plan, and the advice it passes the planner for a refusal (advice_text.py, over
-# advice.py's ways and decode_speed.py's bandwidth model); so are the weight formats' costs
-# (worker/weight_formats.py: memory and bandwidth by format).
+# (pagedllm.memory: footprint, plan, advice, weight formats, per-rank limits) is a package of
+# its own below them all, which the config builder calls before anything is loaded.
 ENGINE_MAY_NOT_IMPORT = ("pagedllm.models", "pagedllm.layers", "pagedllm.kernels",
                          "pagedllm.attention", "pagedllm.sample", "pagedllm.worker")
-ENGINE_EXCEPTIONS = ("pagedllm.worker.footprint", "pagedllm.worker.memory",
-                     "pagedllm.worker.advice", "pagedllm.worker.advice_text",
-                     "pagedllm.worker.decode_speed", "pagedllm.worker.weight_formats")
 
 
 def engine_reaches_below_the_executor(graph: Graph) -> list[str]:
     """'importer -> imported' for each engine module importing what the executor hides."""
     def hidden(m: str) -> bool:
-        return m not in ENGINE_EXCEPTIONS and any(m == p or m.startswith(p + ".")
-                                                  for p in ENGINE_MAY_NOT_IMPORT)
+        return any(m == p or m.startswith(p + ".") for p in ENGINE_MAY_NOT_IMPORT)
     return [f"{a} -> {b}" for a in sorted(graph) if a.startswith("pagedllm.engine")
             for b in sorted(graph[a]) if hidden(b)]
 
@@ -183,7 +178,31 @@ def engine_reaches_below_the_executor(graph: Graph) -> list[str]:
 def test_engine_imports_nothing_below_the_executor():
     graph = build_graph(PACKAGE_DIR)
     assert engine_reaches_below_the_executor(
-        {"pagedllm.engine.x": {"pagedllm.layers.norm", "pagedllm.worker.memory"}}) == [
-        "pagedllm.engine.x -> pagedllm.layers.norm"]
+        {"pagedllm.engine.x": {"pagedllm.layers.norm", "pagedllm.memory.plan",
+                                "pagedllm.worker.worker"}}) == [
+        "pagedllm.engine.x -> pagedllm.layers.norm", "pagedllm.engine.x -> pagedllm.worker.worker"]
     bad = engine_reaches_below_the_executor(graph)
     assert not bad, "the engine imports below the executor:\n" + "\n".join(bad)
+
+
+# The engine's configuration and doctor plan on metadata with pagedllm.memory: neither reaches
+# the workers or the executors (the engine core does, through the Executor interface, and
+# hands the config builder the executors' reading of a cluster's rank nodes).
+PLANNERS = ("pagedllm.engine.config_builder", "pagedllm.entrypoints.doctor")
+PLANNERS_MAY_NOT_IMPORT = ("pagedllm.worker", "pagedllm.executor")
+
+
+def planners_reaching_workers(graph: Graph) -> list[str]:
+    """'importer -> imported' for each of PLANNERS importing a worker or an executor module."""
+    return [f"{a} -> {b}" for a in PLANNERS for b in sorted(graph.get(a, ()))
+            if any(b == p or b.startswith(p + ".") for p in PLANNERS_MAY_NOT_IMPORT)]
+
+
+def test_config_builder_and_doctor_import_no_worker_or_executor():
+    graph = build_graph(PACKAGE_DIR)
+    assert planners_reaching_workers(
+        {"pagedllm.entrypoints.doctor": {"pagedllm.memory.plan", "pagedllm.executor.ray_nodes"}}
+    ) == ["pagedllm.entrypoints.doctor -> pagedllm.executor.ray_nodes"]
+    assert all(p in graph for p in PLANNERS), "a planner module moved: update PLANNERS"
+    bad = planners_reaching_workers(graph)
+    assert not bad, "the planners import workers or executors:\n" + "\n".join(bad)

@@ -3,32 +3,35 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.executor.rank_memory import rank_memories
-from pagedllm.loader.metadata import (checkpoint_num_params, gguf_block_bytes, gguf_kept_embedding,
-                                      gguf_weight_bytes, planned_weight_layout,
-                                      quantized_at_load, weight_layout)
+from pagedllm.loader.gguf_header import GGUFTensorInfo
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.footprint import footprint, regrouped_bytes
+from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
+                                  plan_pipeline_memory)
+from pagedllm.memory.rank_memory import RankNodes, rank_memories
+from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
+from pagedllm.memory.weight_layout import (gguf_weight_bytes, planned_weight_layout,
+                                           quantized_at_load, weight_layout)
 from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint, regrouped_bytes
-from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
-                                    plan_pipeline_memory)
-from pagedllm.worker.weight_formats import FormatCost, format_costs, format_of, format_summary
-
-if TYPE_CHECKING:
-    from pagedllm.executor.ray_nodes import RankNodes
 
 logger = logging.getLogger("pagedllm")
+
+# where each rank of a cluster will run and the memory it has there, read on its node
+# (pagedllm.executor.read_rank_nodes: Ray's), else None
+RankNodeReader = Callable[[ParallelConfig], Optional[RankNodes]]
 
 
 def _max_num_batched_tokens(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> int:
@@ -98,17 +101,14 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
-def _kept_weight_bytes(ckpt: Checkpoint, platform: Platform, quantization: str,
-                       itemsize: int) -> Optional[int]:
-    """Resident weight bytes of a GGUF that keeps some blocks (model_loader's plan), else None
-    (every weight at itemsize)."""
+def _keeps_gguf_blocks(ckpt: Checkpoint, platform: Platform, quantization: str,
+                       tensors: Optional[Sequence[GGUFTensorInfo]]) -> bool:
+    """Whether a GGUF keeps some of its blocks (model_loader's plan): every matrix of the
+    kernels' types, or run dequantized, the token embedding's (gguf_kept_embedding)."""
     if ckpt.kind != "gguf" or quantization not in ("gguf", "none"):
-        return None
-    if quantization == "gguf":
-        return gguf_weight_bytes(ckpt, platform.block_types(), itemsize)
-    embed = gguf_kept_embedding(ckpt, platform.block_types())
-    return (None if embed is None else gguf_weight_bytes(
-        ckpt, frozenset({embed}), itemsize, kept_names=frozenset({"token_embd.weight"})))
+        return False
+    return quantization == "gguf" or gguf_kept_embedding(
+        ckpt, platform.block_types(), tensors) is not None
 
 
 def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
@@ -129,18 +129,15 @@ def _rank_weight_bytes(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
 
 
 def ray_rank_nodes(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
-                   quantization: str) -> Optional[RankNodes]:
+                   quantization: str, read_nodes: Optional[RankNodeReader]) -> Optional[RankNodes]:
     """With pipeline stages as Ray actors on a cluster, the node each rank will run on and
-    the memory it has there (read on its node; the largest stage on the most memory), else
-    None."""
+    the memory it has there (read on its node by read_nodes; the largest stage on the most
+    memory), else None."""
     parallel = args.parallel_config()
-    if (parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
+    if (read_nodes is None or parallel.backend != "ray" or parallel.pipeline_parallel_size == 1
             or platform.name != "cpu"):
         return None
-    from pagedllm.executor.ray_nodes import ray_rank_memories
-
-    kind = "pipeline" if parallel.tensor_parallel_size == 1 else "tensor x pipeline"
-    nodes = ray_rank_memories(parallel.world_size, kind + " parallel")
+    nodes = read_nodes(parallel)
     if nodes is None:
         return None
     return nodes.fit(_rank_weight_bytes(args, ckpt, platform, dtype, quantization))
@@ -150,17 +147,18 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        dtype: torch.dtype, quantization: Optional[str] = None,
                        rank_mems: Optional[Sequence[MemoryInfo]] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
-    """Size the KV cache and max_model_len from metadata; with dtype 'auto', fall back to a
-    half-size dtype when float32 weights do not fit.
+    """Size the KV cache and max_model_len from metadata, trying _candidates' plans in turn
+    (a GGUF's blocks mapped, or with dtype 'auto' a half-size dtype, when the first does not fit).
 
     With pipeline_parallel_size N, each rank's share is planned (its layers' weights, KV cache
     and workspace, and a runtime): ranks that share this machine's memory for their sum, ranks
     that each run in their own cgroup (PAGEDLLM_RANK_CGROUP) each against that cgroup's limit,
     which the rank checks again where it runs before it loads anything; rank_mems, when
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
-    tensor_parallel_size M too, a rank's share is its stage's over M (worker/footprint.py's
+    tensor_parallel_size M too, a rank's share is its stage's over M (memory/footprint.py's
     tp_share)."""
-    num_params, source = checkpoint_num_params(ckpt)
+    tensors = gguf_tensors(ckpt)  # read once, handed down to every candidate's plan
+    num_params, source = checkpoint_num_params(ckpt, tensors)
     mem = platform.memory()
     world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
     # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
@@ -170,66 +168,108 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
+    keeps_blocks = _keeps_gguf_blocks(ckpt, platform, quantization, tensors)
 
-    def plan(dt: torch.dtype, mapped: bool = False, forced: bool = False) -> MemoryPlan:
-        itemsize = torch.empty((), dtype=dt).element_size()
-        weights = _kept_weight_bytes(ckpt, platform, quantization, itemsize)
-        name = _dtype_name(dt) + (" with GGUF blocks kept" if weights is not None else "")
-        mapped_bytes = gguf_block_bytes(ckpt, platform.block_types()) if mapped else 0
+    def plan(c: Candidate) -> MemoryPlan:
+        itemsize = torch.empty((), dtype=c.dtype).element_size()
         kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
-        layout = planned_weight_layout(ckpt, kept, quantization, itemsize)
+        layout = planned_weight_layout(ckpt, kept, quantization, itemsize, tensors)
+        # a GGUF keeping blocks holds the layout's bytes (its kept ones mapped, when asked)
+        weights = layout.total if keeps_blocks else None
+        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if keeps_blocks else "")
+        mapped_bytes = layout.mapped_total if c.mapped else 0
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
-            weights, name = layout.total, f"{_dtype_name(dt)} with {quantization} blocks"
+            weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
-        if not mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
+        if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
-        sizes = dict(block_size=args.block_size, max_model_len=args.max_model_len,
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
-                     kv_cache_bytes=args.kv_cache_memory_bytes,
-                     num_blocks=args.num_gpu_blocks_override, mapped_forced=forced,
-                     advisor=advise)
+        limits = PlanLimits(args.block_size, args.max_num_seqs, batched, args.max_model_len,
+                            args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
+                            mapped_forced=c.forced)
         if world > 1:
-            return plan_pipeline_memory(fp, world, mem, rank_mems, tp_size, **sizes)
-        return plan_memory(fp, mem, **sizes)
+            return plan_pipeline_memory(fp, world, mem, limits, rank_mems, tp_size,
+                                        advisor=advise)
+        return plan_memory(fp, mem, limits, advise)
 
+    candidates = _candidates(args, ckpt, platform, dtype, quantization, mem)
+    result, chosen = _first_that_fits(candidates, plan)
+    if chosen.forced:
+        for share in result.ranks or (result,):
+            if share.mapped_tight():
+                logger.warning("%s", share.reread_warning())
+    return result, chosen.dtype
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to try: the dtype, whether the GGUF's kept blocks are mapped from a file
+    (forced: mmap_weights=True), the warning logged when it is chosen after the ones before it
+    were refused, and a note its own refusal adds."""
+
+    dtype: torch.dtype
+    mapped: bool = False
+    forced: bool = False
+    chosen_warning: str = ""
+    refusal_note: str = ""
+
+    def refusal(self, first: InsufficientMemoryError,
+                own: InsufficientMemoryError) -> InsufficientMemoryError:
+        """The error to raise when every plan up to this one was refused: a mapped plan whose
+        page cache would be short says so (its advice is the same), else the first refusal
+        stands; a note is added where one is given."""
+        if self.mapped and not self.forced:
+            return own if own.page_cache else first
+        return own.with_note(self.refusal_note) if self.refusal_note else own
+
+
+def _candidates(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
+                quantization: str, mem: MemoryInfo) -> list[Candidate]:
+    """The plans to try, in turn: the dtype asked for with the weights in anonymous memory;
+    then, for a GGUF whose blocks are kept on the CPU (mmap_weights unset), its blocks mapped;
+    or, with dtype 'auto' and float32 weights, a half-size dtype. mmap_weights=True: only the
+    mapped plan, kept even where the page cache is short."""
     can_map = quantization == "gguf" and ckpt.kind == "gguf" and platform.name == "cpu"
     if args.mmap_weights and not can_map:
         raise ValueError("mmap_weights=True maps a GGUF's kept blocks on the CPU; this engine "
                          f"runs a {ckpt.kind} checkpoint with quantization {quantization!r} on "
                          f"the {platform.name}")
-    if args.mmap_weights:  # asked for: kept even where the page cache is short, with a warning
-        result = plan(dtype, mapped=True, forced=True)
-        for share in result.ranks or (result,):
-            if share.mapped_tight():
-                logger.warning("%s", share.reread_warning())
-        return result, dtype
-    try:
-        return plan(dtype), dtype
-    except InsufficientMemoryError as err:
-        if can_map and args.mmap_weights is None:
-            try:
-                result = plan(dtype, mapped=True)
-            except InsufficientMemoryError as mapped_err:
-                # mapped, the page cache would be too short: say so (its advice is the same)
-                raise (mapped_err if mapped_err.page_cache else err) from None
-            logger.warning("the GGUF's blocks do not fit in memory beside the runtime and the "
-                           "KV cache: they are mapped, regrouped, from a cache file instead "
-                           "(mmap_weights), so the page cache holds them")
-            return result, dtype
-        half = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else None
-        kept_blocks = quantization != "none"  # computed in float32: no half-size fallback
-        if str(args.dtype) != "auto" or dtype != torch.float32 or half is None or kept_blocks:
-            raise
+    if args.mmap_weights:
+        return [Candidate(dtype, mapped=True, forced=True)]
+    out = [Candidate(dtype)]
+    if can_map and args.mmap_weights is None:
+        out.append(Candidate(dtype, mapped=True, chosen_warning=(
+            "the GGUF's blocks do not fit in memory beside the runtime and the KV cache: they "
+            "are mapped, regrouped, from a cache file instead (mmap_weights), so the page "
+            "cache holds them")))
+        return out
+    half = torch.bfloat16 if torch.bfloat16 in platform.supported_dtypes() else None
+    kept_blocks = quantization != "none"  # computed in float32: no half-size fallback
+    if str(args.dtype) == "auto" and dtype == torch.float32 and half and not kept_blocks:
+        out.append(Candidate(half, chosen_warning=(
+            f"float32 weights do not fit in {fmt_bytes(mem.available_bytes)}; "
+            f"using {_dtype_name(half)} (dtype='auto')"),
+            refusal_note="  (float32, this device's default, needs twice the weights)"))
+    return out
+
+
+def _first_that_fits(candidates: Sequence[Candidate], plan: Callable[[Candidate], MemoryPlan]
+                     ) -> tuple[MemoryPlan, Candidate]:
+    """The first candidate's plan that fits, and that candidate; when none does, the
+    refusal the last one names (Candidate.refusal)."""
+    first: Optional[InsufficientMemoryError] = None
+    for candidate in candidates:
         try:
-            result = plan(half)
+            result = plan(candidate)
         except InsufficientMemoryError as err:
-            raise err.with_note("  (float32, this device's default, needs twice the "
-                                "weights)") from None
-        logger.warning("float32 weights do not fit in %s; using %s (dtype='auto')",
-                       fmt_bytes(mem.available_bytes), _dtype_name(half))
-        return result, half
+            first = first or err
+            refusal = candidate.refusal(first, err)
+            continue
+        if candidate.chosen_warning:
+            logger.warning("%s", candidate.chosen_warning)
+        return result, candidate
+    raise refusal
 
 
 def _dequantized_note(ckpt: Checkpoint, platform: Platform, dtype: torch.dtype,
@@ -263,7 +303,7 @@ def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quanti
 
 def weight_format_costs(ckpt: Checkpoint) -> dict[str, FormatCost]:
     """What fp32, bf16, int8 and int4 weights of a float checkpoint cost and give on the CPU
-    (worker/weight_formats.py), from its tensor table; doctor reports them."""
+    (memory/weight_formats.py), from its tensor table; doctor reports them."""
     return format_costs(ckpt.arch, weight_layout(ckpt, 1))
 
 
@@ -279,8 +319,11 @@ def _pooling_args(args: EngineArgs, runner: RunnerChoice) -> EngineArgs:
     return dataclasses.replace(args, max_model_len=max_len, enable_prefix_caching=False)
 
 
-def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
-    """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint."""
+def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
+                       read_nodes: Optional[RankNodeReader] = None) -> EngineConfig:
+    """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint;
+    read_nodes: where a cluster's ranks will run, and their memory there (the engine passes
+    the executors' pagedllm.executor.read_rank_nodes; None plans on this machine)."""
     runner = choose_runner(args, ckpt)
     args = _pooling_args(args, runner)
     choice = resolve_platform(args.device)
@@ -293,7 +336,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint) -> EngineConfig:
                            choice.platform.name)
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
-    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization)
+    nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization, read_nodes)
     mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization,
                                            None if nodes is None else nodes.memories)
     fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"

@@ -12,6 +12,7 @@ from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_outputs import PoolingOutputs
+from pagedllm.executor import read_rank_nodes
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
 from pagedllm.loader.known_templates import end_of_turn_ids
 from pagedllm.loader.sources import locate_model
@@ -52,7 +53,7 @@ class LLMEngine:
         located = locate_model(args.model, args.revision, args.gguf_file, args.model_source)
         # plan memory on metadata before any weight byte is downloaded (fit before fetch)
         meta = resolve_checkpoint(located.metadata_path)
-        config = make_engine_config(args, meta)
+        config = make_engine_config(args, meta, read_rank_nodes)
         ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path())
         config = dataclasses.replace(config, model_path=str(ckpt.path))
         tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,

@@ -57,9 +57,9 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
     from pagedllm.loader.sources import locate_model
-    from pagedllm.worker.advice import fastest_way, tested_way
-    from pagedllm.worker.footprint import kv_bytes_per_token
-    from pagedllm.worker.memory import InsufficientMemoryError
+    from pagedllm.memory.advice import fastest_way, tested_way
+    from pagedllm.memory.footprint import kv_bytes_per_token
+    from pagedllm.memory.plan import InsufficientMemoryError
 
     ckpt = resolve_checkpoint(locate_model(model).metadata_path)  # metadata only, no weights
     choice = resolve_platform(device)

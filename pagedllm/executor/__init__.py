@@ -2,10 +2,13 @@
 per pipeline rank, or one Ray actor per rank on a Ray cluster), behind one interface."""
 from __future__ import annotations
 
+from typing import Optional
+
 from pagedllm.config import ParallelConfig
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.memory.rank_memory import RankNodes
 
 
 def executor_class(parallel: ParallelConfig) -> type[Executor]:
@@ -16,3 +19,16 @@ def executor_class(parallel: ParallelConfig) -> type[Executor]:
 
         return RayExecutor
     return UniProcExecutor if parallel.backend == "uni" else MultiprocExecutor
+
+
+def read_rank_nodes(parallel: ParallelConfig) -> Optional[RankNodes]:
+    """Where each rank of a Ray engine will run and the memory it has there, read on its node
+    before anything loads (executor/ray_nodes.py), else None: the local backends' ranks, and
+    those of a Ray the engine starts itself, run on this machine, whose memory the planner
+    reads."""
+    if parallel.backend != "ray":
+        return None
+    from pagedllm.executor.ray_nodes import ray_rank_memories
+
+    kind = "pipeline" if parallel.tensor_parallel_size == 1 else "tensor x pipeline"
+    return ray_rank_memories(parallel.world_size, kind + " parallel")

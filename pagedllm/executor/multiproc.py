@@ -30,8 +30,8 @@ of their own, each sends to the same TP rank of the next stage, and TP rank 0 of
 stage replies (distributed/parallel_groups.py has the layout).
 
 Modules: rank_places.py (where each rank goes), rank_loop.py (a rank's start, its main loop and
-the pipe's protocol), rank_memory.py (each rank's memory, PAGEDLLM_RANK_CGROUP), this one (the
-executor: the processes, their pipes, failures). The Ray executor uses the first three.
+the pipe's protocol), this one (the executor: the processes, their pipes, failures); each rank's
+memory (PAGEDLLM_RANK_CGROUP) is memory/rank_memory.py's. The Ray executor uses the first two.
 
 A rank is a fresh Python process (executor/rank_process.py) with its end of a socket pair and
 this process's sys.path, not a multiprocessing "spawn" child: spawn re-runs the user's main
@@ -71,10 +71,10 @@ from pagedllm.executor.abstract import Executor, WorkerDiedError, WorkerError
 from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message,
                                         process_stopped)
 from pagedllm.executor.rank_loop import WorkerCall, WorkerReply, recv, send
-from pagedllm.executor.rank_memory import rank_cgroup
 from pagedllm.executor.rank_places import (RankPlace, parallel_kind, partition_note,
                                            places_driver, rank_places)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
+from pagedllm.memory.rank_memory import rank_cgroup
 
 logger = logging.getLogger("pagedllm")
 

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_groups import init_tp_group
-from pagedllm.executor.rank_memory import own_memory, rank_cgroup
 from pagedllm.executor.rank_places import RankPlace
+from pagedllm.memory.rank_memory import own_memory, rank_cgroup
 
 # gloo gives up on a send or receive after this long (a stage stuck behind a dead peer)
 COMM_TIMEOUT = timedelta(minutes=10)
@@ -81,7 +81,7 @@ def worker_main(conn: Connection) -> None:
         config, place, init_method = recv(conn)
         if place.stage is not None and rank_cgroup(place.rank) is not None:
             # its own memory: its share must fit there
-            from pagedllm.worker.rank_plan import plan_rank_memory
+            from pagedllm.memory.rank_plan import plan_rank_memory
 
             plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
                                     config.parallel.tensor_parallel_size)

@@ -60,10 +60,10 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, WorkerDiedError, WorkerError
 from pagedllm.executor.deadline import (StepDeadlines, WorkerHungError, hung_message)
 from pagedllm.executor.rank_loop import start_worker
-from pagedllm.executor.rank_memory import own_memory
 from pagedllm.executor.rank_places import (RankPlace, parallel_kind, partition_note,
                                            places_driver, rank_places)
 from pagedllm.executor.step_queue import PendingStep, StepQueue
+from pagedllm.memory.rank_memory import own_memory
 
 logger = logging.getLogger("pagedllm")
 
@@ -127,7 +127,7 @@ class RankActor:
         if config.rank_nodes and place.stage is not None:
             # planned against this node's memory: its share must fit here (as an mp rank in
             # its own cgroup checks)
-            from pagedllm.worker.rank_plan import plan_rank_memory
+            from pagedllm.memory.rank_plan import plan_rank_memory
 
             plan = plan_rank_memory(config, place.stage, own_memory(config.platform.memory()),
                                     config.parallel.tensor_parallel_size)

@@ -9,7 +9,7 @@
 A node's reading is live: what Ray's own processes there hold (raylet, GCS, dashboard, idle
 workers; 442 MB on a head VM, 155 MB on a worker, issue 26) is already in its used memory, and
 the reading says how much of it is Ray's. The engine process's growth is taken off the node it
-runs on (rank_memory.py). The executor then puts each rank on the node it was planned for.
+runs on (memory/rank_memory.py). The executor then puts each rank on the node it was planned for.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import ray
 from ray.util.placement_group import placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pagedllm.executor.rank_memory import driver_rss, less_driver, shared_by
+from pagedllm.memory.rank_memory import RankNodes, driver_rss, less_driver, shared_by
 from pagedllm.platforms.cgroup import cgroup_paths
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
@@ -41,26 +41,6 @@ class NodeMemory:
     memory: MemoryInfo
     ray_bytes: int
     machine: str  # nodes with the same one share one memory (memory_identity)
-
-
-@dataclass(frozen=True)
-class RankNodes:
-    """The node each rank was planned on, and the memory each rank plans with (global rank
-    order)."""
-
-    node_ids: tuple[str, ...]
-    memories: tuple[MemoryInfo, ...]
-
-    def fit(self, needs: Sequence[int]) -> "RankNodes":
-        """The same bundles with the rank that needs most on the most memory, and so on down
-        (a head node, with Ray's GCS and the engine process, has the least); needs: each
-        rank's bytes, in rank order."""
-        by_room = sorted(range(len(self.memories)),
-                         key=lambda b: -self.memories[b].available_bytes)
-        by_need = sorted(range(len(needs)), key=lambda r: -needs[r])
-        slot = dict(zip(by_need, by_room))  # rank -> bundle
-        return RankNodes(tuple(self.node_ids[slot[r]] for r in range(len(needs))),
-                         tuple(self.memories[slot[r]] for r in range(len(needs))))
 
 
 def _memory_cgroup(proc_cgroup: str) -> Optional[str]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.worker.footprint import kv_bytes_per_token
+from pagedllm.memory.footprint import kv_bytes_per_token
 
 
 def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype,

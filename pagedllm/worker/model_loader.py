@@ -28,9 +28,10 @@ from pagedllm.layers.quantization import QuantPlan, block_quantizers, float_quan
 from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf_loader import GGUFWeightReader, gguf_quant_plan
-from pagedllm.loader.metadata import gguf_kept_embedding, quantized_at_load
+from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.loader.weight_checks import check_finite_vectors
+from pagedllm.memory.weight_layout import quantized_at_load
 from pagedllm.models.pipeline import held_elsewhere
 from pagedllm.models.registry import build_model, model_class
 from pagedllm.models.tensor_parallel import add_collectives

@@ -119,7 +119,7 @@ class ModelRunner:
 
     def determine_available_memory(self) -> int:
         """Bytes this runner may give the KV cache: the memory plan's figure, made from the
-        checkpoint's metadata before loading (worker/memory.py)."""
+        checkpoint's metadata before loading (memory/plan.py)."""
         if self.config.cache.num_blocks is None:
             raise ValueError("the engine config has no planned KV cache size (cache.num_blocks)")
         return self.config.cache.num_blocks * self.kv_block_bytes()

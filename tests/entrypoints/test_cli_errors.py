@@ -170,7 +170,7 @@ def _single(err: BaseException) -> bool:
 def test_llm_raises_the_same_message_as_one_exception(huge_model, tmp_path, monkeypatch):
     from pagedllm import LLM
     from pagedllm.loader.hub import HubError
-    from pagedllm.worker.memory import InsufficientMemoryError
+    from pagedllm.memory.plan import InsufficientMemoryError
 
     missing = str(tmp_path / "no-such-model.gguf")
     with pytest.raises(ValueError) as info:

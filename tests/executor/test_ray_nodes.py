@@ -9,7 +9,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from pagedllm.executor.ray_executor import rank_bundles
-from pagedllm.executor.ray_nodes import RankNodes, memory_identity, rank_nodes, read_nodes
+from pagedllm.executor.ray_nodes import memory_identity, rank_nodes, read_nodes
+from pagedllm.memory.rank_memory import RankNodes
 from pagedllm.platforms.interface import MemoryInfo
 
 NODE = dict(num_cpus=1, object_store_memory=100 * 2**20)

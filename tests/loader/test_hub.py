@@ -262,7 +262,7 @@ def test_a_model_that_cannot_fit_is_refused_before_any_weight_byte(env: FakeHub,
     from pagedllm import LLM
     from pagedllm.platforms.cpu import CpuPlatform
     from pagedllm.platforms.interface import MemoryInfo
-    from pagedllm.worker.memory import InsufficientMemoryError
+    from pagedllm.memory.plan import InsufficientMemoryError
 
     small = MemoryInfo(int(3.49 * 1024 ** 3), int(3.1 * 1024 ** 3), "cgroup v1 limit 3.49 GiB")
     monkeypatch.setattr(CpuPlatform, "memory", lambda self: small)

@@ -11,7 +11,7 @@ from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import gguf_weight_bytes
+from pagedllm.memory.weight_layout import gguf_weight_bytes
 from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_float32, check_q8_0,
                          gguf_tensors, hf_reference, max_logit_error, prompts, random_init,
                          save_checkpoints, write_gguf)

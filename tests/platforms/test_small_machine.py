@@ -204,7 +204,7 @@ def qwen7b_q2_k(tmp_path_factory) -> Iterator[Path]:
 Q2K_JOB = """
 import json, sys, time
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.memory import InsufficientMemoryError
+from pagedllm.memory.plan import InsufficientMemoryError
 try:
     LLM(model=sys.argv[1], mmap_weights=False)
 except InsufficientMemoryError as err:
@@ -296,7 +296,7 @@ def seed_cgroups() -> Iterator[list[Path]]:
 SINGLE_JOB = """
 import json, sys, time
 from pagedllm import LLM
-from pagedllm.worker.memory import InsufficientMemoryError
+from pagedllm.memory.plan import InsufficientMemoryError
 started = time.monotonic()
 try:
     LLM(model=sys.argv[1])

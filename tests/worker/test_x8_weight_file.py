@@ -15,11 +15,11 @@ from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.memory.footprint import footprint
+from pagedllm.memory.plan import InsufficientMemoryError, PlanLimits, plan_memory
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker import x8_weight_file
-from pagedllm.worker.footprint import footprint
-from pagedllm.worker.memory import InsufficientMemoryError, plan_memory
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -112,8 +112,8 @@ def test_plan_with_mapped_blocks_leaves_the_page_cache_room_and_says_what_it_cos
                    "test")
     blocks = int(2.58 * GiB)
     mapped = dataclasses.replace(fp, weight_bytes=1 << 20, mapped_bytes=blocks)
-    plan = plan_memory(mapped, SMALL_VM, block_size=16, max_model_len=None, max_num_seqs=64,
-                       max_num_batched_tokens=512)
+    plan = plan_memory(mapped, SMALL_VM, PlanLimits(block_size=16, max_model_len=None,
+                                                 max_num_seqs=64, max_num_batched_tokens=512))
     assert plan.max_model_len == 2048  # one short sequence of KV: the rest is for the blocks
     assert plan.kv_cache_bytes == 2048 * fp.kv_bytes_per_token
     assert 0 < plan.page_cache_room() < blocks
@@ -121,13 +121,14 @@ def test_plan_with_mapped_blocks_leaves_the_page_cache_room_and_says_what_it_cos
     # read a step at this limit); at 3.00 GiB they do not
     assert plan.reread_bytes_per_step() == 0 and "room for all of them" in plan.summary()
     tight = MemoryInfo(3 * GiB, int(2.84 * GiB), "cgroup v1 limit 3.00 GiB, 2.84 GiB free")
-    plan = plan_memory(mapped, tight, block_size=16, max_model_len=None, max_num_seqs=64,
-                       max_num_batched_tokens=512, mapped_forced=True)
+    plan = plan_memory(mapped, tight, PlanLimits(block_size=16, max_model_len=None,
+                                                 max_num_seqs=64, max_num_batched_tokens=512,
+                                                 mapped_forced=True))
     assert "mapped from a file, of which the page cache can hold" in plan.summary()
     assert f"re-reads ~{fmt_bytes(plan.reread_bytes_per_step())}" in plan.summary()
     roomy = dataclasses.replace(SMALL_VM, available_bytes=20 * GiB)
-    plan = plan_memory(mapped, roomy, block_size=16, max_model_len=None, max_num_seqs=64,
-                       max_num_batched_tokens=512)
+    plan = plan_memory(mapped, roomy, PlanLimits(block_size=16, max_model_len=None,
+                                                 max_num_seqs=64, max_num_batched_tokens=512))
     assert plan.page_cache_room() >= blocks and "room for all of them" in plan.summary()
     assert footprint(fp.arch, fp.num_params, 4, "x", "y", 10, 4).weight_bytes == 6
 

@@ -6,8 +6,8 @@ import pytest
 
 from pagedllm.engine.config_builder import weight_format_costs
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import weight_layout
-from pagedllm.worker import weight_formats as wf
+from pagedllm.memory import weight_formats as wf
+from pagedllm.memory.weight_layout import weight_layout
 
 
 def test_bytes_follow_the_block_formats(qwen_hf_dir):

@@ -7,13 +7,16 @@ and less what the engine process (the driver) will still take where it shares th
     rank 0 (layers 0-13, embedding)
 
 What the engine process already holds is in what a read of the memory finds used; what it
-will hold once it serves is not, so the rank beside it plans without that.
+will hold once it serves is not, so the rank beside it plans without that. Each rank's own
+cgroup (PAGEDLLM_RANK_CGROUP) is read here before its process exists; RankNodes holds where Ray
+ranks will run and the memory each has there (executor/ray_nodes.py reads it on the nodes).
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from pagedllm.platforms.cgroup import cgroup_paths
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
@@ -132,3 +135,23 @@ def rank_memories(world_size: int) -> Optional[list[MemoryInfo]]:
     driver = own_memory_cgroup(CGROUP_ROOT)  # the engine process is counted where it runs
     return [less_driver(cgroup_memory(d), driver_rss()) if holds_driver(d, driver)
             else cgroup_memory(d) for d in dirs]
+
+
+@dataclass(frozen=True)
+class RankNodes:
+    """The node each rank was planned on, and the memory each rank plans with (global rank
+    order)."""
+
+    node_ids: tuple[str, ...]
+    memories: tuple[MemoryInfo, ...]
+
+    def fit(self, needs: Sequence[int]) -> "RankNodes":
+        """The same bundles with the rank that needs most on the most memory, and so on down
+        (a head node, with Ray's GCS and the engine process, has the least); needs: each
+        rank's bytes, in rank order."""
+        by_room = sorted(range(len(self.memories)),
+                         key=lambda b: -self.memories[b].available_bytes)
+        by_need = sorted(range(len(needs)), key=lambda r: -needs[r])
+        slot = dict(zip(by_need, by_room))  # rank -> bundle
+        return RankNodes(tuple(self.node_ids[slot[r]] for r in range(len(needs))),
+                         tuple(self.memories[slot[r]] for r in range(len(needs))))

@@ -13,13 +13,13 @@ from typing import Optional, Sequence
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed.stage import PipelineStage, even_partition
-from pagedllm.loader.metadata import WeightLayout
-from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.decode_speed import (pipeline_tok_per_s, rank_seconds,
+from pagedllm.memory.decode_speed import (pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.footprint import ModelFootprint, footprint, regrouped_bytes
-from pagedllm.worker.memory import (InsufficientMemoryError, MemoryPlan, plan_memory,
-                                    plan_pipeline_memory)
+from pagedllm.memory.footprint import ModelFootprint, footprint, regrouped_bytes
+from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
+                                  plan_pipeline_memory)
+from pagedllm.memory.weight_layout import WeightLayout
+from pagedllm.platforms.interface import MemoryInfo
 
 
 @dataclass(frozen=True)
@@ -171,15 +171,15 @@ def tp_sizes(arch: ModelArchConfig, block: int = 1) -> tuple[int, ...]:
 
 
 def _plan(fps: Sequence[ModelFootprint], mem: MemoryInfo, pp: int, tp: int,
-          sizes: dict) -> Optional[tuple[ModelFootprint, MemoryPlan]]:
+          limits: PlanLimits) -> Optional[tuple[ModelFootprint, MemoryPlan]]:
     """The first of fps the planner fits with pp x tp ranks, each on a machine like this one."""
     for fp in fps:
         try:
             if pp == tp == 1:
-                return fp, plan_memory(fp, mem, **sizes)
+                return fp, plan_memory(fp, mem, limits)
             return fp, plan_pipeline_memory(
-                fp, pp, mem, [mem] * (pp * tp), tp, partition=even_partition(
-                    fp.arch.num_hidden_layers, pp), **sizes)
+                fp, pp, mem, limits, [mem] * (pp * tp), tp, partition=even_partition(
+                    fp.arch.num_hidden_layers, pp))
         except InsufficientMemoryError:
             continue
     return None
@@ -203,8 +203,8 @@ def _speed(run: WeightLayout, plan: MemoryPlan, pp: int, tp: int) -> float:
 
 
 def _way(name: str, fps: Sequence[ModelFootprint], run: WeightLayout, mem: MemoryInfo, pp: int,
-         tp: int, sizes: dict) -> Optional[Way]:
-    got = _plan(fps, mem, pp, tp, sizes)
+         tp: int, limits: PlanLimits) -> Optional[Way]:
+    got = _plan(fps, mem, pp, tp, limits)
     if got is None:
         return None
     fp, plan = got
@@ -215,35 +215,36 @@ def _way(name: str, fps: Sequence[ModelFootprint], run: WeightLayout, mem: Memor
 
 
 def split_ways(name: str, fps: Sequence[ModelFootprint], run: WeightLayout, mem: MemoryInfo,
-               sizes: dict, tp_options: Sequence[int]) -> tuple[Optional[Way], Optional[Way]]:
+               limits: PlanLimits,
+               tp_options: Sequence[int]) -> tuple[Optional[Way], Optional[Way]]:
     """The fewest pipeline ranks (at most one a layer) and the fewest tensor parallel ranks
     (of tp_options) the planner fits, each rank on a machine like this one; None: none fits."""
     layers = fps[0].arch.num_hidden_layers
     pp = next((w for n in range(2, layers + 1)
-               if (w := _way(name, fps, run, mem, n, 1, sizes)) is not None), None)
-    tp = next((w for n in tp_options if (w := _way(name, fps, run, mem, 1, n, sizes))
+               if (w := _way(name, fps, run, mem, n, 1, limits)) is not None), None)
+    tp = next((w for n in tp_options if (w := _way(name, fps, run, mem, 1, n, limits))
                is not None), None)
     return pp, tp
 
 
 def format_ways(arch: ModelArchConfig, num_params: int, fmt: WeightFormat, source: str,
-                mem: MemoryInfo, sizes: dict) -> FormatWays:
+                mem: MemoryInfo, limits: PlanLimits) -> FormatWays:
     """How fmt runs on machines like this one: on one, else split."""
     fps = format_footprints(arch, num_params, fmt, source)
     run = format_layout(arch, fmt)
     out = FormatWays(fmt, run.total, run.total * (2 if fmt.at_load else 1),
                      tp_sizes=tp_sizes(arch, fmt.block))
-    one = _way(fmt.name, fps, run, mem, 1, 1, sizes)
+    one = _way(fmt.name, fps, run, mem, 1, 1, limits)
     if one is not None:
         return replace(out, one=one)
-    pp, tp = split_ways(fmt.name, fps, run, mem, sizes, out.tp_sizes)
+    pp, tp = split_ways(fmt.name, fps, run, mem, limits, out.tp_sizes)
     return replace(out, pp=pp, tp=tp)
 
 
 def all_format_ways(arch: ModelArchConfig, num_params: int, source: str, mem: MemoryInfo,
-                    sizes: dict) -> list[FormatWays]:
+                    limits: PlanLimits) -> list[FormatWays]:
     """Every format's ways (FORMATS' order)."""
-    return [format_ways(arch, num_params, f, source, mem, sizes) for f in FORMATS]
+    return [format_ways(arch, num_params, f, source, mem, limits) for f in FORMATS]
 
 
 def tested_way(ways: Sequence[FormatWays]) -> Optional[Way]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pagedllm.worker.memory import DISK_READ_BYTES_PER_S
+from pagedllm.memory.plan import DISK_READ_BYTES_PER_S
 
 # weights read per second by a one-stream decode step: the default model's measured decode
 # (Qwen2.5-Coder-0.5B Q4_K_M, ~395 MB of blocks a token, 55.6 tok/s on a quiet 2-vCPU AMD

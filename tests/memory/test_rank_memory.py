@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import pagedllm
-from pagedllm.executor.rank_memory import (DRIVER_RUNTIME_BYTES, holds_driver, less_driver,
+from pagedllm.memory.rank_memory import (DRIVER_RUNTIME_BYTES, holds_driver, less_driver,
                                            own_memory_cgroup, shared_by)
 from pagedllm.platforms.interface import MemoryInfo
 
@@ -58,7 +58,7 @@ def test_holds_driver_for_its_own_cgroup_or_one_above_it(tmp_path):
 
 RANK_MEMORIES_JOB = """
 import json
-from pagedllm.executor.rank_memory import rank_memories
+from pagedllm.memory.rank_memory import rank_memories
 print(json.dumps([[m.available_bytes, m.source] for m in rank_memories(2)]))
 """
 

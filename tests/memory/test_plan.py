@@ -10,17 +10,19 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
+from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.footprint import footprint, kv_bytes_per_token, stage_footprint, tp_share
+from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION,
+                                  InsufficientMemoryError, PlanLimits, plan_memory,
+                                  plan_pipeline_memory)
+from pagedllm.memory.weight_layout import planned_weight_layout
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 from pagedllm.worker.model_loader import load_model
-from pagedllm.distributed.stage import PipelineStage
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint, kv_bytes_per_token, stage_footprint, tp_share
-from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, MEMORY_UTILIZATION,
-                                    InsufficientMemoryError, plan_memory, plan_pipeline_memory)
 
 GiB = 1024 ** 3
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
@@ -49,8 +51,10 @@ def test_kv_bytes_per_token():
 
 def test_qwen7b_on_a_3_5_gib_machine_gets_advice():
     with pytest.raises(InsufficientMemoryError) as err:
-        plan_memory(qwen7b_footprint(), SMALL_VM, block_size=16, max_model_len=None,
-                    max_num_seqs=64, max_num_batched_tokens=2048, advisor=advise)
+        plan_memory(qwen7b_footprint(), SMALL_VM, PlanLimits(block_size=16, max_model_len=None,
+                                                             max_num_seqs=64,
+                                                             max_num_batched_tokens=2048),
+                    advisor=advise)
     msg = str(err.value)
     assert "needs" in msg and "weights 14.19 GiB" in msg and "7.62 B parameters" in msg
     assert "KV cache" in msg and "2048 tokens" in msg
@@ -64,9 +68,9 @@ def test_qwen7b_on_a_3_5_gib_machine_gets_advice():
 
 def test_advice_names_the_low_bit_gguf_that_would_fit():
     with pytest.raises(InsufficientMemoryError) as err:  # 4.5 GiB: Q2_K mapped, Q4_K_M on two
-        plan_memory(qwen7b_footprint(), MemoryInfo(8 * GiB, int(4.5 * GiB), "test"), block_size=16,
-                    max_model_len=None, max_num_seqs=64, max_num_batched_tokens=2048,
-                    advisor=advise)
+        plan_memory(qwen7b_footprint(), MemoryInfo(8 * GiB, int(4.5 * GiB), "test"),
+                    PlanLimits(block_size=16, max_model_len=None, max_num_seqs=64,
+                               max_num_batched_tokens=2048), advisor=advise)
     msg = str(err.value)
     # in anonymous memory its load (blocks read, then regrouped) would peak at twice its size
     assert ("a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, its blocks mapped "
@@ -78,8 +82,9 @@ def test_advice_names_the_low_bit_gguf_that_would_fit():
 def test_advice_offers_a_gguf_whose_blocks_the_page_cache_would_mostly_hold():
     vm = MemoryInfo(int(3.49 * GiB), int(3.34 * GiB), "cgroup v1 limit 3.49 GiB, 3.34 GiB free")
     with pytest.raises(InsufficientMemoryError) as err:
-        plan_memory(qwen7b_footprint(), vm, block_size=16, max_model_len=None, max_num_seqs=64,
-                    max_num_batched_tokens=512, advisor=advise)
+        plan_memory(qwen7b_footprint(), vm, PlanLimits(block_size=16, max_model_len=None,
+                                                       max_num_seqs=64, max_num_batched_tokens=512),
+                    advisor=advise)
     msg = str(err.value)
     assert ("a 2-bit GGUF (Q2_K), weights ~2.83 GiB: fits on this machine, its blocks mapped "
             "from a file (the page cache holds ~100% of them)") in msg
@@ -87,11 +92,13 @@ def test_advice_offers_a_gguf_whose_blocks_the_page_cache_would_mostly_hold():
 
 def test_a_fitting_model_gets_a_cache_and_the_full_length():
     fp = qwen7b_footprint()
-    plan = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"), block_size=16,
-                       max_model_len=None, max_num_seqs=8, max_num_batched_tokens=2048)
+    plan = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"),
+                       PlanLimits(block_size=16, max_model_len=None, max_num_seqs=8,
+                                  max_num_batched_tokens=2048))
     assert plan.max_model_len == 32768 and plan.num_blocks * 16 >= 32768
-    explicit = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"), block_size=16,
-                           max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=2048)
+    explicit = plan_memory(fp, MemoryInfo(64 * GiB, 60 * GiB, "test"),
+                           PlanLimits(block_size=16, max_model_len=4096, max_num_seqs=8,
+                                      max_num_batched_tokens=2048))
     assert explicit.max_model_len == 4096
 
 
@@ -99,14 +106,14 @@ def test_limits_are_checked():
     fp = qwen7b_footprint()
     big = MemoryInfo(64 * GiB, 60 * GiB, "test")
     with pytest.raises(ValueError, match="max_model_len=65536 is larger than the model supports"):
-        plan_memory(fp, big, block_size=16, max_model_len=65536, max_num_seqs=8,
-                    max_num_batched_tokens=2048)
+        plan_memory(fp, big, PlanLimits(block_size=16, max_model_len=65536, max_num_seqs=8,
+                                        max_num_batched_tokens=2048))
     with pytest.raises(ValueError, match="does not fit the KV cache"):
-        plan_memory(fp, big, block_size=16, max_model_len=4096, max_num_seqs=8,
-                    max_num_batched_tokens=2048, num_blocks=8)
+        plan_memory(fp, big, PlanLimits(block_size=16, max_model_len=4096, max_num_seqs=8,
+                                        max_num_batched_tokens=2048, num_blocks=8))
     with pytest.raises(InsufficientMemoryError):
-        plan_memory(fp, big, block_size=16, max_model_len=None, max_num_seqs=8,
-                    max_num_batched_tokens=2048, kv_cache_bytes=100 * GiB)
+        plan_memory(fp, big, PlanLimits(block_size=16, max_model_len=None, max_num_seqs=8,
+                                        max_num_batched_tokens=2048, kv_cache_bytes=100 * GiB))
 
 
 def test_llm_refuses_qwen7b_fast_before_loading(monkeypatch):
@@ -123,8 +130,8 @@ def test_a_sliding_window_does_not_cap_max_model_len():
     fp = qwen7b_footprint()
     windowed = dataclasses.replace(fp, arch=dataclasses.replace(fp.arch, sliding_window=4096))
     big = MemoryInfo(64 * GiB, 60 * GiB, "test")
-    plans = [plan_memory(f, big, block_size=16, max_model_len=None, max_num_seqs=8,
-                         max_num_batched_tokens=2048) for f in (fp, windowed)]
+    plans = [plan_memory(f, big, PlanLimits(block_size=16, max_model_len=None, max_num_seqs=8,
+                                            max_num_batched_tokens=2048)) for f in (fp, windowed)]
     assert plans[0] == plans[1]
     assert plans[1].max_model_len == fp.arch.max_position_embeddings == 32768
 
@@ -183,17 +190,17 @@ def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
         assert abs(share.weight_bytes - held) <= 0.03 * held, (s, share.weight_bytes, held)
         assert share.kv_bytes_per_token == fp.kv_bytes_per_token // 4  # 12 layers, 1 KV head
         shares.append(share)
-    needs = [plan_memory(s, PLENTY, **SHORT) for s in shares]
+    needs = [plan_memory(s, PLENTY, PlanLimits(**SHORT)) for s in shares]
     need = max(p.weight_bytes + p.kv_cache_bytes + p.activation_bytes + p.overhead_bytes
                for p in needs)
     room = int(need / MEMORY_UTILIZATION) + 2**20  # each rank's cgroup: its share just fits
     mems = [MemoryInfo(room, room, f"rank {r}'s cgroup") for r in range(4)]
-    plan = plan_pipeline_memory(fp, 2, mems[0], mems, tp_size=2, **SHORT)
+    plan = plan_pipeline_memory(fp, 2, mems[0], PlanLimits(**SHORT), mems, tp_size=2)
     assert len(plan.ranks) == 4 and plan.max_model_len == 256
     assert plan.weight_bytes == max(s.weight_bytes for s in shares)
     stage0 = stage_footprint(fp, PipelineStage.of_rank(ckpt.arch.num_hidden_layers, 0, 2))
     with pytest.raises(InsufficientMemoryError):  # a whole stage, as planned before TP x PP
-        plan_memory(stage0, mems[0], **SHORT)
+        plan_memory(stage0, mems[0], PlanLimits(**SHORT))
 
 
 def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
@@ -201,9 +208,9 @@ def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
     (rank 0 twice rank 1's KV cache per block, layers 0-15 and 16-23 named, four layers'
     weights moved from rank 1 to rank 0)."""
     fp = _qwen_kept_blocks(qwen_gguf)[3]
-    even = plan_pipeline_memory(fp, 2, PLENTY, [PLENTY, PLENTY], **SHORT)
+    even = plan_pipeline_memory(fp, 2, PLENTY, PlanLimits(**SHORT), [PLENTY, PLENTY])
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "16,8")
-    plan = plan_pipeline_memory(fp, 2, PLENTY, [PLENTY, PLENTY], **SHORT)
+    plan = plan_pipeline_memory(fp, 2, PLENTY, PlanLimits(**SHORT), [PLENTY, PLENTY])
     assert "layers 0-15, embedding" in plan.ranks[0].where
     assert "layers 16-23, head" in plan.ranks[1].where
     per_block = [p.kv_cache_bytes // p.num_blocks for p in plan.ranks]
@@ -221,9 +228,9 @@ def test_mmap_weights_true_keeps_a_mapped_plan_the_page_cache_cannot_hold_and_wa
     tight = MemoryInfo(3 * GiB, int(2.85 * GiB), "cgroup v1 limit 3.00 GiB, 2.85 GiB free")
     sizes = dict(block_size=16, max_model_len=None, max_num_seqs=64, max_num_batched_tokens=512)
     with pytest.raises(InsufficientMemoryError, match="the page cache could hold only") as err:
-        plan_memory(mapped, tight, **sizes)
+        plan_memory(mapped, tight, PlanLimits(**sizes))
     assert err.value.page_cache
-    plan = plan_memory(mapped, tight, mapped_forced=True, **sizes)
+    plan = plan_memory(mapped, tight, PlanLimits(mapped_forced=True, **sizes))
     assert plan.mapped_bytes == mapped.mapped_bytes and plan.max_model_len == 2048
     assert plan.mapped_tight()
     reread = plan.reread_bytes_per_step()
@@ -237,7 +244,7 @@ def test_mmap_weights_true_keeps_a_mapped_plan_the_page_cache_cannot_hold_and_wa
     # forcing changes nothing where the anonymous part itself does not fit
     with pytest.raises(InsufficientMemoryError, match="does not fit in memory"):
         plan_memory(dataclasses.replace(mapped, weight_bytes=3 * GiB), tight,
-                    mapped_forced=True, **sizes)
+                    PlanLimits(mapped_forced=True, **sizes))
 
 
 # A Qwen2-7B-shaped Q2_K GGUF (2.58 GiB of blocks mapped) decoding in cgroups of these limits:
@@ -252,8 +259,8 @@ def test_reread_estimate_follows_what_was_measured(limit, free, low, high):
     fp = qwen7b_footprint(4, "float32 with GGUF blocks kept")
     mapped = dataclasses.replace(fp, weight_bytes=1 << 20, mapped_bytes=int(2.58 * GiB))
     mem = MemoryInfo(int(limit * GiB), int(free * GiB), f"cgroup v1 limit {limit:.2f} GiB")
-    plan = plan_memory(mapped, mem, block_size=16, max_model_len=None, max_num_seqs=64,
-                       max_num_batched_tokens=512, mapped_forced=True)
+    plan = plan_memory(mapped, mem, PlanLimits(block_size=16, max_model_len=None, max_num_seqs=64,
+                                               max_num_batched_tokens=512, mapped_forced=True))
     estimate = plan.reread_bytes_per_step() / 2**20
     if high == 0:
         assert estimate == 0

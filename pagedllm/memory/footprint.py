@@ -7,7 +7,7 @@ from typing import Optional
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.distributed.stage import PipelineStage
-from pagedllm.loader.metadata import WeightLayout
+from pagedllm.memory.weight_layout import WeightLayout
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from pagedllm.distributed.stage import PipelineStage
-from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
-from pagedllm.worker.footprint import (ModelFootprint, activation_bytes, shared_footprint,
+from pagedllm.memory.footprint import (ModelFootprint, activation_bytes, shared_footprint,
                                        stage_footprint, tp_share)
+from pagedllm.platforms.interface import GiB, MemoryInfo, fmt_bytes
 
 RUNTIME_OVERHEAD_BYTES = 384 * 1024 ** 2  # tokenizer, Python objects, allocator slack still to come
 MEMORY_UTILIZATION = 0.92  # share of available memory the engine plans to use
@@ -62,16 +62,31 @@ class InsufficientMemoryError(ValueError):
 
 
 @dataclass(frozen=True)
+class PlanLimits:
+    """What a plan works under besides the memory: the sizes asked for (None: the planner
+    chooses them), the runtime a process takes, and whether mapped weights are forced."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: Optional[int] = None
+    kv_cache_bytes: Optional[int] = None
+    num_blocks: Optional[int] = None
+    overhead_bytes: int = RUNTIME_OVERHEAD_BYTES  # one process's runtime
+    # mmap_weights=True: a mapped plan whose page cache is short is kept, and its
+    # reread_warning() says what it costs, instead of refused
+    mapped_forced: bool = False
+
+
+@dataclass(frozen=True)
 class Shortfall:
     """A refused plan: the footprint that did not fit, the memory it was planned against and
-    the sizes it was planned with; an advisor turns it into the ways out."""
+    the limits it was planned under; an advisor turns it into the ways out."""
 
     fp: ModelFootprint  # of a mapped plan whose page cache is short: its blocks in anonymous memory
     mem: MemoryInfo
+    limits: PlanLimits
     need_len: int  # tokens one sequence must hold
-    block_size: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
     overhead_bytes: int  # the runtimes of all fp's processes
     why: str = ""  # a first line before the needs, or none
     page_cache: bool = False  # the blocks would be mapped, but the page cache is short
@@ -84,7 +99,8 @@ class Shortfall:
     @property
     def activation_bytes(self) -> int:
         """A step's workspace before the KV cache's share."""
-        return activation_bytes(self.fp, self.max_num_batched_tokens, self.max_num_seqs, 0)
+        return activation_bytes(self.fp, self.limits.max_num_batched_tokens,
+                                self.limits.max_num_seqs, 0)
 
     def text(self) -> str:
         """why, what fp needs, and what is available."""
@@ -196,22 +212,20 @@ class MemoryPlan:
                 f"available {fmt_bytes(self.available.available_bytes)} ({self.available.source})")
 
 
-def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
-                max_model_len: Optional[int], max_num_seqs: int, max_num_batched_tokens: int,
-                kv_cache_bytes: Optional[int] = None, num_blocks: Optional[int] = None,
-                overhead_bytes: int = RUNTIME_OVERHEAD_BYTES,
-                mapped_forced: bool = False, advisor: Optional[Advisor] = None) -> MemoryPlan:
-    """Choose KV blocks and max_model_len that fit; explicit values win if they fit, else explain.
-    mapped_forced (mmap_weights=True): a mapped plan whose page cache is short is kept, and its
-    reread_warning() says what it costs, instead of refused. advisor: adds the ways out to a
-    refusal (without one it says only why; the advice plans its ways with this function)."""
+def plan_memory(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits,
+                advisor: Optional[Advisor] = None) -> MemoryPlan:
+    """Choose KV blocks and max_model_len that fit mem under limits; explicit values win if
+    they fit, else explain (limits.mapped_forced: keep a mapped plan whose page cache is short,
+    with its reread_warning()). advisor: adds the ways out to a refusal (without one it says
+    only why; the advice plans its ways with this function)."""
+    block_size, max_model_len, num_blocks = (limits.block_size, limits.max_model_len,
+                                             limits.num_blocks)
     if max_model_len is not None and max_model_len > fp.max_len_supported:
         raise ValueError(f"max_model_len={max_model_len} is larger than the model supports "
                          f"({fp.max_len_supported} positions)")
     # the length a default plan may shrink to: one sequence of this must fit
-    short = Shortfall(fp, mem, max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported),
-                      block_size, max_num_batched_tokens, max_num_seqs,
-                      overhead_bytes * fp.processes)
+    short = Shortfall(fp, mem, limits, max_model_len or min(MIN_MODEL_LEN, fp.max_len_supported),
+                      limits.overhead_bytes * fp.processes)
 
     def refusal(**changes) -> InsufficientMemoryError:
         got = replace(short, **changes)
@@ -222,9 +236,9 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
         raise refusal(why=_load_why(fp, load_peak))
     free_for_kv = _free_for_kv(short)
     want_len = max_model_len or fp.max_len_supported
-    explicit_cache = num_blocks is not None or kv_cache_bytes is not None
+    explicit_cache = num_blocks is not None or limits.kv_cache_bytes is not None
     if num_blocks is None:
-        chosen = (kv_cache_bytes if kv_cache_bytes is not None
+        chosen = (limits.kv_cache_bytes if limits.kv_cache_bytes is not None
                   else _default_kv_bytes(short, free_for_kv, want_len))
         num_blocks = chosen // (fp.kv_bytes_per_token * block_size)
     cache_tokens = num_blocks * block_size
@@ -236,11 +250,11 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, *, block_size: int,
         raise ValueError(f"max_model_len={min_len} does not fit the KV cache ({num_blocks} blocks "
                          f"of {block_size} = {cache_tokens} tokens); lower max_model_len or "
                          "raise kv_cache_memory_bytes")
-    plan = MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), max_num_seqs,
-                      fp.weight_bytes, kv_bytes,
-                      activation_bytes(fp, max_num_batched_tokens, max_num_seqs, kv_bytes),
+    plan = MemoryPlan(num_blocks, block_size, min(want_len, cache_tokens), limits.max_num_seqs,
+                      fp.weight_bytes, kv_bytes, activation_bytes(
+                          fp, limits.max_num_batched_tokens, limits.max_num_seqs, kv_bytes),
                       short.overhead_bytes, mem, fp.mapped_bytes, fp.where)
-    if plan.mapped_tight() and not mapped_forced:
+    if plan.mapped_tight() and not limits.mapped_forced:
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
         raise refusal(fp=anon, why=_tight_why(plan, fp), page_cache=True)
     return plan
@@ -261,7 +275,8 @@ def _default_kv_bytes(short: Shortfall, free_for_kv: int, want_len: int) -> int:
     what leaves the page cache room for them first (never below one sequence of need_len)."""
     fp = short.fp
     one_seq = want_len * fp.kv_bytes_per_token
-    default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq), one_seq * short.max_num_seqs)
+    default = min(free_for_kv, max(DEFAULT_KV_CAP_BYTES, one_seq),
+                  one_seq * short.limits.max_num_seqs)
     if fp.mapped_bytes:
         least = short.need_len * fp.kv_bytes_per_token
         default = min(default, free_for_kv, max(least, free_for_kv - fp.mapped_bytes))
@@ -293,9 +308,9 @@ def _tight_why(plan: MemoryPlan, fp: ModelFootprint) -> str:
 
 
 def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
-                         rank_mems: Optional[Sequence[MemoryInfo]] = None,
+                         limits: PlanLimits, rank_mems: Optional[Sequence[MemoryInfo]] = None,
                          tp_size: int = 1, partition: Optional[Sequence[int]] = None,
-                         **kwargs) -> MemoryPlan:
+                         advisor: Optional[Advisor] = None) -> MemoryPlan:
     """plan_memory for world_size pipeline stages of tp_size tensor parallel ranks each. Ranks
     that share this machine's memory (rank_mems None) are planned as the sum of their shares
     against `mem`; ranks that each have their own memory (a cgroup or a machine each:
@@ -304,14 +319,14 @@ def plan_pipeline_memory(fp: ModelFootprint, world_size: int, mem: MemoryInfo,
     rank holds the same block ids). partition: layers per stage (else VLLM_PP_LAYER_PARTITION's
     or the even split)."""
     if rank_mems is None:
-        return plan_memory(shared_footprint(fp, world_size, tp_size), mem, **kwargs)
+        return plan_memory(shared_footprint(fp, world_size, tp_size), mem, limits, advisor)
     plans = []
     for r, rank_mem in enumerate(rank_mems):
         share = tp_share(stage_footprint(fp, PipelineStage.of_rank(
             fp.arch.num_hidden_layers, r // tp_size, world_size, partition)), tp_size)
         if tp_size > 1:  # the refusal names the rank, as its process's messages do
             share = replace(share, where=f"rank {r}, {share.where}")
-        plans.append(plan_memory(share, rank_mem, **kwargs))  # a refusal names the rank
+        plans.append(plan_memory(share, rank_mem, limits, advisor))  # a refusal names the rank
     tightest = min(plans, key=lambda p: p.num_blocks * p.block_size)
     max_len = min(p.max_model_len for p in plans)
     plans = [replace(p, num_blocks=tightest.num_blocks, max_model_len=max_len,

@@ -5,8 +5,8 @@ Formats: fp32 and bf16 (dtype="float32" / "bfloat16", quantization="none": vLLM'
 int8 (quantization="int8": Q8_0 blocks made at load, layers/quantization.py) and int4
 (quantization="int4": Q4_1 matrices, embedding and head in Q8_0).
 
-- Memory comes from the checkpoint's tensor table (loader/metadata.py's weight_layout, as the
-  planner reads it): resident weights, and the load's peak (int8/int4: made slice by slice
+- Memory comes from the checkpoint's tensor table (memory/weight_layout.py's weight_layout, as
+  the planner reads it): resident weights, and the load's peak (int8/int4: made slice by slice
   as the float tensors are read, then regrouped for the kernels: the blocks twice).
 - Speed: a decode step reads every matrix once, so one stream decodes at most
   READ_BYTES_PER_S / (bytes read per step) tokens a second (the bandwidth bound). Small models
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.loader.metadata import AT_LOAD_BYTES, WeightLayout
+from pagedllm.memory.weight_layout import AT_LOAD_BYTES, WeightLayout
 from pagedllm.platforms.interface import fmt_bytes
 
 # memory read bandwidth of 2 threads, benchmarks/mem_bandwidth.cpp, best of 3 runs on the

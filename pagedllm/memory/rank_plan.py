@@ -8,12 +8,12 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.metadata import (checkpoint_num_params, planned_weight_layout,
-                                      quantized_at_load)
+from pagedllm.loader.metadata import checkpoint_num_params, gguf_tensors
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
+from pagedllm.memory.plan import MemoryPlan, PlanLimits, plan_memory
+from pagedllm.memory.weight_layout import planned_weight_layout, quantized_at_load
 from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint, regrouped_bytes, stage_footprint, tp_share
-from pagedllm.worker.memory import MemoryPlan, plan_memory
 
 
 def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo,
@@ -25,8 +25,9 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
     ckpt = resolve_checkpoint(config.model_path)
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
-    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize)
-    num_params, source = checkpoint_num_params(ckpt)
+    tensors = gguf_tensors(ckpt)  # read once, handed down
+    layout = planned_weight_layout(ckpt, kept, config.quantization, itemsize, tensors)
+    num_params, source = checkpoint_num_params(ckpt, tensors)
     name = str(config.dtype).removeprefix("torch.")
     fp = footprint(ckpt.arch, num_params, itemsize, name, source, layout.total,
                    layout.mapped_total if config.mmap_weights else 0, layout)
@@ -34,8 +35,7 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
         at_load = quantized_at_load(ckpt, config.quantization)
         fp = replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
     sched = config.scheduler
-    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem,
-                       block_size=config.cache.block_size,
-                       max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-                       max_num_batched_tokens=sched.max_num_batched_tokens,
-                       num_blocks=config.cache.num_blocks, advisor=advise)
+    limits = PlanLimits(config.cache.block_size, sched.max_num_seqs,
+                        sched.max_num_batched_tokens, sched.max_model_len,
+                        num_blocks=config.cache.num_blocks)
+    return plan_memory(tp_share(stage_footprint(fp, stage), tp_size), mem, limits, advise)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
-from pagedllm.worker.advice import (FAMILY_SIZES, TESTED, FormatWays, Way, all_format_ways,
+from pagedllm.memory.advice import (FAMILY_SIZES, TESTED, FormatWays, Way, all_format_ways,
                                     gguf_hub_ref, split_ways, tested_way, tp_sizes)
-from pagedllm.worker.decode_speed import MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S
-from pagedllm.worker.footprint import ModelFootprint
-from pagedllm.worker.memory import DISK_READ_BYTES_PER_S, InsufficientMemoryError, Shortfall
+from pagedllm.memory.decode_speed import MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S
+from pagedllm.memory.footprint import ModelFootprint
+from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, PlanLimits,
+                                  Shortfall)
+from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
 SPLIT_HOW = ("a split runs one rank a machine: distributed_executor_backend='ray' over a Ray "
              "cluster (docs/ray_two_vms.md), or one rank per cgroup (PAGEDLLM_RANK_CGROUP); "
@@ -106,18 +107,18 @@ def advise(short: Shortfall) -> InsufficientMemoryError:
         f"what the page cache lacks of mapped blocks at {DISK_READ_BYTES_PER_S / 1e6:.0f} MB/s, "
         f"{MESSAGE_SECONDS * 1e3:.1f} ms a message between ranks; a machine like this one: "
         f"{fmt_bytes(budget)} planned)")]
-    sizes = dict(block_size=short.block_size,
-                 max_model_len=min(short.need_len, fp.max_len_supported),
-                 max_num_seqs=short.max_num_seqs,
-                 max_num_batched_tokens=short.max_num_batched_tokens,
-                 overhead_bytes=short.overhead_bytes // fp.processes)
-    ways = all_format_ways(fp.arch, fp.num_params, fp.source, mem, sizes)
+    # each way planned as the engine would plan it, for one sequence of the length it needs
+    limits = PlanLimits(short.limits.block_size, short.limits.max_num_seqs,
+                        short.limits.max_num_batched_tokens,
+                        max_model_len=min(short.need_len, fp.max_len_supported),
+                        overhead_bytes=short.overhead_bytes // fp.processes)
+    ways = all_format_ways(fp.arch, fp.num_params, fp.source, mem, limits)
     line = _tested_line(ways, fp)
     if line is not None:
         lines.append(line)
     ranked = sorted(ways, key=lambda w: -w.best.tok_per_s if w.best else 0.0)
     lines += [_format_line(w, fp) for w in ranked]
-    pp, tp = _own_split(fp, mem, sizes, lines)
+    pp, tp = _own_split(fp, mem, limits, lines)
     lines += _shorter_len(short)
     if any(w.pp or w.tp for w in ways) or pp or tp:
         lines.append(f"  ({SPLIT_HOW})")
@@ -128,7 +129,7 @@ def advise(short: Shortfall) -> InsufficientMemoryError:
                                    short)
 
 
-def _own_split(fp: ModelFootprint, mem: MemoryInfo, sizes: dict,
+def _own_split(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits,
                lines: list[str]) -> tuple[Optional[Way], Optional[Way]]:
     """The fewest pipeline and tensor parallel ranks the checkpoint as it is needs; a GGUF at
     hand (its own blocks, not the estimate's) gets a line of its own in `lines`."""
@@ -136,7 +137,7 @@ def _own_split(fp: ModelFootprint, mem: MemoryInfo, sizes: dict,
     own = whole[0].layout
     if own is None:
         return None, None
-    pp, tp = split_ways("as is", whole, own, mem, sizes, tp_sizes(
+    pp, tp = split_ways("as is", whole, own, mem, limits, tp_sizes(
         fp.arch, own.mlp_block if own.mapped_total else 1))
     if own.mapped_total:
         lines.append("  - this GGUF as it is: " + _split_text(pp, tp, tp_sizes(
@@ -150,7 +151,8 @@ def _shorter_len(short: Shortfall) -> list[str]:
     room = short.budget - short.overhead_bytes - short.activation_bytes - fp.weight_bytes
     if room <= 0:
         return []
-    fit_len = room // fp.kv_bytes_per_token // short.block_size * short.block_size
+    block = short.limits.block_size
+    fit_len = room // fp.kv_bytes_per_token // block * block
     return [f"  - a shorter max_model_len: {fit_len} tokens fit "
             f"(KV {fmt_bytes(fp.kv_bytes_per_token)} per token)"]
 

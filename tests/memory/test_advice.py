@@ -10,17 +10,18 @@ import torch
 from pagedllm.distributed.stage import even_partition
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.hub import parse_hub_ref
-from pagedllm.loader.metadata import checkpoint_num_params, planned_weight_layout
-from pagedllm.platforms.interface import MemoryInfo
-from pagedllm.worker.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
+from pagedllm.loader.metadata import checkpoint_num_params
+from pagedllm.memory.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
                                     tp_sizes)
-from pagedllm.worker.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S,
+from pagedllm.memory.advice_text import advise
+from pagedllm.memory.decode_speed import (MESSAGE_SECONDS, WEIGHT_READ_BYTES_PER_S,
                                           pipeline_tok_per_s, rank_seconds,
                                           tensor_parallel_tok_per_s)
-from pagedllm.worker.advice_text import advise
-from pagedllm.worker.footprint import footprint
-from pagedllm.worker.memory import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, plan_memory,
-                                    plan_pipeline_memory)
+from pagedllm.memory.footprint import footprint
+from pagedllm.memory.plan import (DISK_READ_BYTES_PER_S, InsufficientMemoryError, PlanLimits,
+                                  plan_memory, plan_pipeline_memory)
+from pagedllm.memory.weight_layout import planned_weight_layout
+from pagedllm.platforms.interface import MemoryInfo
 
 GiB = 1024 ** 3
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -37,7 +38,7 @@ def refusal(path: Path = QWEN7B, mem: MemoryInfo = SEED_VM) -> InsufficientMemor
     fp = footprint(ckpt.arch, n, 2, "bfloat16", source, None, 0,
                    planned_weight_layout(ckpt, frozenset(), "none", 2))
     with pytest.raises(InsufficientMemoryError) as err:
-        plan_memory(fp, mem, advisor=advise, **SIZES)
+        plan_memory(fp, mem, PlanLimits(**SIZES), advisor=advise)
     return err.value
 
 
@@ -54,7 +55,7 @@ def test_without_an_advisor_a_refusal_says_why_and_no_ways():
     fp = footprint(ckpt.arch, n, 2, "bfloat16", source, None, 0,
                    planned_weight_layout(ckpt, frozenset(), "none", 2))
     with pytest.raises(InsufficientMemoryError) as bare:
-        plan_memory(fp, SEED_VM, **SIZES)
+        plan_memory(fp, SEED_VM, PlanLimits(**SIZES))
     text = str(bare.value)
     assert text.startswith("the model does not fit in memory: it needs ")
     assert "available: 3.33 GiB (cgroup v1 limit 3.49 GiB" in text and "ways out" not in text
@@ -142,10 +143,10 @@ def test_each_split_offered_is_the_fewest_ranks_the_planner_fits(name):
     def fits(pp: int, tp: int = 1) -> bool:
         for fp in fps:
             try:
-                plan_pipeline_memory(fp, pp, SEED_VM, [SEED_VM] * (pp * tp), tp,
-                                     even_partition(arch.num_hidden_layers, pp),
-                                     max_model_len=2048, **{k: v for k, v in SIZES.items()
-                                                            if k != "max_model_len"})
+                plan_pipeline_memory(fp, pp, SEED_VM, PlanLimits(
+                    max_model_len=2048, **{k: v for k, v in SIZES.items()
+                                           if k != "max_model_len"}),
+                    [SEED_VM] * (pp * tp), tp, even_partition(arch.num_hidden_layers, pp))
                 return True
             except InsufficientMemoryError:
                 pass

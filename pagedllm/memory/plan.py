@@ -140,6 +140,7 @@ class MemoryPlan:
     mapped_bytes: int = 0  # block weights mapped from a file: they live in the page cache
     where: str = ""  # the pipeline rank(s) planned, when split; "" for one process
     ranks: tuple["MemoryPlan", ...] = ()  # each rank's own plan, when each has its own memory
+    kv_used: bool = True  # False: an encoder, whose blocks count tokens and hold nothing
 
     def page_cache_room(self) -> int:
         """Bytes of the planned memory left for the page cache to hold mapped weights: the
@@ -203,9 +204,11 @@ class MemoryPlan:
                 f"\nevery rank holds the same {self.num_blocks} KV blocks (the fewest any rank "
                 f"fits) and max_model_len {self.max_model_len}")
         where = f" ({self.where})" if self.where else ""
-        return (f"memory plan{where}: weights {fmt_bytes(self.weight_bytes)}{self.mapped_note()}, KV cache "
-                f"{fmt_bytes(self.kv_cache_bytes)} ({self.num_blocks} blocks of {self.block_size}"
-                f" = {self.num_blocks * self.block_size} tokens), activations "
+        kv = (f"KV cache {fmt_bytes(self.kv_cache_bytes)} ({self.num_blocks} blocks of "
+              f"{self.block_size} = {self.num_blocks * self.block_size} tokens)" if self.kv_used
+              else "no KV cache (an encoder attends within each step)")
+        return (f"memory plan{where}: weights {fmt_bytes(self.weight_bytes)}{self.mapped_note()}, "
+                f"{kv}, activations "
                 f"{fmt_bytes(self.activation_bytes)}, runtime {fmt_bytes(self.overhead_bytes)}; "
                 f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}; "
                 "preemption recomputes (no swap space); "
@@ -234,6 +237,8 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits,
     load_peak = fp.weight_bytes + fp.load_extra_bytes + short.overhead_bytes
     if fp.load_extra_bytes and load_peak > short.budget:
         raise refusal(why=_load_why(fp, load_peak))
+    if fp.arch.is_encoder:
+        return _encoder_plan(fp, mem, limits, short, refusal)
     free_for_kv = _free_for_kv(short)
     want_len = max_model_len or fp.max_len_supported
     explicit_cache = num_blocks is not None or limits.kv_cache_bytes is not None
@@ -258,6 +263,21 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits,
         anon = replace(fp, weight_bytes=fp.weight_bytes + fp.mapped_bytes, mapped_bytes=0)
         raise refusal(fp=anon, why=_tight_why(plan, fp), page_cache=True)
     return plan
+
+
+def _encoder_plan(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits, short: Shortfall,
+                  refusal: Callable[..., InsufficientMemoryError]) -> MemoryPlan:
+    """An encoder's plan: no KV cache (its attention sees the step's own tokens), so its blocks
+    only count tokens for the scheduler, enough for max_num_seqs inputs of max_model_len and
+    free of memory; the weights, activations and runtime must fit."""
+    want_len = limits.max_model_len or fp.max_len_supported
+    if fp.weight_bytes + short.overhead_bytes + short.activation_bytes > short.budget:
+        raise refusal(need_len=want_len)
+    num_blocks = limits.num_blocks or limits.max_num_seqs * -(-want_len // limits.block_size)
+    return MemoryPlan(num_blocks, limits.block_size, want_len, limits.max_num_seqs,
+                      fp.weight_bytes, 0, activation_bytes(
+                          fp, limits.max_num_batched_tokens, limits.max_num_seqs, 0),
+                      short.overhead_bytes, mem, fp.mapped_bytes, fp.where, kv_used=False)
 
 
 def _free_for_kv(short: Shortfall) -> int:

@@ -268,3 +268,21 @@ def test_reread_estimate_follows_what_was_measured(limit, free, low, high):
         assert 0.8 * low <= estimate <= 1.2 * high, estimate
     # what the planner plans for them is more cautious than what decoding finds
     assert plan.page_cache_room() < plan.expected_page_cache()
+
+
+def test_an_encoder_plans_no_kv_cache(minilm_dir):
+    """all-MiniLM-L6-v2: its blocks only count tokens, so the plan holds no KV bytes and fits
+    where weights, activations and runtime do (the planner used to set aside 288 MiB of KV
+    cache the encoder never allocates); too little for those is still refused."""
+    ckpt = resolve_checkpoint(minilm_dir)
+    n, source = checkpoint_num_params(ckpt)
+    fp = footprint(ckpt.arch, n, 4, "float32", source)
+    limits = PlanLimits(block_size=16, max_model_len=256, max_num_seqs=64,
+                        max_num_batched_tokens=512, overhead_bytes=256 * 1024 ** 2)
+    need = fp.weight_bytes + 256 * 1024 ** 2 + 200 * 1024 ** 2
+    plan = plan_memory(fp, MemoryInfo(need, need, "test"), limits)
+    assert plan.kv_cache_bytes == 0 and not plan.kv_used
+    assert plan.num_blocks == 64 * 256 // 16 and plan.max_model_len == 256
+    assert "no KV cache (an encoder attends within each step)" in plan.summary()
+    with pytest.raises(InsufficientMemoryError):
+        plan_memory(fp, MemoryInfo(fp.weight_bytes, fp.weight_bytes, "test"), limits)

@@ -42,7 +42,8 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="measure latency, offline throughput, or a server")
     modes = bench.add_subparsers(dest="mode", required=True)
     for name, text in (("latency", "one stream: time to first token, prefill and decode tok/s"),
-                       ("throughput", "N prompts offline: output and total tok/s"),
+                       ("throughput", "N prompts offline: output and total tok/s (a pooling "
+                                      "model: inputs pooled per second)"),
                        ("serve", "an OpenAI-compatible server under concurrency")):
         p = modes.add_parser(name, help=text, description=text)
         p.add_argument("--model", default=None if name == "serve" else DEFAULT_MODEL,
@@ -197,10 +198,27 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     return {**result, **_comm_report(_comm_stats(llm))}
 
 
+def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+    """A pooling model's workload: N inputs of --input-len tokens through LLM.encode (each
+    pooled once; nothing is generated, --output-len does not apply)."""
+    llm.encode(prompts[:1], use_tqdm=False)  # untimed: the first step's one-time costs
+    t = time.perf_counter()
+    outs = llm.encode(prompts, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    return {"task": "pooling", "elapsed_s": elapsed, "requests_per_s": len(outs) / elapsed,
+            "input_tokens": tokens, "input_tok_per_s": tokens / elapsed,
+            "vector_size": int(outs[0].outputs.data.numel())}
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """N prompts through LLM.generate."""
+    """N prompts through LLM.generate (a pooling model's through LLM.encode)."""
     llm = _llm(args)
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len)
+    if llm.llm_engine.config.is_pooling:
+        if args.structured_output != "none":
+            raise SystemExit("--structured-output applies to generation; this model pools")
+        return _pool_throughput(llm, prompts, args)
     params = _params(args)
     if params.structured_outputs is not None:
         # once per engine, untimed: the grammar engine's view of the vocabulary (~1 s for 152k

@@ -41,6 +41,14 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
         assert result["ttft_s"] + decode_s == pytest.approx(result["request_latency_s"])
 
 
+def test_throughput_of_a_pooling_model(tmp_path, minilm_dir):
+    result = _run(["throughput", "--model", str(minilm_dir), "--dtype", "float32",
+                   "--input-len", "32", "--num-prompts", "16"], tmp_path / "r.json")
+    assert result["task"] == "pooling" and result["input_tokens"] == 16 * 32
+    assert result["requests_per_s"] > 0 and result["input_tok_per_s"] > 0
+    assert result["vector_size"] == 384
+
+
 def test_latency_at_the_smallest_counts_reports_no_decode_rate(tmp_path, smollm_gguf):
     result = _run(["latency", "--model", MODEL, "--dtype", "float32", "--input-len", "1",
                    "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0"],

@@ -146,7 +146,8 @@ class EngineArgs:
     revision: Optional[str] = None  # Hub branch, tag or commit
     gguf_file: Optional[str] = None  # a .gguf file inside a Hub repo
     model_source: Optional[str] = None  # None (Hugging Face, or env), "huggingface", "modelscope"
-    # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
+    # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
+    # its bf16 matrices ("bf16"); "gguf", "int8", "int4", "bf16" or "none"
     quantization: Optional[str] = None
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never

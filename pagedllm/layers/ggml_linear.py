@@ -268,8 +268,14 @@ def pack_x8(model: nn.Module) -> int:
     """Regroup the CPU block weights of model eight rows at a time for the x8 kernels, in place;
     a weight shared by several modules (tied embedding and head) is packed once and stays
     shared. Returns the number of tensors packed. Weights are packed in module order, so each
-    layer's matrices are allocated together, in the order a step reads them."""
+    layer's matrices are allocated together, in the order a step reads them. Each source is
+    released once its regrouped copy is put (when the caller holds no other reference to it),
+    so the load's peak holds one matrix twice, not every one."""
     slots = x8_slots(model)
-    for slot in slots:
+    count = len(slots)
+    slots.reverse()
+    while slots:
+        slot = slots.pop()
         slot.put(pack_slot(slot))
-    return len(slots)
+        del slot
+    return count

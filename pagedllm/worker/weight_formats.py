@@ -42,6 +42,10 @@ FORMATS: dict[str, tuple[str, float, float]] = {
 }
 
 
+# the formats whose matrices are made as the loader reads the float tensors
+MADE_AT_LOAD = frozenset({"int8", "int4", "bf16x8"})
+
+
 @dataclass(frozen=True)
 class Measured:
     """One format of one model, measured (benchmarks/bench_weight_formats.py)."""
@@ -108,7 +112,7 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
         step = int(matrices * per_matrix + step_big * per_big)
         # int8/int4/bf16x8 are made slice by slice as the float tensors are read, then
         # regrouped for the kernels (model_loader): the blocks held twice at the peak
-        peak = 2 * weights if name in AT_LOAD_BYTES else weights
+        peak = 2 * weights if name in MADE_AT_LOAD else weights
         costs[name] = FormatCost(name, how, weights, peak, step, READ_BYTES_PER_S / max(1, step),
                                  None if known is None else known[1].get(name))
     return costs

@@ -1,4 +1,5 @@
-"""The weight formats of an HF (float) checkpoint side by side: fp32, bf16, int8 (Q8_0), int4 (Q4_1).
+"""The weight formats of an HF (float) checkpoint side by side: fp32, bf16, bf16x8 (bf16 matrices
+for pagedllm's own kernels), int8 (Q8_0), int4 (Q4_1).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_weight_formats.py [--model DIR]
         [--formats fp32 bf16 int8 int4] [--repeats 2] [--skip-throughput] [--output-json PATH]
@@ -27,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # format name -> (dtype, quantization) as LLM() takes them
 FORMATS = {"fp32": ("float32", "none"), "bf16": ("bfloat16", "none"),
-           "int8": ("auto", "int8"), "int4": ("auto", "int4")}
+           "bf16x8": ("auto", "bf16"), "int8": ("auto", "int8"), "int4": ("auto", "int4")}
 
 _PPL_SNIPPET = """
 import json, resource, sys

@@ -144,10 +144,12 @@ class EngineArgs:
     dtype: Union[str, torch.dtype] = _opt("auto", "compute dtype; auto picks per device and "
                                           "checkpoint", choices=DTYPE_CHOICES)
     device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
-    # None: a GGUF keeps its quantized blocks on the CPU; "gguf", "int8", "int4" or "none"
+    # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
+    # its bf16 matrices ("bf16"); "gguf", "int8", "int4", "bf16" or "none"
     quantization: Optional[str] = _opt(
-        None, "default: a GGUF keeps its quantized blocks on the CPU; int8/int4 quantize a "
-        "float checkpoint at load; none dequantizes", choices=QUANTIZATION_METHODS)
+        None, "default: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with "
+        "dtype auto its bf16 matrices (bf16); int8/int4 quantize a float checkpoint at load; "
+        "none dequantizes", choices=QUANTIZATION_METHODS)
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never
     mmap_weights: Optional[bool] = _opt(

@@ -167,7 +167,8 @@ def _kernels_summary(config: EngineConfig) -> str:
     platform, dtype = config.platform, config.dtype
     ops = "pagedllm's compiled ops" if platform.op_impl(dtype) != "native" else "PyTorch ops"
     matmuls = {"gguf": "matmuls on the GGUF's quantized blocks",
-               "int8": "int8 weight-only matmuls", "int4": "int4 weight-only matmuls"}.get(
+               "int8": "int8 weight-only matmuls", "int4": "int4 weight-only matmuls",
+               "bf16": "pagedllm's bf16 weight-only matmuls (float32 activations)"}.get(
         config.quantization, f"{str(dtype).removeprefix('torch.')} matmuls")
     summary = f"{ops}, {platform.attention_backend(dtype)} attention, {matmuls}"
     if platform.kernels_error is not None:

@@ -3,7 +3,8 @@
 The build is keyed by the source, the compiler flags, the torch version and the CPU's instruction-set flags, because
 it is compiled for the CPU it runs on (-march=native). The x8 matmuls are in it once per instruction set
 (AVX2, AVX512-VNNI, AVX-VNNI), each compiled for its own target, and the one that runs is chosen
-at run time from the CPU's features or PAGEDLLM_KERNEL_ISA (kernel_isa() says which and why). `python -m pagedllm.kernels` builds it ahead
+at run time from the CPU's features or PAGEDLLM_KERNEL_ISA (kernel_isa() says which and why); the
+bf16 matmuls of a float checkpoint likewise, or PAGEDLLM_BF16_KERNEL (bf16_kernel()). `python -m pagedllm.kernels` builds it ahead
 of time (scripts/setup.sh does); otherwise the first quantized model load builds it (~1 minute).
 Without a compiler or ninja it fails at once; a failed build's output goes to build.log in the
 build folder, and a process tries once (KernelBuildError says why, in one line).
@@ -187,6 +188,7 @@ def load_kernels() -> None:
     if error is not None:
         raise error
     _chosen_isa()
+    _chosen_bf16()
 
 
 def _chosen_isa() -> tuple[str, str]:
@@ -194,6 +196,15 @@ def _chosen_isa() -> tuple[str, str]:
     PAGEDLLM_KERNEL_ISA that names no variant or one this CPU cannot execute."""
     try:
         return torch.ops.pagedllm.kernel_isa()
+    except RuntimeError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
+
+
+def _chosen_bf16() -> tuple[str, str]:
+    """(variant, why) of the bf16 x8 matmuls, chosen on the first call; ValueError for a
+    PAGEDLLM_BF16_KERNEL that names no variant or one this CPU cannot execute."""
+    try:
+        return torch.ops.pagedllm.bf16_kernel()
     except RuntimeError as err:
         raise ValueError(str(err).splitlines()[0]) from None
 
@@ -222,3 +233,12 @@ def kernel_isa() -> KernelIsa:
     load_kernels()
     name, reason = _chosen_isa()
     return KernelIsa(name, reason, tuple(torch.ops.pagedllm.kernel_isas()))
+
+
+def bf16_kernel() -> KernelIsa:
+    """The variant a float checkpoint's bf16 matrices run (quantization="bf16", csrc/x8_bf16.cpp):
+    vdpbf16ps (avx512bf16), AVX-512F or AVX2 FMAs on widened weights, or the scalar model;
+    PAGEDLLM_BF16_KERNEL forces one (ValueError when this CPU cannot execute it)."""
+    load_kernels()
+    name, reason = _chosen_bf16()
+    return KernelIsa(name, reason, tuple(torch.ops.pagedllm.bf16_kernels()))

@@ -8,3 +8,6 @@ KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K
                           T.Q6_K, T.IQ4_NL, T.IQ4_XS})
 # types with an eight-row layout and its int8 gemv/gemm (csrc/ggml_x8.cpp)
 X8_TYPES = KERNEL_TYPES
+# a float checkpoint's matrices kept in bf16, regrouped eight rows at a time (csrc/x8_bf16.cpp):
+# quantization="bf16", the default for a bf16 checkpoint on the CPU (docs/models_and_kernels.md)
+FLOAT_X8_TYPES = frozenset({T.BF16})

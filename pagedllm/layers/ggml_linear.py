@@ -5,6 +5,10 @@ blocks. On the CPU, pack_x8() then regroups the blocks eight rows at a time (the
 reordered; ggml_x8.cpp), and every batch size runs the int8 kernel over that layout. Weights
 left in the GGUF layout (rows not a multiple of 8, or not packed) run the float32 row kernel on
 small batches and dequantize + BLAS GEMM on large ones.
+
+A float checkpoint's matrices kept in bf16 (quantization="bf16") are ggml type BF16 here: rows
+of 2-byte values, regrouped eight rows at a time by bf16_pack_x8 and multiplied by the bf16 x8
+kernels (csrc/x8_bf16.cpp) through the same ggml_linear_x8 call, so the decode stack takes them.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from pagedllm.kernels.types import KERNEL_TYPES, X8_TYPES  # noqa: F401 (re-exported)
+from pagedllm.kernels.types import FLOAT_X8_TYPES, KERNEL_TYPES, X8_TYPES  # noqa: F401 (re-exported)
+
+BF16 = GGMLQuantizationType.BF16
 
 X8_ROWS = 8
 
@@ -39,6 +45,8 @@ def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
 
 def dequantize(weight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
     """float32 [rows, in_features] from block-format rows [rows, row_bytes]."""
+    if qtype == BF16:  # exact: bf16 widens to float32 without rounding
+        return weight.view(torch.bfloat16).float()
     return torch.ops.pagedllm.ggml_dequant(weight, int(qtype), in_features)
 
 
@@ -46,7 +54,7 @@ def ggml_matmul(x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationTy
                 in_features: int) -> torch.Tensor:
     """x [..., in_features] @ W^T -> [..., out_features] in x's dtype."""
     flat = x.reshape(-1, in_features)  # [M, K]
-    if flat.shape[0] >= DENSE_MIN_ROWS:
+    if flat.shape[0] >= DENSE_MIN_ROWS or qtype == BF16:  # BF16 has no row kernel
         y = _dense_matmul(flat, weight, qtype, in_features)
     else:
         y = torch.ops.pagedllm.ggml_linear(flat, weight, int(qtype), in_features).to(x.dtype)
@@ -105,7 +113,9 @@ class GGMLEmbedding(nn.Module):
         self.packed = False  # shares an x8 weight with a tied output head after pack_x8()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.packed and self.qtype == BF16:
+            rows = torch.ops.pagedllm.bf16_embed_x8(self.weight, ids.reshape(-1), self.embedding_dim)
+        elif self.packed:
             rows = torch.ops.pagedllm.ggml_embed_x8(self.weight, ids.reshape(-1), int(self.qtype),
                                                     self.embedding_dim)
         else:
@@ -171,12 +181,22 @@ class GGMLMergedLinear(nn.Module):
 BlockModule = (GGMLLinear, GGMLEmbedding, GGMLMergedLinear)
 
 
+def _x8_type(qtype: GGMLQuantizationType, k: int) -> bool:
+    """Whether matrices of qtype, k wide, have an eight-row layout (BF16's quads: k % 4 == 0)."""
+    return qtype in X8_TYPES or (qtype in FLOAT_X8_TYPES and k % 4 == 0)
+
+
 def _packable(module: nn.Module) -> bool:
     if isinstance(module, GGMLMergedLinear):
-        return all(qt in X8_TYPES and n % X8_ROWS == 0 and w.device.type == "cpu"
-                   for qt, n, w in zip(module.qtypes, module.output_sizes, module.weights))
+        # one ggml_linear_x8 call takes all shards: BF16 ones cannot mix with block types
+        bf16 = {qt in FLOAT_X8_TYPES for qt in module.qtypes}
+        return len(bf16) == 1 and all(
+            _x8_type(qt, module.in_features) and n % X8_ROWS == 0 and w.device.type == "cpu"
+            for qt, n, w in zip(module.qtypes, module.output_sizes, module.weights))
     rows = module.out_features if isinstance(module, GGMLLinear) else module.num_embeddings
-    return module.qtype in X8_TYPES and rows % X8_ROWS == 0 and module.weight.device.type == "cpu"
+    k = module.in_features if isinstance(module, GGMLLinear) else module.embedding_dim
+    return (_x8_type(module.qtype, k) and rows % X8_ROWS == 0
+            and module.weight.device.type == "cpu")
 
 
 def _as_param(weight: torch.Tensor) -> nn.Parameter:
@@ -238,6 +258,8 @@ def x8_slots(model: nn.Module) -> list[X8Slot]:
 
 def pack_slot(slot: X8Slot) -> torch.Tensor:
     """The slot's weight regrouped eight rows at a time [rows / 8, bytes] (not yet put)."""
+    if slot.qtype == BF16:
+        return torch.ops.pagedllm.bf16_pack_x8(slot.source.view(torch.bfloat16))
     return torch.ops.pagedllm.ggml_pack_x8(slot.source, int(slot.qtype), slot.k)
 
 
@@ -246,8 +268,14 @@ def pack_x8(model: nn.Module) -> int:
     """Regroup the CPU block weights of model eight rows at a time for the x8 kernels, in place;
     a weight shared by several modules (tied embedding and head) is packed once and stays
     shared. Returns the number of tensors packed. Weights are packed in module order, so each
-    layer's matrices are allocated together, in the order a step reads them."""
+    layer's matrices are allocated together, in the order a step reads them. Each source is
+    released once its regrouped copy is put (when the caller holds no other reference to it),
+    so the load's peak holds one matrix twice, not every one."""
     slots = x8_slots(model)
-    for slot in slots:
+    count = len(slots)
+    slots.reverse()
+    while slots:
+        slot = slots.pop()
         slot.put(pack_slot(slot))
-    return len(slots)
+        del slot
+    return count

@@ -8,6 +8,8 @@
   int8 is Q8_0 (32 values share an fp16 scale); int4 is Q4_1 (32 values share an fp16 scale
   and minimum) for the decoder's linear layers, with the embedding and output head
   kept in Q8_0, as llama.cpp's 4-bit mixes keep them at higher precision.
+- `quantization="bf16"` keeps every matrix (embedding and head too) in bf16 (ggml type BF16):
+  exact for a bf16 checkpoint, whose default on the CPU it is; the kernels compute in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pagedllm.layers.linear import MergedLinear
 # merged module (gate_up_proj) is swapped when every one of its shards is in the plan
 QuantPlan = dict[str, GGMLQuantizationType]
 
-Q8_0, Q4_1 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1
+Q8_0, Q4_1, BF16 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.BF16
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -94,20 +96,28 @@ def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.view(torch.uint8), m.view(torch.uint8), packed], -1).reshape(n, -1)
 
 
-_QUANTIZERS = {Q8_0: quantize_q8_0, Q4_1: quantize_q4_1}
+def quantize_bf16(w: torch.Tensor) -> torch.Tensor:
+    """BF16 rows [N, 2K] (bytes) of [N, K]: round to nearest even, exact for bf16 values."""
+    return w.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+
+_QUANTIZERS = {Q8_0: quantize_q8_0, Q4_1: quantize_q4_1, BF16: quantize_bf16}
+# quantization= -> (the layers' matrices, the embedding and head)
+_METHOD_TYPES = {"int8": (Q8_0, Q8_0), "int4": (Q4_1, Q8_0), "bf16": (BF16, BF16)}
 
 
 def float_quant_plan(model: nn.Module, method: str) -> QuantPlan:
-    """Block format per checkpoint module for quantizing a float model with int8 or int4."""
+    """Block format per checkpoint module for a float model with int8, int4 or bf16."""
+    matrix, big = _METHOD_TYPES[method]
     plan: QuantPlan = {}
     for name, module in model.named_modules():
         if name in ("model.embed_tokens", "lm_head"):
-            plan[name] = Q8_0
+            plan[name] = big
         elif isinstance(module, nn.Linear):
-            plan[name] = Q8_0 if method == "int8" else Q4_1
+            plan[name] = matrix
         elif isinstance(module, MergedLinear):
             for shard in _shard_names(name, module):
-                plan[shard] = Q8_0 if method == "int8" else Q4_1
+                plan[shard] = matrix
     return plan
 
 

@@ -2,7 +2,8 @@
 one-stream decode speed, perplexity.
 
 Formats: fp32 and bf16 (dtype="float32" / "bfloat16", quantization="none": vLLM's behaviour),
-int8 (quantization="int8": Q8_0 blocks made at load, layers/quantization.py) and int4
+bf16x8 (quantization="bf16", a bf16 checkpoint's default on the CPU: its bf16 matrices regrouped
+for pagedllm's own kernels, float32 activations), int8 (quantization="int8": Q8_0 blocks made at load, layers/quantization.py) and int4
 (quantization="int4": Q4_1 matrices, embedding and head in Q8_0).
 
 - Memory comes from the checkpoint's tensor table (memory/weight_layout.py's weight_layout, as
@@ -35,9 +36,14 @@ READ_BYTES_PER_S = 30.7e9
 FORMATS: dict[str, tuple[str, float, float]] = {
     "fp32": ('dtype="float32", quantization="none"', 4.0, 4.0),
     "bf16": ('dtype="bfloat16", quantization="none"', 2.0, 2.0),
+    "bf16x8": ('quantization="bf16"', *AT_LOAD_BYTES["bf16"]),  # bf16, regrouped (x8_bf16.cpp)
     "int8": ('quantization="int8"', *AT_LOAD_BYTES["int8"]),  # Q8_0: 32 int8 + an fp16 scale
     "int4": ('quantization="int4"', *AT_LOAD_BYTES["int4"]),  # Q4_1: 32 nibbles + scale, min
 }
+
+
+# the formats whose matrices are made as the loader reads the float tensors
+MADE_AT_LOAD = frozenset({"int8", "int4", "bf16x8"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ MEASURED: dict[tuple[str, int, int, int], tuple[str, dict[str, Measured]]] = {
 class FormatCost:
     """What one weight format costs and gives for one checkpoint."""
 
-    name: str  # "fp32", "bf16", "int8", "int4"
+    name: str  # "fp32", "bf16", "bf16x8", "int8", "int4"
     how: str  # the LLM() arguments that choose it
     weight_bytes: int  # resident after the load
     load_peak_bytes: int  # weights held at the load's peak
@@ -104,9 +110,9 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
     for name, (how, per_matrix, per_big) in FORMATS.items():
         weights = int(matrices * per_matrix + big * per_big)
         step = int(matrices * per_matrix + step_big * per_big)
-        # int8/int4 are made slice by slice as the float tensors are read, then regrouped for
-        # the kernels (model_loader): the blocks held twice at the peak, as a GGUF's
-        peak = 2 * weights if name in AT_LOAD_BYTES else weights
+        # int8/int4/bf16x8 are made slice by slice as the float tensors are read, then
+        # regrouped for the kernels (model_loader): the blocks held twice at the peak
+        peak = 2 * weights if name in MADE_AT_LOAD else weights
         costs[name] = FormatCost(name, how, weights, peak, step, READ_BYTES_PER_S / max(1, step),
                                  None if known is None else known[1].get(name))
     return costs
@@ -117,6 +123,8 @@ def format_of(dtype_name: str, quantization: str) -> Optional[str]:
     float16)."""
     if quantization in ("int8", "int4"):
         return quantization
+    if quantization == "bf16":
+        return "bf16x8"
     if quantization == "none":
         return {"float32": "fp32", "bfloat16": "bf16"}.get(dtype_name)
     return None
@@ -125,6 +133,6 @@ def format_of(dtype_name: str, quantization: str) -> Optional[str]:
 def format_summary(costs: dict[str, FormatCost], chosen: str) -> str:
     """The start-up log's line: the chosen format's cost, and what the other choice (int8
     beside a float format, bf16 beside a quantized one) would give."""
-    other = "int8" if chosen in ("fp32", "bf16") else "bf16"
+    other = "int8" if chosen in ("fp32", "bf16", "bf16x8") else "bf16x8"
     return (f"weight format {costs[chosen].describe()}; instead {costs[other].describe()} "
             "(benchmarks/bench_weight_formats.py measures them)")

@@ -125,14 +125,16 @@ def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool,
 
 # bytes a value of a float checkpoint's matrices in the blocks quantization="int8"/"int4" makes
 # at load (layers/quantization.py): (the layers' matrices, the embedding and head). Q8_0: 32
-# int8 and an fp16 scale; Q4_1: 32 nibbles, an fp16 scale and minimum.
+# int8 and an fp16 scale; Q4_1: 32 nibbles, an fp16 scale and minimum; bf16: 2 bytes a value,
+# regrouped eight rows at a time with no padding (csrc/x8_bf16.cpp).
 AT_LOAD_BYTES: dict[str, tuple[float, float]] = {"int8": (34 / 32, 34 / 32),
-                                                 "int4": (20 / 32, 34 / 32)}
+                                                 "int4": (20 / 32, 34 / 32),
+                                                 "bf16": (2.0, 2.0)}
 
 
 def quantized_at_load(ckpt: Checkpoint, quantization: str) -> bool:
     """Whether the model's matrices are quantized as the loader reads them: a float (HF)
-    checkpoint with int8/int4 (a GGUF with those is refused before)."""
+    checkpoint with int8/int4/bf16 (a GGUF with those is refused before)."""
     return ckpt.kind != "gguf" and quantization in AT_LOAD_BYTES
 
 

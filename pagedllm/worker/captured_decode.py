@@ -1,5 +1,7 @@
 """The captured decode step: every decoder layer of a decode-only step in one C++ call
-(kernels/csrc/decode_stack.cpp), where the model's weights are all x8 block matrices on the CPU.
+(kernels/csrc/decode_stack.cpp), where the model's weights are all x8 matrices on the CPU: a
+GGUF's kept blocks, or a float checkpoint's bf16 matrices (quantization="bf16", ggml type BF16,
+which linear_x8 hands to the bf16 kernels).
 
 At one token a step, the Python between a layer's ops (module calls, views, ~25 dispatched ops)
 costs about a third of the layer's matmuls. The stack runs the same kernels in the same order
@@ -109,7 +111,7 @@ def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
     captured = CapturedDecode.capture(model, kernels_ready)
     if captured is None:
         return DecodeChoice(None, "the model's layer loop (the C++ decode stack takes only x8 "
-                                  "block matrices with float32 norms on the CPU)")
+                                  "block or bf16 matrices with float32 norms on the CPU)")
     return DecodeChoice(captured, f"the C++ decode stack ({arch} layers, one call a step)")
 
 

@@ -142,6 +142,7 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
         else:
             load_weights(ckpt, params, _skip(model, stage), model.checkpoint_shards)
         check_finite_vectors(params, ckpt.path)
+    del params  # the loaded tensors: pack_x8 frees each as it regroups it
     if (quant != "none" or plan) and not config.mmap_weights:
         pack_x8(model)  # the eight-row layout of the CPU kernels
     if tp is not None:

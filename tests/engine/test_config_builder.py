@@ -52,12 +52,23 @@ def test_kept_blocks_compute_in_float32_on_every_cpu(cpu, smollm_gguf):
 
 
 def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
+    """A bf16 checkpoint with dtype="auto" keeps its matrices in bf16 for pagedllm's kernels on
+    both CPUs (float32 activations, the C++ ops); quantization="none" is today's float path:
+    native bf16 where the CPU has it, else float32; an explicit dtype is vLLM's."""
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
+    assert config.quantization == "bf16" and config.dtype == torch.float32
+    assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
+    config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")
     want = torch.bfloat16 if cpu.info.native_bf16 else torch.float32
     assert config.quantization == "none" and config.dtype == want
     # bf16 runs the PyTorch ops and attention; float32 the C++ ones
     assert cpu.attention_backend(want) == ("torch" if want == torch.bfloat16 else "cpu")
     assert cpu.op_impl(want) == ("native" if want == torch.bfloat16 else "cpu")
+    for dtype in ("bfloat16", "float32"):
+        config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", dtype=dtype)
+        assert config.quantization == "none" and config.dtype == getattr(torch, dtype)
+    config = _config(smollm_hf_dir, checkpoint_dtype="float16")
+    assert config.quantization == "none"  # bf16 would round float16 values
 
 
 def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf, monkeypatch):
@@ -80,15 +91,19 @@ def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf,
 def test_an_hf_checkpoint_logs_its_weight_formats_cost(cpu, smollm_hf_dir, caplog):
     caplog.set_level("INFO", logger="pagedllm")
     _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
+    assert len(lines) == 1 and lines[0].startswith('weight format bf16x8 (quantization="bf16")')
+    assert 'instead int8 (quantization="int8"): weights' in lines[0]
+    caplog.clear()
+    _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")
     chosen = "bf16" if cpu.info.native_bf16 else "fp32"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
     assert len(lines) == 1 and lines[0].startswith(f"weight format {chosen} (")
-    assert 'instead int8 (quantization="int8"): weights' in lines[0]
     caplog.clear()
     _config(smollm_hf_dir, quantization="int8")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
     assert lines[0].startswith('weight format int8 (quantization="int8")')
-    assert 'instead bf16 (dtype="bfloat16", quantization="none")' in lines[0]
+    assert 'instead bf16x8 (quantization="bf16")' in lines[0]
 
 
 def test_int8_at_load_is_planned_as_its_blocks(cpu, smollm_hf_dir, monkeypatch):

@@ -21,6 +21,9 @@ def test_bytes_follow_the_block_formats(qwen_hf_dir):
     # made slice by slice at load, then regrouped for the kernels: the blocks twice
     assert costs["int8"].load_peak_bytes == 2 * costs["int8"].weight_bytes
     assert costs["bf16"].load_peak_bytes == costs["bf16"].weight_bytes
+    # bf16 regrouped for pagedllm's kernels: bf16's bytes, made at load like int8
+    assert costs["bf16x8"].weight_bytes == costs["bf16"].weight_bytes
+    assert costs["bf16x8"].load_peak_bytes == 2 * costs["bf16x8"].weight_bytes
     # an untied head: a decode step reads the head, not the embedding matrix
     layout = weight_layout(ckpt, 4)
     assert not layout.tied and costs["fp32"].step_bytes == layout.total - layout.embedding

@@ -219,6 +219,10 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
 // y_j = x @ W_j^T for x8 weights W_j sharing one input x [M, K], by the variant this process runs
 std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef qtypes, int64_t k) {
   TORCH_CHECK(ws.size() == qtypes.size() && !ws.empty(), "need one qtype per weight");
+  if (qtypes[0] == kBF16) {  // a float checkpoint's matrices (x8_bf16.cpp): all of one call are BF16
+    for (int64_t t : qtypes) TORCH_CHECK(t == kBF16, "BF16 x8 weights cannot share a call with ggml type ", t);
+    return pagedllm_bf16::linear_x8(x_in, ws, k);
+  }
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k && k % 32 == 0, "x must be [M, ", k, "]");
   for (size_t j = 0; j < ws.size(); ++j) check_packed(ws[j], qtypes[j], k);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();

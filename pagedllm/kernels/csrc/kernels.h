@@ -30,3 +30,7 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k);
 // ggml_x8.cpp
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k);
 }  // namespace pagedllm_ggml
+
+namespace pagedllm_bf16 {  // x8_bf16.cpp: y_j = x @ W_j^T for bf16 x8 weights (ggml type BF16), by the active variant
+std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k);
+}  // namespace pagedllm_bf16

@@ -1,0 +1,444 @@
+// bf16 weight matrices regrouped eight rows at a time, and their float32-activation matmuls:
+// ggml type BF16 (30) in the x8 family. ggml_linear_x8 and the decode stack dispatch a BF16
+// weight here (pagedllm_bf16::linear_x8), with the variant chosen once per process from the CPU's
+// features, or forced by PAGEDLLM_BF16_KERNEL / the set_bf16_kernel op; one this CPU cannot run
+// is an error naming the missing feature.
+//
+// Record of a quad q (4 values) of 8 rows, 64 bytes: byte 64q + 8r + 2v = bf16 w[r][4q + v].
+// As 16 dwords, dword 2r + j is the pair (w[r][4q + 2j], w[r][4q + 2j + 1]), which is what
+// vdpbf16ps multiplies by a broadcast 64-bit x quad: lane (r, j) accumulates
+//   acc += w_odd * x_odd; acc += w_even * x_even       (odd element first, as the SDM says)
+// and out[r] = lane (r, 0) + lane (r, 1). The FMA variants widen the same dwords (high half:
+// and 0xffff0000, low half: << 16) and do the same two steps with fmadd in the same order, so
+// the variants differ only in x: vdpbf16ps takes x rounded to bf16 (RNE, once per call) and
+// flushes denormals; the FMA variants keep x in float32.
+//
+//   variant      needs                         per quad and x row
+//   avx512bf16   avx512f avx512_bf16           1 vdpbf16ps zmm
+//   avx512f      avx512f                       2 widenings, 2 vfmadd zmm
+//   avx2         avx2 fma                      4 widenings, 4 vfmadd ymm (rows 0-3, 4-7); compiled
+//                                              for the build's -march=native (may be EVEX-encoded here)
+//   scalar       -                             the model of each of the above, std::fma
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int kRows = 8;
+constexpr int kMaxCols = 4;  // x rows sharing one pass over a weight group
+
+inline uint16_t bf16_rne(float f) {  // float -> bf16, round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float widen(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// x prepared once per call: bf16 rows (dp) or float32 rows with each quad as x0 x2 x1 x3 (FMA:
+// the low pair at 4q, the high pair at 4q + 2, each one 64-bit broadcast)
+struct XPrep {
+  std::vector<uint16_t> bf;
+  std::vector<float> perm;
+};
+
+using GroupFn = void (*)(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, int64_t cols,
+                         float* out, int64_t ldo);
+
+// --- scalar models ------------------------------------------------------------------------
+// x values as the variant sees them: bf16-rounded (dp model) or float32 (FMA model)
+template <bool kBf16X>
+void group_scalar(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, int64_t cols, float* out,
+                  int64_t ldo) {
+  for (int64_t c = c0; c < c0 + cols; ++c)
+    for (int r = 0; r < kRows; ++r) {
+      float acc[2] = {0.f, 0.f};
+      for (int64_t q = 0; q < nq; ++q)
+        for (int j = 0; j < 2; ++j) {
+          uint16_t w[2];
+          std::memcpy(w, rec + 64 * q + 8 * r + 4 * j, 4);
+          for (int e = 1; e >= 0; --e) {  // odd element first
+            const int64_t i = 4 * q + 2 * j + e;
+            const float xv = kBf16X ? widen(x.bf[c * k + i]) : x.perm[c * k + 4 * q + 2 * e + j];
+            acc[j] = std::fma(widen(w[e]), xv, acc[j]);
+          }
+        }
+      out[c * ldo + r] = acc[0] + acc[1];
+    }
+}
+
+inline void store_pairs(const float* lanes, float* out) {  // 16 lanes (r, j) -> 8 rows
+  for (int r = 0; r < kRows; ++r) out[r] = lanes[2 * r] + lanes[2 * r + 1];
+}
+
+// --- AVX-512 BF16 ------------------------------------------------------------------------
+template <int C>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_cols(const uint8_t* rec, int64_t nq,
+                                                                              const uint16_t* xb, int64_t k,
+                                                                              float* out, int64_t ldo) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < nq; ++q) {
+    const __m512i w = _mm512_loadu_si512(rec + 64 * q);
+    for (int c = 0; c < C; ++c) {
+      int64_t xq;
+      std::memcpy(&xq, xb + c * k + 4 * q, 8);
+      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)w, (__m512bh)_mm512_set1_epi64(xq));
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int c = 0; c < C; ++c) {
+    _mm512_store_ps(lanes, acc[c]);
+    store_pairs(lanes, out + c * ldo);
+  }
+}
+
+// --- AVX-512F FMA ------------------------------------------------------------------------
+template <int C>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void fma512_cols(const uint8_t* rec, int64_t nq,
+                                                                          const float* xp, int64_t k, float* out,
+                                                                          int64_t ldo) {
+  __m512 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t q = 0; q < nq; ++q) {
+    const __m512i w = _mm512_loadu_si512(rec + 64 * q);
+    const __m512 whi = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+    const __m512 wlo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    for (int c = 0; c < C; ++c) {
+      double lo, hi;
+      std::memcpy(&lo, xp + c * k + 4 * q, 8);
+      std::memcpy(&hi, xp + c * k + 4 * q + 2, 8);
+      acc[c] = _mm512_fmadd_ps(whi, _mm512_castpd_ps(_mm512_set1_pd(hi)), acc[c]);
+      acc[c] = _mm512_fmadd_ps(wlo, _mm512_castpd_ps(_mm512_set1_pd(lo)), acc[c]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int c = 0; c < C; ++c) {
+    _mm512_store_ps(lanes, acc[c]);
+    store_pairs(lanes, out + c * ldo);
+  }
+}
+
+// --- AVX2 FMA ----------------------------------------------------------------------------
+template <int C>
+__attribute__((target("avx2,fma"))) void fma256_cols(const uint8_t* rec, int64_t nq, const float* xp,
+                                                                 int64_t k, float* out, int64_t ldo) {
+  __m256 acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t q = 0; q < nq; ++q) {
+    __m256 whi[2], wlo[2];
+    for (int h = 0; h < 2; ++h) {  // rows 0-3, then rows 4-7
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64 * q + 32 * h));
+      whi[h] = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
+      wlo[h] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    for (int c = 0; c < C; ++c) {
+      double lo, hi;
+      std::memcpy(&lo, xp + c * k + 4 * q, 8);
+      std::memcpy(&hi, xp + c * k + 4 * q + 2, 8);
+      const __m256 xhi = _mm256_castpd_ps(_mm256_set1_pd(hi)), xlo = _mm256_castpd_ps(_mm256_set1_pd(lo));
+      for (int h = 0; h < 2; ++h) {
+        acc[c][h] = _mm256_fmadd_ps(whi[h], xhi, acc[c][h]);
+        acc[c][h] = _mm256_fmadd_ps(wlo[h], xlo, acc[c][h]);
+      }
+    }
+  }
+  alignas(32) float lanes[16];
+  for (int c = 0; c < C; ++c) {
+    _mm256_store_ps(lanes, acc[c][0]);
+    _mm256_store_ps(lanes + 8, acc[c][1]);
+    store_pairs(lanes, out + c * ldo);
+  }
+}
+
+// one group, x rows c0 .. c0 + cols (cols <= kMaxCols), by C-specialised kernels
+template <template <int> class K>
+void by_cols(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, int64_t cols, float* out,
+             int64_t ldo) {
+  switch (cols) {
+    case 4: K<4>::run(rec, nq, x, k, c0, out, ldo); break;
+    case 3: K<3>::run(rec, nq, x, k, c0, out, ldo); break;
+    case 2: K<2>::run(rec, nq, x, k, c0, out, ldo); break;
+    default: K<1>::run(rec, nq, x, k, c0, out, ldo);
+  }
+}
+
+template <int C>
+struct Dp {
+  static void run(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, float* out, int64_t ldo) {
+    dp_cols<C>(rec, nq, x.bf.data() + c0 * k, k, out + c0 * ldo, ldo);
+  }
+};
+template <int C>
+struct Fma512 {
+  static void run(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, float* out, int64_t ldo) {
+    fma512_cols<C>(rec, nq, x.perm.data() + c0 * k, k, out + c0 * ldo, ldo);
+  }
+};
+template <int C>
+struct Fma256 {
+  static void run(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, float* out, int64_t ldo) {
+    fma256_cols<C>(rec, nq, x.perm.data() + c0 * k, k, out + c0 * ldo, ldo);
+  }
+};
+
+struct Variant {
+  GroupFn fn;
+  bool bf16_x;  // x rounded to bf16 (else permuted float32)
+};
+
+// what a variant needs, as /proc/cpuinfo spells it ("" when it can run here)
+std::string missing_feature(const std::string& name) {
+  __builtin_cpu_init();
+  if (name == "avx512bf16") {
+    if (!__builtin_cpu_supports("avx512f")) return "avx512f";
+    if (!__builtin_cpu_supports("avx512bf16")) return "avx512_bf16";
+    return "";
+  }
+  if (name == "avx512f") return __builtin_cpu_supports("avx512f") ? "" : "avx512f";
+  if (name == "avx2") {
+    if (!__builtin_cpu_supports("avx2")) return "avx2";
+    return __builtin_cpu_supports("fma") ? "" : "fma";
+  }
+  return "";
+}
+
+// Best first; "auto" takes the first this CPU runs. "scalar" is the FMA model (float32 x), so a
+// CPU without AVX2 computes the same numbers as the avx2 and avx512f variants.
+const char* const kChoices[] = {"avx512bf16", "avx512f", "avx2", "scalar"};
+
+// name -> kernels; a variant this CPU cannot execute is an error naming the missing feature
+Variant variant_of(const std::string& name) {
+  const std::string lacks = missing_feature(name);
+  TORCH_CHECK(lacks.empty(), "variant '", name, "': this CPU lacks ", lacks);
+  if (name == "avx512bf16") return {by_cols<Dp>, true};
+  if (name == "avx512f") return {by_cols<Fma512>, false};
+  if (name == "avx2") return {by_cols<Fma256>, false};
+  if (name == "scalar_dp") return {group_scalar<true>, true};
+  if (name == "scalar_fma" || name == "scalar") return {group_scalar<false>, false};
+  TORCH_CHECK(false, "variant: unknown '", name, "' (one of: avx512bf16, avx512f, avx2, scalar, scalar_dp, scalar_fma)");
+}
+
+std::vector<std::string> runnable() {
+  std::vector<std::string> out;
+  for (const char* c : kChoices)
+    if (missing_feature(c).empty()) out.push_back(c);
+  return out;
+}
+
+struct Active {
+  std::string name, reason;
+  Variant v;
+};
+
+std::mutex g_mutex;
+Active* g_active = nullptr;  // set once (first use) and by set_bf16_kernel; guarded by g_mutex
+
+Active resolve(const std::string& name, const std::string& asked) {
+  if (name == "auto") {
+    for (const char* c : kChoices)
+      if (missing_feature(c).empty())
+        return {c, std::string(c) == "scalar" ? asked + ": the CPU lacks avx2 or fma" : asked + ": the CPU has " + c,
+                variant_of(c)};
+  }
+  bool known = false;
+  for (const char* c : kChoices) known = known || name == c;
+  std::string can;
+  for (const std::string& r : runnable()) can += (can.empty() ? "" : ", ") + r;
+  TORCH_CHECK(known, asked, ": unknown bf16 kernel variant '", name, "' (one of: auto, avx512bf16, avx512f, avx2, scalar)");
+  const std::string lacks = missing_feature(name);
+  TORCH_CHECK(lacks.empty(), asked, " asks for the ", name, " bf16 kernels, but this machine lacks ", lacks,
+              " (it can run: ", can, ")");
+  return {name, asked, variant_of(name)};
+}
+
+Active active() {  // a copy: a set_bf16_kernel meanwhile does not change a call in flight
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_active == nullptr) {  // first use: read the environment once
+    const char* env = std::getenv("PAGEDLLM_BF16_KERNEL");
+    const bool set = env != nullptr && *env;
+    g_active = new Active(resolve(set ? env : "auto", set ? std::string("PAGEDLLM_BF16_KERNEL=") + env : "auto"));
+  }
+  return *g_active;
+}
+
+std::tuple<std::string, std::string> bf16_kernel() {
+  const Active a = active();
+  return {a.name, a.reason};
+}
+
+std::vector<std::string> bf16_kernels() { return runnable(); }
+
+std::string set_bf16_kernel(const std::string& name) {
+  Active a = resolve(name, "set_bf16_kernel('" + name + "')");
+  active();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  *g_active = a;
+  return a.name;
+}
+
+void check_packed(const at::Tensor& wp, int64_t k) {
+  TORCH_CHECK(wp.device().is_cpu() && wp.scalar_type() == at::kByte && wp.dim() == 2 && wp.is_contiguous(),
+              "bf16 x8 weight must be a contiguous CPU uint8 tensor [rows / 8, 16 * k]");
+  TORCH_CHECK(k % 4 == 0 && wp.size(1) == 16 * k, "bf16 x8 row bytes ", wp.size(1), " do not match k=", k);
+}
+
+// bf16 [N, K] (N % 8 == 0, K % 4 == 0) -> the x8 records [N / 8, 16 K]
+at::Tensor bf16_pack_x8(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.size(0) % kRows == 0 && w_in.size(1) % 4 == 0,
+              "w must be [N, K] with N a multiple of 8 and K of 4");
+  const at::Tensor w = w_in.to(at::kBFloat16).contiguous();
+  const int64_t n = w.size(0), k = w.size(1), nq = k / 4;
+  at::Tensor out = at::empty({n / kRows, 16 * k}, w.options().dtype(at::kByte));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kRows, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t q = 0; q < nq; ++q)
+        for (int r = 0; r < kRows; ++r)
+          std::memcpy(dst + g * 16 * k + 64 * q + 8 * r, src + (kRows * g + r) * k + 4 * q, 8);
+  });
+  return out;
+}
+
+// From this many x rows on, chunks of W widened to float32 and a BLAS GEMM (prefill): the gemm
+// here does at most 4 rows a pass over W, where BLAS blocks for the cache.
+constexpr int64_t kDenseRows = 64;
+constexpr int64_t kDenseChunkValues = 2 * 1024 * 1024;  // 8 MiB of float32 per chunk
+
+// rows [g0 * 8, g1 * 8) of W in float32, [rows, k] (the exact values: bf16 widens exactly)
+at::Tensor widen_groups(const at::Tensor& wp, int64_t k, int64_t g0, int64_t g1) {
+  const at::Tensor bf = wp.narrow(0, g0, g1 - g0).view(at::kBFloat16).view({g1 - g0, k / 4, kRows, 4});
+  return bf.permute({0, 2, 1, 3}).reshape({(g1 - g0) * kRows, k}).to(at::kFloat);
+}
+
+// y_j = x [M, K] float32 @ W_j^T for bf16 x8 weights W_j sharing x, by variant v: x prepared once,
+// the 8-row groups of every matrix split over the threads together
+std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, int64_t k, const Variant& v) {
+  TORCH_CHECK(!ws.empty(), "need at least one weight");
+  for (const at::Tensor& w : ws) check_packed(w, k);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), nq = k / 4;
+  std::vector<at::Tensor> outs;
+  for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, x.options()));
+  if (m >= kDenseRows) {
+    for (size_t j = 0; j < ws.size(); ++j) {
+      const int64_t groups = ws[j].size(0), step = std::max<int64_t>(1, kDenseChunkValues / (kRows * k));
+      for (int64_t g0 = 0; g0 < groups; g0 += step) {
+        const int64_t g1 = std::min(groups, g0 + step);
+        outs[j].narrow(1, g0 * kRows, (g1 - g0) * kRows).copy_(at::mm(x, widen_groups(ws[j], k, g0, g1).t()));
+      }
+    }
+    return outs;
+  }
+  XPrep prep;
+  const float* xp = x.data_ptr<float>();
+  if (v.bf16_x) {
+    prep.bf.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) prep.bf[i] = bf16_rne(xp[i]);
+  } else {
+    prep.perm.resize(m * k);
+    static const int kPerm[4] = {0, 2, 1, 3};
+    for (int64_t i = 0; i < m * k; i += 4)
+      for (int e = 0; e < 4; ++e) prep.perm[i + e] = xp[i + kPerm[e]];
+  }
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (weight, group)
+  for (size_t j = 0; j < ws.size(); ++j)
+    for (int64_t g = 0; g < ws[j].size(0); ++g) tasks.emplace_back(j, g);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [j, g] = tasks[t];
+      const int64_t n = ws[j].size(0) * kRows;
+      const uint8_t* rec = ws[j].data_ptr<uint8_t>() + g * 16 * k;
+      float* op = outs[j].data_ptr<float>() + g * kRows;
+      for (int64_t c = 0; c < m; c += kMaxCols) v.fn(rec, nq, prep, k, c, std::min<int64_t>(kMaxCols, m - c), op, n);
+    }
+  });
+  return outs;
+}
+
+// x [M, K] float32 @ W^T -> [M, N] float32 by the named variant (tests and benchmarks)
+at::Tensor bf16_linear_x8(const at::Tensor& x_in, const at::Tensor& wp, int64_t k, const std::string& variant) {
+  return linear_with(x_in, {wp}, k, variant_of(variant))[0];
+}
+
+// bf16 x8 [N / 8, 16 K] -> bf16 [N, K] (the checkpoint's layout back)
+at::Tensor bf16_unpack_x8(const at::Tensor& wp, int64_t k) {
+  check_packed(wp, k);
+  return wp.view(at::kBFloat16).view({wp.size(0), k / 4, kRows, 4}).permute({0, 2, 1, 3}).reshape({wp.size(0) * kRows, k});
+}
+
+// float32 [T, k]: rows ids[t] of a bf16 x8 matrix (an embedding lookup)
+at::Tensor bf16_embed_x8(const at::Tensor& wp, const at::Tensor& ids_in, int64_t k) {
+  check_packed(wp, k);
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous().view(-1);
+  const int64_t rows = wp.size(0) * kRows, t = ids.numel(), nq = k / 4;
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < rows, "token id ", idp[i], " is outside the embedding's ", rows, " rows");
+  at::Tensor out = at::empty({t, k}, wp.options().dtype(at::kFloat));
+  const uint8_t* src = wp.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* rec = src + (idp[i] / kRows) * 16 * k + 8 * (idp[i] % kRows);
+      for (int64_t q = 0; q < nq; ++q)
+        for (int v = 0; v < 4; ++v) {
+          uint16_t h;
+          std::memcpy(&h, rec + 64 * q + 2 * v, 2);
+          dst[i * k + 4 * q + v] = widen(h);
+        }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> pagedllm_bf16::linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k) {
+  const Variant v = active().v;  // one variant for the whole call
+  return linear_with(x, ws, k, v);
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("bf16_pack_x8(Tensor w) -> Tensor");
+  m.def("bf16_unpack_x8(Tensor w, int k) -> Tensor");
+  m.def("bf16_embed_x8(Tensor w, Tensor ids, int k) -> Tensor");
+  m.def("bf16_linear_x8(Tensor x, Tensor w, int k, str variant) -> Tensor");
+  // the variant BF16 weights run in ggml_linear_x8 and the decode stack, and why; the variants
+  // this CPU runs, best first; force one
+  m.def("bf16_kernel() -> (str, str)", &bf16_kernel);
+  m.def("bf16_kernels() -> str[]", &bf16_kernels);
+  m.def("set_bf16_kernel(str name) -> str", &set_bf16_kernel);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("bf16_pack_x8", &bf16_pack_x8);
+  m.impl("bf16_unpack_x8", &bf16_unpack_x8);
+  m.impl("bf16_embed_x8", &bf16_embed_x8);
+  m.impl("bf16_linear_x8", &bf16_linear_x8);
+}

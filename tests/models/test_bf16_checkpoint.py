@@ -1,0 +1,160 @@
+"""A bf16 HF checkpoint on the CPU (quantization="bf16", its default with dtype="auto"): every
+matrix kept in bf16 in the x8 layout (csrc/x8_bf16.cpp), computed in float32, through the
+captured C++ decode step; against transformers in float32 on the very bf16 values, and against
+today's path (quantization="none": the weights upcast to float32), on tiny random Qwen2 (q/k/v
+biases, tied head) and Llama (untied head) models."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from e2e.helpers import last_logits, model_runner
+from pagedllm import LLM
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.kernels import bf16_kernel, kernels_available
+from pagedllm.platforms.cpu import CpuPlatform
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.memory.weight_layout import planned_weight_layout
+from pagedllm.layers.ggml_linear import BF16, GGMLEmbedding, GGMLLinear, GGMLMergedLinear
+from tiny_models import (VOCAB, check_captured_equals_loop, greedy_tokens, hf_reference,
+                         max_logit_error, prompts, random_init, save_hf_dir)
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="CPU kernels unavailable")
+
+OPTS = dict(max_model_len=256, max_num_batched_tokens=64, block_size=16)
+
+
+def _tiny(kind: str):
+    if kind == "qwen2":
+        cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, tie_word_embeddings=True)
+        return Qwen2ForCausalLM(cfg)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def bf16_ckpt(request, tmp_path_factory):
+    """(HF dir saved in bf16, transformers' float32 reference on those bf16 values, prompts)."""
+    model = _tiny(request.param).eval()
+    random_init(model, seed=3, scale=0.2)
+    with torch.no_grad():  # the parameters only: model.to(bfloat16) would round RoPE's buffer too
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    saved = copy.deepcopy(model).to(torch.bfloat16)
+    hf_dir = save_hf_dir(saved, tmp_path_factory.mktemp(f"bf16-{request.param}") / "hf")
+    token_prompts = prompts((5, 23, 40), seed=2)
+    return hf_dir, hf_reference(model, token_prompts, num_tokens=16), token_prompts
+
+
+@pytest.fixture(scope="module")
+def auto_llm(bf16_ckpt):
+    """The bf16 matrices asked for: dtype="auto"'s choice on a CPU without native bf16, and
+    the same path on one with it (test_the_default_depends_on_native_bf16)."""
+    return LLM(model=str(bf16_ckpt[0]), quantization="bf16", **OPTS)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_default_depends_on_native_bf16(bf16_ckpt, monkeypatch, native):
+    """dtype="auto" on a bf16 checkpoint: the bf16 matrices where the CPU has no native bf16
+    (the alternative is the float32 upcast), torch's bf16 where it has (forced both ways, so
+    every machine tests both)."""
+    from pagedllm.engine import config_builder
+
+    monkeypatch.setattr(config_builder, "cpu_has_native_bf16", lambda: native)
+    ckpt = resolve_checkpoint(str(bf16_ckpt[0]))
+    chosen = config_builder.resolve_quantization(EngineArgs(str(bf16_ckpt[0])), ckpt,
+                                                 CpuPlatform(), build_kernels=False)
+    assert chosen == ("none" if native else "bf16")
+
+
+def test_auto_keeps_bf16_matrices_and_runs_the_captured_step(bf16_ckpt, auto_llm):
+    config = auto_llm.llm_engine.config
+    assert (config.quantization, config.dtype) == ("bf16", torch.float32)
+    runner = model_runner(auto_llm)
+    assert runner.captured_decode is not None, runner.decode_path
+    mats = [m for m in runner.model.modules()
+            if isinstance(m, (GGMLLinear, GGMLEmbedding, GGMLMergedLinear))]
+    assert mats and all(m.packed for m in mats)
+    assert {t for m in mats for t in getattr(m, "qtypes", (getattr(m, "qtype", None),))} == {BF16}
+    assert not any(isinstance(m, torch.nn.Linear) for m in runner.model.modules())
+    # half of float32: every matrix at 2 bytes a value (norms and biases stay float32)
+    with safe_open(str(bf16_ckpt[0] / "model.safetensors"), framework="pt") as f:
+        values = sum(f.get_slice(n).get_shape()[0] * max(1, (f.get_slice(n).get_shape() + [1])[1])
+                     for n in f.keys())
+    held = sum(p.nbytes for p in runner.model.parameters())  # a tied head's weight counted once
+    assert held < 0.52 * 4 * values
+    # the planner counts exactly what the model holds (matrices at 2 bytes, the rest at 4)
+    ckpt = resolve_checkpoint(str(bf16_ckpt[0]))
+    assert planned_weight_layout(ckpt, frozenset(), "bf16", 4).total == held
+
+
+def test_matches_transformers_on_the_bf16_values(bf16_ckpt, auto_llm):
+    _, ref, _ = bf16_ckpt
+    assert greedy_tokens(auto_llm, ref.prompts, 16) == ref.tokens
+    assert max_logit_error(auto_llm, ref) <= 1e-4
+
+
+def test_captured_step_equals_the_layer_loop(bf16_ckpt, auto_llm):
+    check_captured_equals_loop(auto_llm, bf16_ckpt[2])
+
+
+def test_same_tokens_as_todays_float32_path(bf16_ckpt, auto_llm):
+    """quantization="none" forces the other way (float32 upcast, PyTorch matmuls)."""
+    upcast = LLM(model=str(bf16_ckpt[0]), quantization="none", **OPTS)
+    assert upcast.llm_engine.config.quantization == "none"
+    assert greedy_tokens(upcast, bf16_ckpt[2], 16) == greedy_tokens(auto_llm, bf16_ckpt[2], 16)
+
+
+def test_each_fma_variant_gives_the_same_bits(bf16_ckpt, auto_llm):
+    """The float32-x variants this CPU runs (avx512f, avx2, scalar) are one summation order:
+    forced in turn, the engine's logits are bit for bit the same."""
+    ids = bf16_ckpt[2][1]
+    chosen = bf16_kernel().name
+    fma = [v for v in bf16_kernel().runnable if v != "avx512bf16"]
+    try:
+        logits = {}
+        for v in fma:
+            torch.ops.pagedllm.set_bf16_kernel(v)
+            logits[v] = last_logits(auto_llm, ids)
+    finally:
+        torch.ops.pagedllm.set_bf16_kernel(chosen)
+    assert "scalar" in logits and len(logits) >= 2
+    assert all(torch.equal(t, logits["scalar"]) for t in logits.values())
+
+
+def test_an_explicit_dtype_keeps_vllms_behaviour(bf16_ckpt):
+    fp32 = LLM(model=str(bf16_ckpt[0]), dtype="float32", **OPTS)
+    assert (fp32.llm_engine.config.quantization, fp32.llm_engine.config.dtype) == (
+        "none", torch.float32)
+    bf16 = LLM(model=str(bf16_ckpt[0]), dtype="bfloat16", **OPTS)
+    assert (bf16.llm_engine.config.quantization, bf16.llm_engine.config.dtype) == (
+        "none", torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype='bfloat16' with quantization='bf16'"):
+        LLM(model=str(bf16_ckpt[0]), dtype="bfloat16", quantization="bf16", **OPTS)
+
+
+def test_a_float32_checkpoint_stays_float32(tmp_path):
+    """dtype="auto" on a float32 checkpoint never rounds it to bf16; quantization="bf16"
+    does, when asked for."""
+    model = _tiny("qwen2").eval()
+    random_init(model, seed=4, scale=0.2)
+    hf_dir = save_hf_dir(model, tmp_path / "hf")
+    llm = LLM(model=str(hf_dir), **OPTS)
+    assert (llm.llm_engine.config.quantization, llm.llm_engine.config.dtype) == (
+        "none", torch.float32)
+    asked = LLM(model=str(hf_dir), quantization="bf16", **OPTS)
+    assert asked.llm_engine.config.quantization == "bf16"
+    with torch.no_grad():  # the matrices are rounded; norms and biases stay float32
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(p.to(torch.bfloat16).float())
+    ref = hf_reference(model, prompts((9,), seed=5), num_tokens=4)
+    assert max_logit_error(asked, ref) <= 1e-4

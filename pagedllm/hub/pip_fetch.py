@@ -11,7 +11,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from pagedllm.loader.model_catalog import WheelPart
+from pagedllm.hub.model_catalog import WheelPart
 
 _PIP_TAIL_LINES = 15
 

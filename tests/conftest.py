@@ -47,8 +47,8 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.loader.hf_tokenizer import to_transformers
-    from pagedllm.loader.tokenizer import load_tokenizer
+    from pagedllm.tokenizer.hf_tokenizer import to_transformers
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True)

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.structured_output",),
     ("pagedllm.core",),
     ("pagedllm.loader",),
+    ("pagedllm.tokenizer",),  # tokenizers and chat templates: read GGUF metadata
     ("pagedllm.hub",),  # the model store and the Hub: build tokenizers, read headers
     ("pagedllm.memory",),  # planning on metadata: below the workers, executors and engine
     ("pagedllm.sample",),

@@ -186,8 +186,8 @@ def ensure_gguf(name: str = DEFAULT_MODEL, verify: bool = False) -> pathlib.Path
 def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
     """Export HF tokenizer files from the GGUF's metadata into model_dir; return their names."""
     # transformers takes seconds to import: only when a tokenizer is exported
-    from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
-    from pagedllm.loader.tokenizer_files import save_tokenizer_files
+    from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+    from pagedllm.tokenizer.tokenizer_files import save_tokenizer_files
 
     tmp = pathlib.Path(tempfile.mkdtemp(dir=_tmp_root(), prefix=f"{spec.name}-tok-"))
     try:

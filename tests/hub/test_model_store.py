@@ -238,10 +238,10 @@ def test_default_qwen_model_in_real_cache(monkeypatch):
 def test_tokenizer_export_is_built_from_gguf_metadata(tmp_path, monkeypatch):
     """The export uses the metadata builder (never transformers' GGUF reader) and writes files
     that load back to the same tokenizer."""
-    from pagedllm.loader import gguf_tokenizer
-    from pagedllm.loader.gguf_tokenizer import build_tokenizer
+    from pagedllm.tokenizer import gguf_tokenizer
+    from pagedllm.tokenizer.gguf_tokenizer import build_tokenizer
     from pagedllm.loader.gguf_vocab import read_gguf_vocab
-    from pagedllm.loader.tokenizer_files import load_tokenizer_files
+    from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files
 
     spec = ms.model_spec(SMOL)
     gguf_path = ms.ensure_gguf(SMOL)  # the real cache, before pointing the store elsewhere

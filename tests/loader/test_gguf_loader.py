@@ -23,7 +23,7 @@ from pagedllm.loader.gguf_loader import (arch_from_gguf, hf_name, iter_gguf_weig
                                         load_gguf_weights)
 from pagedllm.loader.hf_config import arch_from_hf_config
 from pagedllm.hub.model_store import ensure_model
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 MODELS = ("qwen", "smollm")
 # Fields where GGUF metadata and transformers' config.json must agree (dtype differs by design).
@@ -235,7 +235,7 @@ def test_exported_tokenizer_loads_fast_as_autotokenizer_does(name):
     Qwen2Tokenizer adds an NFC normalizer the export does not have)."""
     from transformers import AutoTokenizer
 
-    from pagedllm.loader.fast_tokenizer import FastTokenizer
+    from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
 
     model_dir = ensure_model(name)
     fast, auto = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

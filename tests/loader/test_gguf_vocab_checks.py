@@ -16,9 +16,9 @@ import pytest
 from hostile_gguf import BOS, EOS, TOKENS, write_gguf
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf_tokenizer import build_tokenizer
+from pagedllm.tokenizer.gguf_tokenizer import build_tokenizer
 from pagedllm.loader.gguf_vocab import read_gguf_vocab
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 T = "tokenizer.ggml."
 EXTRA = 1_000_000  # hostile tokens: read as strings, ~90 MB
@@ -46,7 +46,7 @@ import json, sys, time
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_vocab import read_gguf_vocab
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 def status(key):
     with open("/proc/self/status") as fh:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm.loader.checkpoint import generation_config, load_weights, resolve_checkpoint
 from pagedllm.loader.hf_config import arch_from_hf_config
 from pagedllm.loader.safetensors_loader import INDEX_FILE, load_safetensors_weights
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32,

@@ -14,16 +14,16 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.tokenization_utils_base import generate_merges
 
-from pagedllm.loader import gguf_tokenizer_cache
+from pagedllm.tokenizer import gguf_tokenizer_cache
 from pagedllm.loader.errors import NotBuildable
-from pagedllm.loader.fast_tokenizer import FastTokenizer
-from pagedllm.loader.gguf_spm import build_spm_tokenizer, derive_merges, derive_merges_by_position
-from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.gguf_spm import build_spm_tokenizer, derive_merges, derive_merges_by_position
+from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pagedllm.loader.gguf_vocab import read_gguf_vocab
-from pagedllm.loader.hf_tokenizer import wrap_transformers
-from pagedllm.loader.known_templates import with_known_template
-from pagedllm.loader.tokenizer import load_tokenizer
-from pagedllm.loader.tokenizer_files import load_tokenizer_files, save_tokenizer_files
+from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
+from pagedllm.tokenizer.known_templates import with_known_template
+from pagedllm.tokenizer.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files, save_tokenizer_files
 
 TEXTS = [
     "Hello world",

@@ -18,11 +18,11 @@ import jinja2.exceptions
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pagedllm.engine.chat_messages import render_chat, template_messages
-from pagedllm.loader.fast_tokenizer import FastTokenizer
-from pagedllm.loader.hf_tokenizer import to_transformers, wrap_transformers
+from pagedllm.tokenizer.chat_messages import render_chat, template_messages
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.hf_tokenizer import to_transformers, wrap_transformers
 from pagedllm.hub.model_store import ensure_model
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",

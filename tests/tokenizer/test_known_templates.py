@@ -6,12 +6,12 @@ import jinja2.exceptions
 import pytest
 
 from pagedllm.engine.llm_engine import _eos_ids
-from pagedllm.loader.chat_template import render_chat_template
+from pagedllm.tokenizer.chat_template import render_chat_template
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.known_templates import (CHATML_TEMPLATE, GEMMA_TEMPLATE, KNOWN_TEMPLATES,
+from pagedllm.tokenizer.known_templates import (CHATML_TEMPLATE, GEMMA_TEMPLATE, KNOWN_TEMPLATES,
                                              LLAMA3_TEMPLATE, END_OF_TURN_TOKENS,
                                              end_of_turn_ids, known_template)
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 CHAT = [{"role": "system", "content": " Be brief. "},
         {"role": "user", "content": "Hi"},

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pagedllm.loader.fast_tokenizer import FastTokenizer
-from pagedllm.loader.gguf_tokenizer_cache import cached_gguf_tokenizer
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.gguf_tokenizer_cache import cached_gguf_tokenizer
 from pagedllm.loader.gguf_vocab_checks import check_token_count
-from pagedllm.loader.hf_tokenizer import wrap_transformers
-from pagedllm.loader.known_templates import with_known_template
-from pagedllm.loader.tokenizer_files import load_tokenizer_files
+from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
+from pagedllm.tokenizer.known_templates import with_known_template
+from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files
 from pagedllm.paths import TOKENIZER_MARKER
 
 

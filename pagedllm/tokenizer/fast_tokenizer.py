@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from tokenizers import AddedToken, Tokenizer, processors
 
-from pagedllm.loader.chat_template import render_chat_template
+from pagedllm.tokenizer.chat_template import render_chat_template
 
 # transformers' named special tokens, in its order (SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",

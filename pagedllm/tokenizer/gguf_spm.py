@@ -19,7 +19,7 @@ from typing import Optional
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from pagedllm.loader.errors import NotBuildable, building_tokenizer
-from pagedllm.loader.fast_tokenizer import SPECIAL_TOKEN_NAMES, FastTokenizer, TokenizerSpec
+from pagedllm.tokenizer.fast_tokenizer import SPECIAL_TOKEN_NAMES, FastTokenizer, TokenizerSpec
 from pagedllm.loader.gguf_vocab import GGUFVocab
 
 SPACE = "\u2581"  # SentencePiece's visible space

@@ -7,7 +7,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from pagedllm.loader.fast_tokenizer import FastTokenizer, TokenizerSpec
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer, TokenizerSpec
 
 # methods whose override in a transformers tokenizer class changes ids or text beyond what its
 # Rust tokenizer does (CodeLlama's infilling, CodeGen's truncation patterns)

@@ -21,10 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from pagedllm.loader.fast_tokenizer import FastTokenizer
-from pagedllm.loader.gguf_tokenizer import tokenizer_from_gguf
-from pagedllm.loader.hf_tokenizer import wrap_transformers
-from pagedllm.loader.tokenizer_files import load_tokenizer_files, save_tokenizer_files
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
+from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files, save_tokenizer_files
 from pagedllm.paths import cache_dir
 
 logger = logging.getLogger("pagedllm")

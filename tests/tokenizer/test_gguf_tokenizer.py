@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.loader import gguf_tokenizer_cache
+from pagedllm.tokenizer import gguf_tokenizer_cache
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf_header import gguf_header
-from pagedllm.loader.gguf_tokenizer import NotBuildable, build_tokenizer, tokenizer_from_gguf
-from pagedllm.loader.gguf_tokenizer_cache import SOURCE_MARKER, cache_folder, cached_gguf_tokenizer
+from pagedllm.tokenizer.gguf_tokenizer import NotBuildable, build_tokenizer, tokenizer_from_gguf
+from pagedllm.tokenizer.gguf_tokenizer_cache import SOURCE_MARKER, cache_folder, cached_gguf_tokenizer
 from pagedllm.loader.gguf_vocab import GGUFVocab, read_gguf_vocab
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -275,7 +275,7 @@ def test_special_token_id_outside_the_vocabulary_is_refused_by_name(tmp_path):
 
 def test_sentencepiece_is_built_here_and_kept(tmp_path, monkeypatch, caplog):
     """A llama-arch SentencePiece file: built by gguf_spm (no transformers, no fallback line);
-    tests/loader/test_gguf_spm.py checks it against transformers."""
+    tests/tokenizer/test_gguf_spm.py checks it against transformers."""
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     path = _sentencepiece_gguf(tmp_path / "spm.gguf")
     with caplog.at_level(logging.INFO, logger="pagedllm"):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from pagedllm.loader.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
 
 logger = logging.getLogger("pagedllm")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from pagedllm.loader.fast_tokenizer import (NO_MAX_LENGTH, SPECIAL_TOKEN_NAMES, FastTokenizer,
+from pagedllm.tokenizer.fast_tokenizer import (NO_MAX_LENGTH, SPECIAL_TOKEN_NAMES, FastTokenizer,
                                             TokenizerSpec)
 
 _CONFIG = "tokenizer_config.json"

@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedllm.loader import gguf_header as gguf_header_module
+from pagedllm.loader.gguf import gguf_header as gguf_header_module
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf_arch import arch_from_header
-from pagedllm.loader.gguf_header import gguf_header, parse_gguf_file, read_gguf_header
+from pagedllm.loader.gguf.gguf_arch import arch_from_header
+from pagedllm.loader.gguf.gguf_header import gguf_header, parse_gguf_file, read_gguf_header
 
 CASES = 400
 SEED = 13

@@ -17,7 +17,7 @@ from hostile_gguf import BOS, EOS, TOKENS, write_gguf
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.tokenizer.gguf_tokenizer import build_tokenizer
-from pagedllm.loader.gguf_vocab import read_gguf_vocab
+from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 T = "tokenizer.ggml."
@@ -45,7 +45,7 @@ _MEASURE = """
 import json, sys, time
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf_vocab import read_gguf_vocab
+from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 def status(key):
@@ -79,7 +79,7 @@ def test_a_token_list_far_larger_than_the_embedding_is_refused_from_the_header(w
     far more, so the bound would catch a refusal that came after reading them."""
     path = write("huge", {}, extra_tokens=EXTRA)
     run = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], capture_output=True,
-                         text=True, timeout=300, cwd=Path(__file__).parents[2])  # this pagedllm
+                         text=True, timeout=300, cwd=Path(__file__).parents[3])  # this pagedllm
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.splitlines()[-1])
     print(json.dumps(out, indent=1))

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from gguf import GGML_QUANT_SIZES
 
 from pagedllm.distributed.tensor_parallel import Shard
-from pagedllm.loader.gguf_header import GGUFTensorInfo
+from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
 
 
 class Columns(NamedTuple):

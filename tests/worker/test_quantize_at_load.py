@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.layers.quantization import quantize_q4_1, quantize_q8_0
-from pagedllm.loader import safetensors_loader
+from pagedllm.loader.hf import safetensors_loader
 from pagedllm.loader.row_encoding import EncodedRows
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
-from pagedllm.loader.encoder_arch import encoder_from_hf
+from pagedllm.loader.hf.encoder_arch import encoder_from_hf
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
 from pagedllm.loader.window_layers import full_attention_layers

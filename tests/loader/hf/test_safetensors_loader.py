@@ -10,8 +10,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pagedllm.loader.checkpoint import generation_config, load_weights, resolve_checkpoint
-from pagedllm.loader.hf_config import arch_from_hf_config
-from pagedllm.loader.safetensors_loader import INDEX_FILE, load_safetensors_weights
+from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.safetensors_loader import INDEX_FILE, load_safetensors_weights
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 LLAMA_CONFIG = {
@@ -77,7 +77,7 @@ def test_tied_lm_head_skipped_or_filled_and_inv_freq_ignored(tmp_path):
 
 
 def test_big_tensor_copied_in_chunks(tmp_path, monkeypatch):
-    import pagedllm.loader.safetensors_loader as loader
+    import pagedllm.loader.hf.safetensors_loader as loader
 
     monkeypatch.setattr(loader, "CHUNK_ELEMENTS", 40)  # 5 rows of 8 per slice
     embed = torch.randn(32, 8)
@@ -87,7 +87,7 @@ def test_big_tensor_copied_in_chunks(tmp_path, monkeypatch):
 
 
 def test_fused_tensors_split_into_the_shards_in_chunks(tmp_path, monkeypatch):
-    import pagedllm.loader.safetensors_loader as loader
+    import pagedllm.loader.hf.safetensors_loader as loader
 
     monkeypatch.setattr(loader, "CHUNK_ELEMENTS", 40)  # 5 rows of 8 per slice
     qkv = torch.randn(24, 8)  # Phi-3's fused q (12 rows), k (6), v (6)

@@ -14,7 +14,7 @@ PACKAGE_DIR = Path(pagedllm.__file__).parent
 # llm/eval (layer 12) are siblings over the engine (eval may drive an LLM).
 LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.pooling_params",
-     "pagedllm.outputs", "pagedllm.paths",
+     "pagedllm.outputs", "pagedllm.paths", "pagedllm.shard",
      "pagedllm.version", "pagedllm.logger"),
     ("pagedllm.kernels",),
     ("pagedllm.platforms",),

@@ -16,7 +16,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf.gguf_arch import arch_from_header
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
@@ -26,6 +25,7 @@ from pagedllm.loader.gguf.gguf_shards import Columns, shard_piece
 from pagedllm.loader.gguf.gguf_vocab_checks import check_vocab_header
 from pagedllm.loader.gguf.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.progress import load_progress
+from pagedllm.shard import Shard
 
 # Dequantize at most this many float32 elements at a time (32 MiB).
 CHUNK_ELEMENTS = 8 * 1024 * 1024

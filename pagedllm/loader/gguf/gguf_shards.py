@@ -13,8 +13,8 @@ from typing import NamedTuple, Optional
 
 from gguf import GGML_QUANT_SIZES
 
-from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
+from pagedllm.shard import Shard
 
 
 class Columns(NamedTuple):

@@ -8,10 +8,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import ModelFileError, read_json_object
 from pagedllm.loader.fused import RowSlice, split_fused
 from pagedllm.loader.progress import load_progress
+from pagedllm.shard import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

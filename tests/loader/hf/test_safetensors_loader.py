@@ -106,7 +106,7 @@ def test_fused_tensors_split_into_the_shards_in_chunks(tmp_path, monkeypatch):
 def test_a_tensor_parallel_rank_reads_its_rows_of_each_fused_shard(tmp_path):
     """Rank 1 of 2: q rows [6, 12), k rows [15, 18), v rows [21, 24) of the fused qkv_proj (in
     chunks); a shard split along its columns is refused with the fused tensor named."""
-    from pagedllm.distributed.tensor_parallel import Shard
+    from pagedllm.shard import Shard
 
     qkv = torch.randn(24, 8)
     src = _write_tiny(tmp_path, {"model.layers.0.self_attn.qkv_proj.weight": qkv})

@@ -188,7 +188,7 @@ def main() -> None:
     figures, machine = Figures(), None
     gguf = args.gguf
     if args.llama_bench and gguf is None:
-        from pagedllm.loader.model_store import ensure_gguf
+        from pagedllm.hub.model_store import ensure_gguf
 
         gguf = str(ensure_gguf(args.model))
     for _ in range(args.repeats):  # engines alternate, so a busy spell hits each alike

@@ -28,7 +28,7 @@ def model_path(model: str = "qwen2.5-coder-0.5b-instruct") -> str:
     """The local path of a model: a shipped model's name (fetched once into the cache, then
     its folder: GGUF plus tokenizer files, which AutoTokenizer.from_pretrained reads), or an
     existing local path as it is. ValueError naming `model` otherwise."""
-    from pagedllm.loader.model_store import resolve_model
+    from pagedllm.hub.model_store import resolve_model
 
     return resolve_model(model)
 

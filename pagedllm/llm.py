@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.loader.hf_tokenizer import to_transformers
+from pagedllm.tokenizer.hf_tokenizer import to_transformers
 from pagedllm.logger import configure_logging
 from pagedllm.engine.scoring import as_texts, cosine, pair_requests, pair_up
 from pagedllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,

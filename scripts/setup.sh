@@ -116,7 +116,7 @@ main() {
 
   if [ "$MODELS" = --all ]; then log "fetching every shipped model into the cache"
   else log "fetching ${MODELS:-the default model} into the cache"; fi
-  "$PY" -m pagedllm.loader.model_store $MODELS >&2
+  "$PY" -m pagedllm.hub.model_store $MODELS >&2
   log "done"
 }
 

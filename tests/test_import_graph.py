@@ -14,7 +14,7 @@ PACKAGE_DIR = Path(pagedllm.__file__).parent
 # llm/eval (layer 12) are siblings over the engine (eval may drive an LLM).
 LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.pooling_params",
-     "pagedllm.outputs", "pagedllm.paths",
+     "pagedllm.outputs", "pagedllm.paths", "pagedllm.shard",
      "pagedllm.version", "pagedllm.logger"),
     ("pagedllm.kernels",),
     ("pagedllm.platforms",),
@@ -22,6 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.structured_output",),
     ("pagedllm.core",),
     ("pagedllm.loader",),
+    ("pagedllm.tokenizer",),  # tokenizers and chat templates: read GGUF metadata
+    ("pagedllm.hub",),  # the model store and the Hub: build tokenizers, read headers
     ("pagedllm.memory",),  # planning on metadata: below the workers, executors and engine
     ("pagedllm.sample",),
     ("pagedllm.attention",),
@@ -206,3 +208,32 @@ def test_config_builder_and_doctor_import_no_worker_or_executor():
     assert all(p in graph for p in PLANNERS), "a planner module moved: update PLANNERS"
     bad = planners_reaching_workers(graph)
     assert not bad, "the planners import workers or executors:\n" + "\n".join(bad)
+
+
+# Loading a checkpoint needs no distributed/ (a rank's part of a tensor is pagedllm.shard), and
+# the two formats' readers are independent: what GGUF and Hugging Face files share is loader/'s.
+APART: tuple[tuple[str, str], ...] = (
+    ("pagedllm.loader", "pagedllm.distributed"), ("pagedllm.tokenizer", "pagedllm.distributed"),
+    ("pagedllm.hub", "pagedllm.distributed"), ("pagedllm.loader.gguf", "pagedllm.loader.hf"),
+    ("pagedllm.loader.hf", "pagedllm.loader.gguf"))
+
+
+def imports_across(graph: Graph, pairs: tuple[tuple[str, str], ...] = APART) -> list[str]:
+    """'importer -> imported' for each module under a pair's first package importing one
+    under its second."""
+    def under(m: str, p: str) -> bool:
+        return m == p or m.startswith(p + ".")
+    return [f"{a} -> {b}" for src, dst in pairs for a in sorted(graph) if under(a, src)
+            for b in sorted(graph[a]) if under(b, dst)]
+
+
+def test_loaders_import_no_distributed_and_the_formats_stay_apart():
+    graph = build_graph(PACKAGE_DIR)
+    assert imports_across({"pagedllm.loader.hf.x": {"pagedllm.loader.gguf.y", "pagedllm.shard"},
+                           "pagedllm.loader.z": {"pagedllm.distributed.tensor_parallel"}}) == [
+        "pagedllm.loader.z -> pagedllm.distributed.tensor_parallel",
+        "pagedllm.loader.hf.x -> pagedllm.loader.gguf.y"]
+    assert all(p in graph for p in ("pagedllm.loader.gguf", "pagedllm.loader.hf",
+                                    "pagedllm.tokenizer", "pagedllm.hub")), "a package moved"
+    bad = imports_across(graph)
+    assert not bad, "imports across packages kept apart:\n" + "\n".join(bad)

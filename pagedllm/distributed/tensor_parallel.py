@@ -22,22 +22,7 @@ import torch.distributed as dist
 
 from pagedllm.distributed.comm_stats import TP_COMM_STATS
 from pagedllm.distributed.parallel_groups import tp_group
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A rank's part of one checkpoint tensor: `size` of its `full` entries along `axis`, from
-    `start` (axis 0: output rows; axis 1: the reduction axis, in every row)."""
-
-    axis: int
-    start: int
-    size: int
-    full: int
-
-    @property
-    def stop(self) -> int:
-        """One past the last entry held."""
-        return self.start + self.size
+from pagedllm.shard import Shard  # noqa: F401 - re-exported for the models' TP plans
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Optional, Union
 
 from pagedllm.config import ModelArchConfig, StructuredOutputsConfig
 from pagedllm.core.request import Request
-from pagedllm.engine.chat_messages import render_chat
+from pagedllm.tokenizer.chat_messages import render_chat
 from pagedllm.pooling_params import PoolingParams, check_pooling_params, check_pooling_task
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
@@ -156,7 +156,7 @@ class InputProcessor:
         return ReasoningGate(state, PhaseTracker(self.reasoning, phase))
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-        """Token ids of a conversation through the chat template (engine/chat_messages.py's
+        """Token ids of a conversation through the chat template (tokenizer/chat_messages.py's
         render_chat options: chat_template, tools, documents, add_generation_prompt, ...)."""
         return render_chat(self.tokenizer, messages, **options)
 

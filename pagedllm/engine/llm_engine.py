@@ -14,9 +14,9 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_outputs import PoolingOutputs
 from pagedllm.executor import read_rank_nodes
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
-from pagedllm.loader.known_templates import end_of_turn_ids
-from pagedllm.loader.sources import locate_model
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.known_templates import end_of_turn_ids
+from pagedllm.hub.sources import locate_model
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams

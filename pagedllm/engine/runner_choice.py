@@ -10,7 +10,7 @@ from pagedllm.config import PoolerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
-from pagedllm.loader.pooling_files import pooler_config
+from pagedllm.loader.hf.pooling_files import pooler_config
 
 # vLLM's default for a decoder run as an embedding model: the last token, normalised
 DECODER_POOLER = PoolerConfig("last", normalize=True)

@@ -16,7 +16,7 @@ import time
 from typing import Any, Optional
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.loader.model_store import DEFAULT_MODEL
+from pagedllm.hub.model_store import DEFAULT_MODEL
 
 
 def _int_at_least(minimum: int):

@@ -7,7 +7,7 @@ import sys
 from typing import Optional
 
 from pagedllm.engine.arg_utils import EngineArgs, cli_fields
-from pagedllm.loader.model_store import DEFAULT_MODEL
+from pagedllm.hub.model_store import DEFAULT_MODEL
 
 CHAT_HELP = """commands (never sent to the model):
   /help   this list

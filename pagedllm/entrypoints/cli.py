@@ -91,7 +91,7 @@ def check_model_reference(args: argparse.Namespace) -> None:
     model = getattr(args, "model", None)
     if args.command not in LOADS_MODEL or not model or getattr(args, "mode", None) == "serve":
         return
-    from pagedllm.loader.sources import unknown_reference
+    from pagedllm.hub.sources import unknown_reference
 
     unknown = unknown_reference(model, getattr(args, "revision", None),
                                 getattr(args, "gguf_file", None))
@@ -105,7 +105,7 @@ def refusal_message(err: BaseException) -> Optional[str]:
     the command line raise: ValueError (bad values, models not found or corrupt, the memory
     planner's "does not fit" with its ways out), HubError (not cached offline, gated,
     unreachable), KernelBuildError, OSError (busy port, unreadable file, server down)."""
-    from pagedllm.loader.hub import HubError
+    from pagedllm.hub.hub import HubError
 
     # KernelBuildError comes only from an imported pagedllm.kernels; importing it here would
     # load torch for a `chat --url` that never needed it

@@ -56,7 +56,7 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                                                 resolve_quantization)
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
-    from pagedllm.loader.sources import locate_model
+    from pagedllm.hub.sources import locate_model
     from pagedllm.memory.advice import fastest_way, tested_way
     from pagedllm.memory.footprint import kv_bytes_per_token
     from pagedllm.memory.plan import InsufficientMemoryError
@@ -116,7 +116,7 @@ def offline_alternative(model: str, num_params: int, device: Optional[str],
                         max_model_len: Optional[int]) -> Optional[str]:
     """The largest cached shipped model, smaller than `model`, that fits here: it needs neither
     the Hub nor a download."""
-    from pagedllm.loader.model_store import cached_models, model_spec
+    from pagedllm.hub.model_store import cached_models, model_spec
 
     asked = model_spec(model)
     fitting = []

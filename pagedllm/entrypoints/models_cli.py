@@ -73,8 +73,8 @@ def _folder_size(path: str) -> int:
 
 def _store_rows() -> list[ModelRow]:
     """The shipped models whose GGUF (or checkpoint folder) is in the store."""
-    from pagedllm.loader.checkpoint_store import checkpoint_dir, stored_checkpoints
-    from pagedllm.loader.model_store import cached_models, model_dir, model_spec
+    from pagedllm.hub.checkpoint_store import checkpoint_dir, stored_checkpoints
+    from pagedllm.hub.model_store import cached_models, model_dir, model_spec
 
     rows = []
     for name in cached_models():
@@ -91,7 +91,7 @@ def _store_rows() -> list[ModelRow]:
 
 def _hub_rows() -> list[ModelRow]:
     """The model repos in the Hub cache."""
-    from pagedllm.loader.hub_cache import cached_repos
+    from pagedllm.hub.hub_cache import cached_repos
 
     return [ModelRow(r.repo_id, r.size, "+".join(r.formats) or "no weights", str(r.path), "hub",
                      _HUB_ORIGIN) for r in cached_repos()]
@@ -104,7 +104,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(r) for r in rows], indent=2))
         return 0
     if not rows:
-        from pagedllm.loader.model_store import known_models
+        from pagedllm.hub.model_store import known_models
 
         print("no models on this machine; `pagedllm pull NAME` fetches one (shipped models: "
               f"{', '.join(known_models())}; or a Hub repo id owner/name)")
@@ -123,8 +123,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 def run_pull(args: argparse.Namespace) -> int:
     """Download a shipped model or a Hub repo (metadata, then weights); print its path."""
-    from pagedllm.loader.model_store import known_models
-    from pagedllm.loader.sources import locate_model
+    from pagedllm.hub.model_store import known_models
+    from pagedllm.hub.sources import locate_model
 
     if os.path.exists(args.model):
         raise ValueError(f"model={args.model!r} is a local path, so there is nothing to pull; "
@@ -136,18 +136,18 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def _stored_hub_repo(name: str) -> bool:
     """True if the Hub cache holds a repo whose id is exactly `name`."""
-    from pagedllm.loader.hub_cache import cached_repos
+    from pagedllm.hub.hub_cache import cached_repos
 
     return "/" in name and any(r.repo_id == name for r in cached_repos())
 
 
 def run_rm(args: argparse.Namespace) -> int:
     """Delete one model: exactly the named Hub cache repo, else the shipped model's folder."""
-    from pagedllm.loader.model_store import known_models, model_spec, remove_model
+    from pagedllm.hub.model_store import known_models, model_spec, remove_model
 
     name = args.model.strip()
     if _stored_hub_repo(name):  # the name `pagedllm list` shows wins over a store alias
-        from pagedllm.loader.hub_cache import remove_repo
+        from pagedllm.hub.hub_cache import remove_repo
 
         repo = remove_repo(name)
         if repo is not None:

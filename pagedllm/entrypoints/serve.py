@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 SlotLimits)
 from pagedllm.entrypoints.openai.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES,
                                                         ResponseStore)
-from pagedllm.loader.model_store import DEFAULT_MODEL
+from pagedllm.hub.model_store import DEFAULT_MODEL
 from pagedllm.structured_output.reasoning import parser_for_template
 
 logger = logging.getLogger("pagedllm")

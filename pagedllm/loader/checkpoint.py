@@ -8,11 +8,11 @@ from typing import Any, Callable, Literal, Mapping, Optional
 import torch
 
 from pagedllm.config import ModelArchConfig
-from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.loader.errors import read_json_object
-from pagedllm.loader.gguf_loader import arch_from_gguf, load_gguf_weights
-from pagedllm.loader.hf_config import arch_from_hf_config
-from pagedllm.loader.safetensors_loader import load_safetensors_weights
+from pagedllm.loader.gguf.gguf_loader import arch_from_gguf, load_gguf_weights
+from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.safetensors_loader import load_safetensors_weights
+from pagedllm.shard import Shard
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

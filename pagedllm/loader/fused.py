@@ -11,7 +11,7 @@ range of the fused tensor is exactly one shard, in float or in blocks:
 A stacked expert tensor read as [experts * rows, cols] is the same: expert e is rows
 [e * rows, (e + 1) * rows), loaded as mlp.experts.e.gate_proj.weight.
 
-Under tensor parallelism a shard split by output rows (distributed/tensor_parallel.Shard, axis
+Under tensor parallelism a shard split by output rows (pagedllm/shard.py's Shard, axis
 0) takes its rank's rows of its own range, so a rank reads several row ranges of one fused
 tensor (rank 1 of 2, q and k/v of 64 and 32 rows: [32, 64), [80, 96), [112, 128)); a shard
 split along the reduction axis (an expert's down_proj) takes all its rows, and the loader
@@ -23,7 +23,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 
-from pagedllm.distributed.tensor_parallel import Shard
+from pagedllm.shard import Shard
 
 # fused module name -> its shards' module names, in row order
 FUSED_SHARDS: dict[str, tuple[str, ...]] = {

@@ -5,7 +5,7 @@ modules swapped, the model code unchanged).
    its rank's heads (q/k/v rows; KV heads replicated when fewer than ranks, as vLLM does) and
    the matching o_proj columns; each MLP its range of the intermediate rows (gate/up) and
    down_proj columns; the embedding and the head their vocabulary range. It returns, per
-   checkpoint tensor, the part this rank loads (distributed/tensor_parallel.Shard), so that
+   checkpoint tensor, the part this rank loads (pagedllm/shard.py's Shard), so that
    the loaders read that part only.
 2. add_collectives, once the weights are loaded (and packed or quantized): the all-reduce
    after attention and after the MLP, the embedding's all-reduce and the logits' all-gather

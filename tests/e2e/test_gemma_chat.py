@@ -15,7 +15,7 @@ import pytest
 
 from helpers import model_runner
 from pagedllm import LLM, SamplingParams
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 # ids in the file's vocabulary (tokenizer.ggml.tokens)
 BOS, START_OF_TURN, END_OF_TURN, EOS = 2, 105, 106, 1

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 
 def _engine_tokenizer(gguf: Path):

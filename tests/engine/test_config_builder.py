@@ -12,7 +12,7 @@ from pagedllm.engine import config_builder
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.platforms import PlatformChoice
 from pagedllm.platforms.cpu import CpuInfo, CpuPlatform
 from pagedllm.platforms.interface import MemoryInfo

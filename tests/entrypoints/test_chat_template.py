@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedllm.engine.chat_messages import render_chat
+from pagedllm.tokenizer.chat_messages import render_chat
 from pagedllm.entrypoints.openai.api_server import load_chat_template
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_chat import chat_prompt_ids
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServerContext
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def tokenizer(smollm_gguf):
 
 
 def _ctx(tokenizer, template=None):
-    # the engine's chat path (engine/chat_messages.render_chat) without loading a model
+    # the engine's chat path (tokenizer/chat_messages.render_chat) without loading a model
     engine = SimpleNamespace(tokenizer=tokenizer, chat_prompt_ids=partial(render_chat, tokenizer))
     return ServerContext(engine, ["m"], 2048, template)
 

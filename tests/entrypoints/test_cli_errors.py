@@ -12,7 +12,7 @@ from typing import Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))  # the fake Hub's module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub"))  # the fake Hub's module
 from fake_hub import FakeHub, FakeRepo, closed_port  # noqa: E402
 
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
@@ -169,7 +169,7 @@ def _single(err: BaseException) -> bool:
 
 def test_llm_raises_the_same_message_as_one_exception(huge_model, tmp_path, monkeypatch):
     from pagedllm import LLM
-    from pagedllm.loader.hub import HubError
+    from pagedllm.hub.hub import HubError
     from pagedllm.memory.plan import InsufficientMemoryError
 
     missing = str(tmp_path / "no-such-model.gguf")

@@ -6,7 +6,7 @@ from openai import BadRequestError, OpenAI
 
 from conftest import API_KEY, MODEL
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 

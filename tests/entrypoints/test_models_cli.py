@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))  # the fake Hub's module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub"))  # the fake Hub's module
 from fake_hub import FakeHub, FakeRepo  # noqa: E402
 
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]

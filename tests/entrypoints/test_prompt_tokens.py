@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.entrypoints.openai.prompt_tokens import CharBound, PromptTokens, char_bound
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 8192
 

@@ -25,9 +25,9 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.executor.abstract import WorkerDiedError, WorkerError
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.rank_places import rank_places
-from pagedllm.loader import gguf_loader
+from pagedllm.loader.gguf import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.gguf.gguf_header import gguf_header
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.worker.model_loader import load_model

@@ -28,7 +28,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels import load_kernels
 from pagedllm.executor.abstract import WorkerDiedError, WorkerError
 from pagedllm.executor.multiproc import MultiprocExecutor
-from pagedllm.loader import gguf_loader
+from pagedllm.loader.gguf import gguf_loader
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model

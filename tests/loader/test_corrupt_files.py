@@ -21,9 +21,9 @@ from safetensors.torch import save_file
 from pagedllm import LLM
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf_header import gguf_header
+from pagedllm.loader.gguf.gguf_header import gguf_header
 from pagedllm.loader.metadata import checkpoint_num_params
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.loader.weight_checks import check_finite_vectors
 
 HEAD_BYTES = 3_000_000  # SmolLM2's header is 1.79 MB; its first tensor starts right after it

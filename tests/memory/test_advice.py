@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.distributed.stage import even_partition
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.hub import parse_hub_ref
+from pagedllm.hub.hub import parse_hub_ref
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.memory.advice import (FORMATS, format_footprints, format_layout, gguf_hub_ref,
                                     tp_sizes)

@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from pagedllm.loader.model_store import ensure_gguf, ensure_model
+from pagedllm.hub.model_store import ensure_gguf, ensure_model
 
 QWEN7B_CONFIG = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes" / "config.json"
 QWEN = "qwen2.5-coder-0.5b-instruct"  # its vocabulary and tokenizer files, through the model store

@@ -16,7 +16,7 @@ import pytest
 
 from pagedllm.config import StructuredOutputsConfig
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.sampling_params import StructuredOutputsParams as SO
 from pagedllm.structured_output import compiler as compiler_module
 from pagedllm.structured_output.bitmask import allocate_bitmask

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.tokenizer import load_tokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from pagedllm.structured_output.bitmask import allocate_bitmask, apply_bitmask_, bitmask_to_bool
 from pagedllm.structured_output.compiler import GrammarCompiler
@@ -123,7 +123,7 @@ def test_the_vocabulary_view_is_the_one_llguidance_hf_builds(tokenizer):
     llguidance.hf, which takes only a transformers tokenizer: the same view either way."""
     from llguidance.hf import from_tokenizer
 
-    from pagedllm.loader.hf_tokenizer import to_transformers
+    from pagedllm.tokenizer.hf_tokenizer import to_transformers
 
     reference = from_tokenizer(to_transformers(tokenizer), n_vocab=len(tokenizer))
     ours = GrammarCompiler(tokenizer, len(tokenizer))._tokenizer()

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pagedllm.distributed.tensor_parallel import Shard
 from pagedllm.layers.quantization import quantize_q4_1, quantize_q8_0
-from pagedllm.loader import safetensors_loader
+from pagedllm.loader.hf import safetensors_loader
 from pagedllm.loader.row_encoding import EncodedRows
+from pagedllm.shard import Shard
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "model.layers.0.mlp.down_proj.weight"  # SmolLM2: [576, 1536], the reduction axis split by TP

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
-from pagedllm.engine.chat_messages import template_messages
+from pagedllm.tokenizer.chat_messages import template_messages
 from pagedllm.entrypoints.openai.chat_tools import PassThrough, ToolPlan, plan_tools
 from pagedllm.entrypoints.openai.reasoning_parsers import (ReasoningDelta, ReasoningParser,
                                                            reasoning_fields)

@@ -180,32 +180,7 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
         return _respond(await _unless_disconnected(
             raw, create_response(ctx, req, _client(raw))))
 
-    @app.post(EMBEDDINGS)
-    async def embeddings(req: EmbeddingRequest, raw: Request):
-        ctx.check_serves(EMBEDDINGS)
-        return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
-
-    @app.post(POOLING)
-    async def pooling(req: PoolingRequest, raw: Request):
-        ctx.check_serves(POOLING)
-        return _respond(await _unless_disconnected(raw, create_pooling(ctx, req)))
-
-    for path in SCORE_PATHS:
-        @app.post(path)
-        async def score(req: ScoreRequest, raw: Request):
-            ctx.check_serves(SCORE)
-            return _respond(await _unless_disconnected(raw, create_score(ctx, req)))
-
-    for path in RERANK_PATHS:
-        @app.post(path)
-        async def rerank(req: RerankRequest, raw: Request):
-            ctx.check_serves(RERANK)
-            return _respond(await _unless_disconnected(raw, create_rerank(ctx, req)))
-
-    @app.post(CLASSIFY)
-    async def classify(req: ClassifyRequest, raw: Request):
-        ctx.check_serves(CLASSIFY)
-        return _respond(await _unless_disconnected(raw, create_classify(ctx, req)))
+    _add_pooling_routes(app, ctx)
 
     @app.get("/v1/responses/{response_id}")
     async def response(response_id: str) -> dict[str, Any]:
@@ -259,6 +234,38 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BoundedBodies, limits=limits)  # added last: the outermost
     return app
+
+
+def _add_pooling_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """A pooling model's endpoints: /v1/embeddings, vLLM's /pooling, /score (and /v1/score),
+    /rerank (and Jina's /v1/rerank, Cohere's /v2/rerank) and /classify; each refuses a model it
+    does not serve, naming those that do."""
+    @app.post(EMBEDDINGS)
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        ctx.check_serves(EMBEDDINGS)
+        return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
+
+    @app.post(POOLING)
+    async def pooling(req: PoolingRequest, raw: Request):
+        ctx.check_serves(POOLING)
+        return _respond(await _unless_disconnected(raw, create_pooling(ctx, req)))
+
+    for path in SCORE_PATHS:
+        @app.post(path)
+        async def score(req: ScoreRequest, raw: Request):
+            ctx.check_serves(SCORE)
+            return _respond(await _unless_disconnected(raw, create_score(ctx, req)))
+
+    for path in RERANK_PATHS:
+        @app.post(path)
+        async def rerank(req: RerankRequest, raw: Request):
+            ctx.check_serves(RERANK)
+            return _respond(await _unless_disconnected(raw, create_rerank(ctx, req)))
+
+    @app.post(CLASSIFY)
+    async def classify(req: ClassifyRequest, raw: Request):
+        ctx.check_serves(CLASSIFY)
+        return _respond(await _unless_disconnected(raw, create_classify(ctx, req)))
 
 
 def _client(request: Request) -> Optional[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the command line reads these dataclasses: config stays free of torch at run time
     import torch
@@ -391,6 +391,42 @@ class StructuredOutputsConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+@runtime_checkable
+class EnginePlatform(Protocol):
+    """What the engine's parts ask of the platform they run on: pagedllm.platforms.Platform's
+    interface, declared here because config sits below platforms (every Platform is one)."""
+
+    name: str
+
+    def device(self) -> torch.device: ...
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]: ...
+
+    def memory(self) -> Any: ...  # a platforms.interface.MemoryInfo
+
+    def init_device(self) -> None: ...
+
+    def block_types(self) -> frozenset: ...
+
+    def load_kernels(self) -> bool: ...
+
+    @property
+    def kernels_ready(self) -> bool: ...
+
+    @property
+    def kernels_error(self) -> Optional[str]: ...
+
+    def op_impl(self, dtype: torch.dtype) -> str: ...
+
+    def get_attn_backend(self, dtype: torch.dtype) -> str: ...
+
+    def attention_backend(self, dtype: torch.dtype) -> str: ...
+
+    def default_max_num_batched_tokens(self, intermediate_size: int, serving: bool) -> int: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to be built."""
@@ -398,7 +434,7 @@ class EngineConfig:
     model_path: str
     arch: ModelArchConfig
     dtype: torch.dtype  # of activations, float weights and the KV cache
-    platform: Any  # pagedllm.platforms.Platform (untyped here: config sits below platforms)
+    platform: EnginePlatform  # a pagedllm.platforms.Platform
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -84,3 +84,19 @@ def test_default_token_budget_depends_on_who_drives_the_engine(smollm_gguf):
     assert offline.scheduler.max_num_batched_tokens == 2048  # SmolLM2's [2048, 1536] is 12 MiB
     assert server.scheduler.max_num_batched_tokens == 256
     assert given.scheduler.max_num_batched_tokens == 1000
+
+
+def test_every_platform_is_an_engine_platform():
+    """EngineConfig.platform's declared interface (config.EnginePlatform) is what each
+    platform class offers, so the config's type says what the engine may ask of it."""
+    from pagedllm.config import EnginePlatform
+    from pagedllm.platforms.cpu import CpuPlatform
+    from pagedllm.platforms.interface import Platform
+
+    assert isinstance(platforms.cpu_platform(), EnginePlatform)
+    names = {n for n in vars(EnginePlatform) if not n.startswith("_")}
+    names |= set(EnginePlatform.__annotations__)
+    assert {"device", "op_impl", "kernels_ready", "name"} <= names
+    for cls in (Platform, CpuPlatform, gpu.TorchGpuPlatform):
+        missing = sorted(m for m in names if not hasattr(cls, m))
+        assert not missing, (cls.__name__, missing)

@@ -204,7 +204,8 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
-            fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
+            fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
+                layout, at_load, one_matrix=quantization == "bf16"))
         limits = PlanLimits(args.block_size, args.max_num_seqs, batched, args.max_model_len,
                             args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
                             mapped_forced=c.forced)

@@ -88,10 +88,16 @@ def _ffn_width(a: ModelArchConfig) -> int:
     return max(sparse, dense if moe.dense_layers else 0)
 
 
-def regrouped_bytes(layout: WeightLayout, at_load: bool) -> int:
+def regrouped_bytes(layout: WeightLayout, at_load: bool, one_matrix: bool = False) -> int:
     """Bytes a load holds twice at its peak, read and then regrouped for the kernels: a GGUF's
     kept blocks, or (at_load) every weight of a float checkpoint whose matrices are quantized
-    as it loads (the blocks, and its norms counted with them)."""
+    as it loads (the blocks, and its norms counted with them). one_matrix (bf16 matrices at
+    load): pack_x8 frees each matrix as it puts its regrouped copy, so the peak holds one
+    matrix twice; bounded here by the largest of the embedding, the head and a whole layer.
+    (pack_x8 does the same for the other formats, which are still planned at the whole: the
+    safe side, left until their planned peaks are measured again.)"""
+    if at_load and one_matrix:
+        return max(layout.embedding, layout.head, max(layout.layers, default=0))
     return layout.total if at_load else layout.mapped_total
 
 

@@ -235,7 +235,9 @@ def plan_memory(fp: ModelFootprint, mem: MemoryInfo, limits: PlanLimits,
         return advisor(got) if advisor is not None else got.error()
 
     load_peak = fp.weight_bytes + fp.load_extra_bytes + short.overhead_bytes
-    if fp.load_extra_bytes and load_peak > short.budget:
+    # the load's peak is the reason only where the weights themselves would fit
+    if (fp.load_extra_bytes and load_peak > short.budget
+            and fp.weight_bytes + short.overhead_bytes <= short.budget):
         raise refusal(why=_load_why(fp, load_peak))
     if fp.arch.is_encoder:
         return _encoder_plan(fp, mem, limits, short, refusal)

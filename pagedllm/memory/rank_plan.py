@@ -33,7 +33,8 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
                    layout.mapped_total if config.mmap_weights else 0, layout)
     if not config.mmap_weights:
         at_load = quantized_at_load(ckpt, config.quantization)
-        fp = replace(fp, load_extra_bytes=regrouped_bytes(layout, at_load))
+        fp = replace(fp, load_extra_bytes=regrouped_bytes(
+            layout, at_load, one_matrix=config.quantization == "bf16"))
     sched = config.scheduler
     limits = PlanLimits(config.cache.block_size, sched.max_num_seqs,
                         sched.max_num_batched_tokens, sched.max_model_len,

@@ -111,8 +111,10 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
         weights = int(matrices * per_matrix + big * per_big)
         step = int(matrices * per_matrix + step_big * per_big)
         # int8/int4/bf16x8 are made slice by slice as the float tensors are read, then
-        # regrouped for the kernels (model_loader): the blocks held twice at the peak
-        peak = 2 * weights if name in MADE_AT_LOAD else weights
+        # regrouped for the kernels (model_loader): the blocks held twice at the peak (bf16x8:
+        # one matrix at a time, footprint.regrouped_bytes; bounded by the largest part)
+        peak = (weights + int(max(max(values.layers, default=0) * per_matrix, big * per_big))
+                if name == "bf16x8" else 2 * weights if name in MADE_AT_LOAD else weights)
         costs[name] = FormatCost(name, how, weights, peak, step, READ_BYTES_PER_S / max(1, step),
                                  None if known is None else known[1].get(name))
     return costs

@@ -178,7 +178,7 @@ def test_tokenize_detokenize_version(server):
 
 def test_unknown_paths_and_methods_get_openai_errors(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    for method, path, status in (("POST", "/v1/rerank", 404), ("GET", "/v1/nonexistent", 404),
+    for method, path, status in (("POST", "/v1/no-such-endpoint", 404), ("GET", "/v1/nonexistent", 404),
                                  ("GET", "/nonexistent", 404),
                                  ("GET", "/v1/chat/completions", 405)):
         r = httpx.request(method, f"{server.url}{path}", headers=headers, json={})

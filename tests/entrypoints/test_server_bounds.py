@@ -254,7 +254,7 @@ def test_half_open_connections_are_closed_after_the_read_timeout(bounded):
     ("NaN", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("seed past 64 bits", "/v1/completions", b'{"prompt": "a", "seed": ' + b"9" * 30 + b'}', 400,
      "seed"),
-    ("no such path", "/v1/rerank", b"{}", 404, None),
+    ("no such path", "/v1/no-such-endpoint", b"{}", 404, None),
 ])
 def test_every_error_is_openai_error_object(bounded, name, path, content, status, param):
     r = httpx.post(f"{bounded.url}{path}", content=content, timeout=30,

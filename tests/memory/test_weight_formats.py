@@ -23,7 +23,9 @@ def test_bytes_follow_the_block_formats(qwen_hf_dir):
     assert costs["bf16"].load_peak_bytes == costs["bf16"].weight_bytes
     # bf16 regrouped for pagedllm's kernels: bf16's bytes, made at load like int8
     assert costs["bf16x8"].weight_bytes == costs["bf16"].weight_bytes
-    assert costs["bf16x8"].load_peak_bytes == 2 * costs["bf16x8"].weight_bytes
+    # regrouped one matrix at a time: the peak holds the largest part twice, not all
+    assert (costs["bf16x8"].weight_bytes < costs["bf16x8"].load_peak_bytes
+            < 1.5 * costs["bf16x8"].weight_bytes)
     # an untied head: a decode step reads the head, not the embedding matrix
     layout = weight_layout(ckpt, 4)
     assert not layout.tied and costs["fp32"].step_bytes == layout.total - layout.embedding

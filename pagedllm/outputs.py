@@ -2,7 +2,7 @@
 PoolingRequestOutput and EmbeddingRequestOutput for pooling models."""
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 
 @dataclass
@@ -88,6 +88,15 @@ class PoolingRequestOutput:
     error: Optional[str] = None
 
 
+def _view_fields(out: PoolingRequestOutput, wrap: Callable[[list[float]], Any]) -> tuple:
+    """A typed view's fields of a successful pooling output (its data as floats in `wrap`), or
+    a ValueError saying why the request failed."""
+    if out.outputs is None:
+        raise ValueError(f"request {out.request_id} failed: {out.error}")
+    return (out.request_id, wrap(out.outputs.data.tolist()), out.prompt_token_ids, out.finished,
+            out.prompt)
+
+
 @dataclass
 class EmbeddingOutput:
     """An embedding as a list of floats (vLLM's name)."""
@@ -113,10 +122,7 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         """The embedding view of a (successful) pooling output."""
-        if out.outputs is None:
-            raise ValueError(f"request {out.request_id} failed: {out.error}")
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished, out.prompt)
+        return cls(*_view_fields(out, EmbeddingOutput))
 
 
 @dataclass
@@ -144,10 +150,7 @@ class ClassificationRequestOutput:
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
         """The classification view of a (successful) pooling output."""
-        if out.outputs is None:
-            raise ValueError(f"request {out.request_id} failed: {out.error}")
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished, out.prompt)
+        return cls(*_view_fields(out, ClassificationOutput))
 
 
 @dataclass

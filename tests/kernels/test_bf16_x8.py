@@ -1,5 +1,7 @@
 """bf16 weights regrouped eight rows at a time (csrc/x8_bf16.cpp): each SIMD variant is bit for bit
 its own scalar model (same summation order), and the variants agree within the bf16 rounding of x.
+The AMX tiles (variant amx, from 8 x rows on) match no scalar model's order: they are held to the
+float64 product of the bf16-rounded x, and to giving a row the same bits in any batch.
 
 vdpbf16ps takes x rounded to bf16 and flushes denormals, so it cannot equal the FMA variants
 (float32 x) bit for bit; its scalar model (scalar_dp) rounds x the same way. The data here has no
@@ -98,11 +100,48 @@ def test_unknown_or_missing_variant_is_refused() -> None:
         torch.ops.pagedllm.bf16_linear_x8(torch.zeros(1, 16), packed, 16, "scalar_fma")
 
 
+AMX_MIN_ROWS = 8  # x8_bf16.cpp's kAmxMinRows
+
+
+def _has_amx() -> bool:
+    return all(_has(f) for f in ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"))
+
+
+needs_amx = pytest.mark.skipif(not _has_amx(), reason="this CPU lacks amx_bf16 (or amx_tile, avx512_bf16)")
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [(8, 64, 256), (13, 24, 100), (16, 16, 32), (37, 72, 896),
+                                   (64, 128, 64), (65, 40, 4864), (200, 8, 36)])
+def test_amx_tiles_give_the_product_of_the_bf16_x(m: int, n: int, k: int) -> None:
+    """Whole tiles and ragged edges (rows past m, values past k, a lone 8-row group): the tiles'
+    sums are within float32 summation error of x rounded to bf16 times W, in float64."""
+    x, w = _data(m, n, k)
+    got = torch.ops.pagedllm.bf16_linear_x8(x, torch.ops.pagedllm.bf16_pack_x8(w), k, "amx")
+    ref = x.to(torch.bfloat16).double() @ w.double().t()
+    scale = x.to(torch.bfloat16).double().abs() @ w.double().abs().t()
+    assert ((got.double() - ref).abs() <= scale * k * 2 ** -24).all()
+
+
+@needs_amx
+def test_amx_gives_a_row_the_same_bits_in_any_batch() -> None:
+    """Each x row runs the same tile sums whatever rows share its pass, and fewer than 8 rows take
+    the vdpbf16ps kernels (their scalar model's bits)."""
+    x, w = _data(70, 48, 320)
+    packed = torch.ops.pagedllm.bf16_pack_x8(w)
+    full = torch.ops.pagedllm.bf16_linear_x8(x, packed, 320, "amx")
+    for lo, hi in ((0, 8), (5, 30), (62, 70), (20, 68)):
+        assert torch.equal(torch.ops.pagedllm.bf16_linear_x8(x[lo:hi], packed, 320, "amx"), full[lo:hi])
+    few = x[:AMX_MIN_ROWS - 1]
+    assert torch.equal(torch.ops.pagedllm.bf16_linear_x8(few, packed, 320, "amx"),
+                       torch.ops.pagedllm.bf16_linear_x8(few, packed, 320, "scalar_dp"))
+
+
 # --- as the engine runs them: ggml type BF16 through ggml_linear_x8, the chosen variant -------
 
 BF16_TYPE = 30  # gguf.GGMLQuantizationType.BF16
-CHOICES = ("avx512bf16", "avx512f", "avx2", "scalar")  # best first, as x8_bf16.cpp's kChoices
-NEEDS = {"avx512bf16": "avx512_bf16", "avx512f": "avx512f", "avx2": "avx2"}
+CHOICES = ("amx", "avx512bf16", "avx512f", "avx2", "scalar")  # best first, as x8_bf16.cpp's kChoices
+NEEDS = {"amx": "amx_bf16", "avx512bf16": "avx512_bf16", "avx512f": "avx512f", "avx2": "avx2"}
 
 
 @pytest.fixture
@@ -114,8 +153,9 @@ def restore_variant():
 
 def test_auto_picks_the_best_runnable_variant() -> None:
     runnable = torch.ops.pagedllm.bf16_kernels()
-    expect = [c for c in CHOICES if c == "scalar" or (_has(NEEDS[c]) and _has("avx512f" if c ==
-              "avx512bf16" else NEEDS[c]) and (c != "avx2" or _has("fma")))]
+    expect = [c for c in CHOICES if c == "scalar" or (c == "amx" and _has_amx()) or (
+              c != "amx" and _has(NEEDS[c]) and _has("avx512f" if c == "avx512bf16" else NEEDS[c])
+              and (c != "avx2" or _has("fma")))]
     assert runnable == expect
     out = subprocess.run([sys.executable, "-c", "import pagedllm.kernels as k; "
                           "print(k.bf16_kernel().name)"], capture_output=True, text=True,
@@ -132,11 +172,11 @@ def test_forcing_a_variant(variant: str, restore_variant) -> None:
         x, w = _data(3, 24, 64)
         packed = torch.ops.pagedllm.bf16_pack_x8(w)
         got = torch.ops.pagedllm.ggml_linear_x8(x, [packed], [BF16_TYPE], 64)[0]
-        model = "scalar_dp" if variant == "avx512bf16" else "scalar_fma"
+        model = "scalar_dp" if variant in ("amx", "avx512bf16") else "scalar_fma"  # 3 rows: not tiles
         assert torch.equal(got, torch.ops.pagedllm.bf16_linear_x8(x, packed, 64, model))
     else:
         with pytest.raises(RuntimeError, match=f"bf16 kernels, but this machine lacks "
-                                               f"(avx512f|{NEEDS[variant]})"):
+                                               f"(avx512f|avx512_bf16|amx_tile|{NEEDS[variant]})"):
             torch.ops.pagedllm.set_bf16_kernel(variant)
 
 
@@ -156,14 +196,15 @@ def test_an_unrunnable_env_choice_is_a_value_error() -> None:
 @pytest.mark.parametrize("m", [1, 7, 64, 130])
 def test_several_weights_in_one_call(m: int) -> None:
     """q/k/v in one ggml_linear_x8 call equal each alone; from 64 rows on (prefill) the call
-    widens W to float32 in chunks for a BLAS GEMM: exactly torch's mm on the float32 values."""
+    widens W to float32 in chunks for a BLAS GEMM: exactly torch's mm on the float32 values,
+    except under the amx variant, whose tiles take every call from 8 rows on."""
     x, w = _data(m, 40, 128)
     ws = [w[:16], w[16:24], w[24:]]
     packed = [torch.ops.pagedllm.bf16_pack_x8(t) for t in ws]
     outs = torch.ops.pagedllm.ggml_linear_x8(x, packed, [BF16_TYPE] * 3, 128)
     variant = torch.ops.pagedllm.bf16_kernel()[0]
     for got, p, t in zip(outs, packed, ws):
-        if m >= 64:
+        if m >= 64 and variant != "amx":
             assert torch.equal(got, torch.mm(x, t.float().t()))
         else:
             assert torch.equal(got, torch.ops.pagedllm.bf16_linear_x8(x, p, 128, variant))

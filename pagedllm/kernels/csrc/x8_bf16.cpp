@@ -14,6 +14,9 @@
 // flushes denormals; the FMA variants keep x in float32.
 //
 //   variant      needs                         per quad and x row
+//   amx          avx512bf16 + amx_bf16 and     below kAmxMinRows x rows: avx512bf16; from there on
+//                the kernel's leave to use      tiles: 16 x rows by 16 weight rows by 32 values a
+//                the tile registers             tdpbf16ps, the weights regrouped per tile on the fly
 //   avx512bf16   avx512f avx512_bf16           1 vdpbf16ps zmm
 //   avx512f      avx512f                       2 widenings, 2 vfmadd zmm
 //   avx2         avx2 fma                      4 widenings, 4 vfmadd ymm (rows 0-3, 4-7); compiled
@@ -24,7 +27,11 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -203,14 +210,171 @@ struct Fma256 {
   }
 };
 
+// --- AMX-BF16 ----------------------------------------------------------------------------
+// C[m][n] += sum over pairs p of x[m][2p] w[n][2p] + x[m][2p + 1] w[n][2p + 1], by tdpbf16ps on
+// 16 x 16 tiles. Tiles: tmm0-3 the float32 sums of up to 64 x rows (4 blocks of 16), tmm4 the x
+// block (16 rows by 32 bf16, x rounded to bf16 as vdpbf16ps takes it), tmm5 the weights (16
+// pairs by 16 rows). The weight tile of 16 rows (two x8 groups) and 32 values is regrouped from
+// the 8 records that hold them: B row 2i + j is dword j of every row's pair in record i (one
+// vpermt2d each), so the x8 layout serves the tiles as it is, with no second copy of the weights.
+// x is padded with zeros to whole tiles (16 rows, 32 values), and so are the weights past k.
+constexpr int64_t kAmxMinRows = 8;  // below: the vdpbf16ps kernels (weight reads bound there)
+constexpr int64_t kAmxRowsPerPass = 64;  // x rows sharing one pass over the weights (4 tiles)
+constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+
+// "" when this process may use AMX-BF16 tiles, else what is missing, as /proc/cpuinfo spells it
+std::string amx_missing() {
+  static const std::string missing = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return std::string("amx_tile");
+    if (!(d & (1u << 24))) return std::string("amx_tile");
+    if (!(d & (1u << 22))) return std::string("amx_bf16");
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("amx_tile (the kernel refused the tile data permission)");
+    return std::string();
+  }();
+  return missing;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// ldtilecfg / tilerelease are inline functions needing the amx-tile target (the rest of the
+// tile intrinsics are asm macros), so that this file builds for CPUs without AMX too
+__attribute__((target("amx-tile"))) void amx_configure(const TileConfig& cfg) { _tile_loadconfig(&cfg); }
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(const uint8_t* g0, const uint8_t* g1,
+                                                                             int64_t q0, int64_t nq, uint8_t* tile) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int i = 0; i < 8; ++i) {
+    const int64_t q = q0 + i;
+    __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+    if (q < nq) {
+      r0 = _mm512_loadu_si512(g0 + 64 * q);
+      if (g1 != nullptr) r1 = _mm512_loadu_si512(g1 + 64 * q);
+    }
+    _mm512_store_si512(tile + 128 * i, _mm512_permutex2var_epi32(r0, even, r1));
+    _mm512_store_si512(tile + 128 * i + 64, _mm512_permutex2var_epi32(r0, odd, r1));
+  }
+}
+
+// c[16 * blocks][16] = x rows [16 * blocks, k32] (bf16, row stride ldx) @ the regrouped weight
+// tiles (kc of them, 1 KiB each), on the tiles. Tile loads alternate between two registers for x
+// (tmm4, tmm6) and two for the weights (tmm5, tmm7), so that a load need not wait for the
+// tdpbf16ps still reading the register it would overwrite.
+// one k chunk: the weight tile into tmm B, the x blocks alternately into tmm A1 and A2 (a load
+// need not wait for the tdpbf16ps still reading the other), each into its sum (tile numbers are
+// part of the instruction, hence a macro)
+#define PAGEDLLM_AMX_STEP(A1, A2, B, xt, tile)                                       \
+  do {                                                                              \
+    _tile_loadd(B, (tile), 64);                                                     \
+    _tile_loadd(A1, (xt), stride);                                                  \
+    if (blocks > 1) _tile_loadd(A2, (xt) + 16 * ldx, stride);                       \
+    _tile_dpbf16ps(0, A1, B);                                                       \
+    if (blocks > 1) _tile_dpbf16ps(1, A2, B);                                       \
+    if (blocks > 2) { _tile_loadd(A1, (xt) + 32 * ldx, stride); _tile_dpbf16ps(2, A1, B); } \
+    if (blocks > 3) { _tile_loadd(A2, (xt) + 48 * ldx, stride); _tile_dpbf16ps(3, A2, B); } \
+  } while (0)
+
+void amx_block(const uint16_t* xb, int64_t ldx, int blocks, const uint8_t* tiles, int64_t kc, float* c) {
+  const int64_t stride = 2 * ldx;
+  switch (blocks) {  // tile numbers are part of the instruction
+    case 4: _tile_zero(3); [[fallthrough]];
+    case 3: _tile_zero(2); [[fallthrough]];
+    case 2: _tile_zero(1); [[fallthrough]];
+    default: _tile_zero(0);
+  }
+  asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
+  int64_t t = 0;
+  for (; t + 1 < kc; t += 2) {
+    PAGEDLLM_AMX_STEP(4, 6, 5, xb + 32 * t, tiles + 1024 * t);
+    PAGEDLLM_AMX_STEP(4, 6, 7, xb + 32 * (t + 1), tiles + 1024 * (t + 1));
+  }
+  if (t < kc) PAGEDLLM_AMX_STEP(4, 6, 5, xb + 32 * t, tiles + 1024 * t);
+  _tile_stored(0, c, 64);
+  if (blocks > 1) _tile_stored(1, c + 256, 64);
+  if (blocks > 2) _tile_stored(2, c + 512, 64);
+  if (blocks > 3) _tile_stored(3, c + 768, 64);
+  asm volatile("" ::: "memory");
+}
+
+// outs[j] [m, n_j] = x [m, k] @ W_j^T on the AMX tiles, in 64-row passes of x; the tasks split
+// over the threads. The tiles' sums are not those of a scalar
+// model in any order tried (their internal precision is not documented): tests hold them to the
+// float64 product of the bf16-rounded x, and to giving each x row the same bits in any batch.
+void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
+  const int64_t m = x.size(0), nq = k / 4, kc = (k + 31) / 32, k32 = 32 * kc;
+  const int64_t m16 = (m + 15) / 16 * 16;
+  // x in bf16, 64-byte aligned (a tile row is one cache line), zeros past m and k
+  const at::Tensor xbuf = at::zeros({m16 * k32 + 32}, x.options().dtype(at::kShort));
+  uint16_t* xb = reinterpret_cast<uint16_t*>(
+      (reinterpret_cast<uintptr_t>(xbuf.data_ptr<int16_t>()) + 63) & ~uintptr_t(63));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < k; ++i) xb[r * k32 + i] = bf16_rne(xp[r * k + i]);
+  });
+  // a task: one pair of x8 groups of one weight over a group of passes, whose x rows stay in
+  // L2 (~1 MiB of bf16) while the task's regrouped weight panel is reused for each pass
+  struct Task { int64_t pass0, pass1; size_t j; int64_t pair; };
+  std::vector<Task> tasks;
+  const int64_t passes = (m16 + kAmxRowsPerPass - 1) / kAmxRowsPerPass;
+  const int64_t per_group = std::clamp<int64_t>((1 << 20) / (kAmxRowsPerPass * k32 * 2), 1, 8);
+  for (int64_t p = 0; p < passes; p += per_group)
+    for (size_t j = 0; j < ws.size(); ++j)
+      for (int64_t g = 0; g < ws[j].size(0); g += 2) tasks.push_back({p, std::min(passes, p + per_group), j, g / 2});
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    amx_configure(cfg);
+    std::vector<uint8_t> raw(1024 * kc + 64);
+    uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float c[4 * 256];
+    for (int64_t t = t0; t < t1; ++t) {
+      const Task& task = tasks[t];
+      const at::Tensor& w = ws[task.j];
+      const int64_t groups = w.size(0), n = groups * kRows, g = 2 * task.pair;
+      const uint8_t* g0 = w.data_ptr<uint8_t>() + g * 16 * k;
+      const uint8_t* g1 = g + 1 < groups ? g0 + 16 * k : nullptr;
+      for (int64_t i = 0; i < kc; ++i) amx_regroup(g0, g1, 8 * i, nq, tiles + 1024 * i);
+      const int cols = g1 != nullptr ? 16 : 8;
+      float* out = outs[task.j].data_ptr<float>();
+      for (int64_t pass = task.pass0; pass < task.pass1; ++pass) {
+        const int64_t row0 = pass * kAmxRowsPerPass;
+        const int blocks = static_cast<int>(std::min<int64_t>(4, (m16 - row0) / 16));
+        amx_block(xb + row0 * k32, k32, blocks, tiles, kc, c);
+        for (int r = 0; r < 16 * blocks && row0 + r < m; ++r)
+          std::memcpy(out + (row0 + r) * n + 16 * task.pair, c + 16 * r, 4 * cols);
+      }
+    }
+    amx_release();
+  });
+}
+
 struct Variant {
   GroupFn fn;
   bool bf16_x;  // x rounded to bf16 (else permuted float32)
+  bool amx = false;  // from kAmxMinRows x rows on, the AMX tiles
 };
 
 // what a variant needs, as /proc/cpuinfo spells it ("" when it can run here)
 std::string missing_feature(const std::string& name) {
   __builtin_cpu_init();
+  if (name == "amx") {
+    const std::string lacks = missing_feature("avx512bf16");
+    if (!lacks.empty()) return lacks;
+    return amx_missing();
+  }
   if (name == "avx512bf16") {
     if (!__builtin_cpu_supports("avx512f")) return "avx512f";
     if (!__builtin_cpu_supports("avx512bf16")) return "avx512_bf16";
@@ -226,18 +390,19 @@ std::string missing_feature(const std::string& name) {
 
 // Best first; "auto" takes the first this CPU runs. "scalar" is the FMA model (float32 x), so a
 // CPU without AVX2 computes the same numbers as the avx2 and avx512f variants.
-const char* const kChoices[] = {"avx512bf16", "avx512f", "avx2", "scalar"};
+const char* const kChoices[] = {"amx", "avx512bf16", "avx512f", "avx2", "scalar"};
 
 // name -> kernels; a variant this CPU cannot execute is an error naming the missing feature
 Variant variant_of(const std::string& name) {
   const std::string lacks = missing_feature(name);
   TORCH_CHECK(lacks.empty(), "variant '", name, "': this CPU lacks ", lacks);
+  if (name == "amx") return {by_cols<Dp>, true, true};
   if (name == "avx512bf16") return {by_cols<Dp>, true};
   if (name == "avx512f") return {by_cols<Fma512>, false};
   if (name == "avx2") return {by_cols<Fma256>, false};
   if (name == "scalar_dp") return {group_scalar<true>, true};
   if (name == "scalar_fma" || name == "scalar") return {group_scalar<false>, false};
-  TORCH_CHECK(false, "variant: unknown '", name, "' (one of: avx512bf16, avx512f, avx2, scalar, scalar_dp, scalar_fma)");
+  TORCH_CHECK(false, "variant: unknown '", name, "' (one of: amx, avx512bf16, avx512f, avx2, scalar, scalar_dp, scalar_fma)");
 }
 
 std::vector<std::string> runnable() {
@@ -266,7 +431,7 @@ Active resolve(const std::string& name, const std::string& asked) {
   for (const char* c : kChoices) known = known || name == c;
   std::string can;
   for (const std::string& r : runnable()) can += (can.empty() ? "" : ", ") + r;
-  TORCH_CHECK(known, asked, ": unknown bf16 kernel variant '", name, "' (one of: auto, avx512bf16, avx512f, avx2, scalar)");
+  TORCH_CHECK(known, asked, ": unknown bf16 kernel variant '", name, "' (one of: auto, amx, avx512bf16, avx512f, avx2, scalar)");
   const std::string lacks = missing_feature(name);
   TORCH_CHECK(lacks.empty(), asked, " asks for the ", name, " bf16 kernels, but this machine lacks ", lacks,
               " (it can run: ", can, ")");
@@ -343,6 +508,10 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
   const int64_t m = x.size(0), nq = k / 4;
   std::vector<at::Tensor> outs;
   for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, x.options()));
+  if (v.amx && m >= kAmxMinRows) {
+    amx_linear(x, ws, k, outs);
+    return outs;
+  }
   if (m >= kDenseRows) {
     for (size_t j = 0; j < ws.size(); ++j) {
       const int64_t groups = ws[j].size(0), step = std::max<int64_t>(1, kDenseChunkValues / (kRows * k));

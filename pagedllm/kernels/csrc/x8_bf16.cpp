@@ -212,14 +212,13 @@ struct Fma256 {
 
 // --- AMX-BF16 ----------------------------------------------------------------------------
 // C[m][n] += sum over pairs p of x[m][2p] w[n][2p] + x[m][2p + 1] w[n][2p + 1], by tdpbf16ps on
-// 16 x 16 tiles. Tiles: tmm0-3 the float32 sums of up to 64 x rows (4 blocks of 16), tmm4 the x
-// block (16 rows by 32 bf16, x rounded to bf16 as vdpbf16ps takes it), tmm5 the weights (16
-// pairs by 16 rows). The weight tile of 16 rows (two x8 groups) and 32 values is regrouped from
+// 16 x 16 tiles: float32 sums of 32 x rows by 32 weight rows in four tiles, x blocks of 16 rows
+// by 32 bf16 (x rounded to bf16 as vdpbf16ps takes it), weight blocks of 16 pairs by 16 rows. The weight tile of 16 rows (two x8 groups) and 32 values is regrouped from
 // the 8 records that hold them: B row 2i + j is dword j of every row's pair in record i (one
 // vpermt2d each), so the x8 layout serves the tiles as it is, with no second copy of the weights.
 // x is padded with zeros to whole tiles (16 rows, 32 values), and so are the weights past k.
 constexpr int64_t kAmxMinRows = 8;  // below: the vdpbf16ps kernels (weight reads bound there)
-constexpr int64_t kAmxRowsPerPass = 64;  // x rows sharing one pass over the weights (4 tiles)
+constexpr int64_t kAmxRowsPerPass = 32;  // x rows sharing one pass over the weights (2 tiles)
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
 
 // "" when this process may use AMX-BF16 tiles, else what is missing, as /proc/cpuinfo spells it
@@ -263,50 +262,41 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(con
   }
 }
 
-// c[16 * blocks][16] = x rows [16 * blocks, k32] (bf16, row stride ldx) @ the regrouped weight
-// tiles (kc of them, 1 KiB each), on the tiles. Tile loads alternate between two registers for x
-// (tmm4, tmm6) and two for the weights (tmm5, tmm7), so that a load need not wait for the
-// tdpbf16ps still reading the register it would overwrite.
-// one k chunk: the weight tile into tmm B, the x blocks alternately into tmm A1 and A2 (a load
-// need not wait for the tdpbf16ps still reading the other), each into its sum (tile numbers are
-// part of the instruction, hence a macro)
-#define PAGEDLLM_AMX_STEP(A1, A2, B, xt, tile)                                       \
-  do {                                                                              \
-    _tile_loadd(B, (tile), 64);                                                     \
-    _tile_loadd(A1, (xt), stride);                                                  \
-    if (blocks > 1) _tile_loadd(A2, (xt) + 16 * ldx, stride);                       \
-    _tile_dpbf16ps(0, A1, B);                                                       \
-    if (blocks > 1) _tile_dpbf16ps(1, A2, B);                                       \
-    if (blocks > 2) { _tile_loadd(A1, (xt) + 32 * ldx, stride); _tile_dpbf16ps(2, A1, B); } \
-    if (blocks > 3) { _tile_loadd(A2, (xt) + 48 * ldx, stride); _tile_dpbf16ps(3, A2, B); } \
-  } while (0)
-
-void amx_block(const uint16_t* xb, int64_t ldx, int blocks, const uint8_t* tiles, int64_t kc, float* c) {
+// c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x rows [16 * mblocks,
+// k32] (bf16, row stride ldx) @ the regrouped weight tiles of nblocks 16-row blocks (kc tiles of
+// 1 KiB each, block nb's at panel[nb]). Sums in tmm0-3 (mb, nb) = 2 mb + nb; x blocks in tmm4
+// and tmm6, weight blocks in tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
+void amx_block(const uint16_t* xb, int64_t ldx, int mblocks, int nblocks, const uint8_t* const panel[2],
+               int64_t kc, float* c) {
   const int64_t stride = 2 * ldx;
-  switch (blocks) {  // tile numbers are part of the instruction
-    case 4: _tile_zero(3); [[fallthrough]];
-    case 3: _tile_zero(2); [[fallthrough]];
-    case 2: _tile_zero(1); [[fallthrough]];
-    default: _tile_zero(0);
-  }
+  const bool m2 = mblocks > 1, n2 = nblocks > 1;
+  _tile_zero(0);
+  if (n2) _tile_zero(1);
+  if (m2) _tile_zero(2);
+  if (m2 && n2) _tile_zero(3);
   asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
-  int64_t t = 0;
-  for (; t + 1 < kc; t += 2) {
-    PAGEDLLM_AMX_STEP(4, 6, 5, xb + 32 * t, tiles + 1024 * t);
-    PAGEDLLM_AMX_STEP(4, 6, 7, xb + 32 * (t + 1), tiles + 1024 * (t + 1));
+  for (int64_t t = 0; t < kc; ++t) {
+    const uint16_t* xt = xb + 32 * t;
+    _tile_loadd(4, xt, stride);
+    _tile_loadd(5, panel[0] + 1024 * t, 64);
+    if (n2) _tile_loadd(7, panel[1] + 1024 * t, 64);
+    if (m2) _tile_loadd(6, xt + 16 * ldx, stride);
+    _tile_dpbf16ps(0, 4, 5);
+    if (n2) _tile_dpbf16ps(1, 4, 7);
+    if (m2) _tile_dpbf16ps(2, 6, 5);
+    if (m2 && n2) _tile_dpbf16ps(3, 6, 7);
   }
-  if (t < kc) PAGEDLLM_AMX_STEP(4, 6, 5, xb + 32 * t, tiles + 1024 * t);
   _tile_stored(0, c, 64);
-  if (blocks > 1) _tile_stored(1, c + 256, 64);
-  if (blocks > 2) _tile_stored(2, c + 512, 64);
-  if (blocks > 3) _tile_stored(3, c + 768, 64);
+  if (n2) _tile_stored(1, c + 256, 64);
+  if (m2) _tile_stored(2, c + 512, 64);
+  if (m2 && n2) _tile_stored(3, c + 768, 64);
   asm volatile("" ::: "memory");
 }
 
-// outs[j] [m, n_j] = x [m, k] @ W_j^T on the AMX tiles, in 64-row passes of x; the tasks split
-// over the threads. The tiles' sums are not those of a scalar
-// model in any order tried (their internal precision is not documented): tests hold them to the
-// float64 product of the bf16-rounded x, and to giving each x row the same bits in any batch.
+// outs[j] [m, n_j] = x [m, k] @ W_j^T on the AMX tiles, in 32-row passes of x over 32 weight rows
+// at a time. The tiles' sums are not those of a scalar model in any order tried (their internal
+// precision is not documented): tests hold them to the float64 product of the bf16-rounded x,
+// and to giving each x row the same bits in any batch.
 void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
   const int64_t m = x.size(0), nq = k / 4, kc = (k + 31) / 32, k32 = 32 * kc;
   const int64_t m16 = (m + 15) / 16 * 16;
@@ -319,15 +309,15 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < k; ++i) xb[r * k32 + i] = bf16_rne(xp[r * k + i]);
   });
-  // a task: one pair of x8 groups of one weight over a group of passes, whose x rows stay in
-  // L2 (~1 MiB of bf16) while the task's regrouped weight panel is reused for each pass
-  struct Task { int64_t pass0, pass1; size_t j; int64_t pair; };
+  // a task: 32 weight rows (4 x8 groups) of one weight over a group of passes, whose x rows stay
+  // in L2 (~1 MiB of bf16) while the task's regrouped weight panels serve each pass
+  struct Task { int64_t pass0, pass1; size_t j; int64_t quad; };
   std::vector<Task> tasks;
   const int64_t passes = (m16 + kAmxRowsPerPass - 1) / kAmxRowsPerPass;
-  const int64_t per_group = std::clamp<int64_t>((1 << 20) / (kAmxRowsPerPass * k32 * 2), 1, 8);
+  const int64_t per_group = std::clamp<int64_t>((1 << 20) / (kAmxRowsPerPass * k32 * 2), 1, 16);
   for (int64_t p = 0; p < passes; p += per_group)
     for (size_t j = 0; j < ws.size(); ++j)
-      for (int64_t g = 0; g < ws[j].size(0); g += 2) tasks.push_back({p, std::min(passes, p + per_group), j, g / 2});
+      for (int64_t g = 0; g < ws[j].size(0); g += 4) tasks.push_back({p, std::min(passes, p + per_group), j, g / 4});
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
   const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
@@ -337,24 +327,34 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
       cfg.colsb[t] = 64;
     }
     amx_configure(cfg);
-    std::vector<uint8_t> raw(1024 * kc + 64);
+    std::vector<uint8_t> raw(2048 * kc + 64);
     uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+    const uint8_t* const panel[2] = {tiles, tiles + 1024 * kc};
     alignas(64) float c[4 * 256];
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
       const at::Tensor& w = ws[task.j];
-      const int64_t groups = w.size(0), n = groups * kRows, g = 2 * task.pair;
-      const uint8_t* g0 = w.data_ptr<uint8_t>() + g * 16 * k;
-      const uint8_t* g1 = g + 1 < groups ? g0 + 16 * k : nullptr;
-      for (int64_t i = 0; i < kc; ++i) amx_regroup(g0, g1, 8 * i, nq, tiles + 1024 * i);
-      const int cols = g1 != nullptr ? 16 : 8;
+      const int64_t groups = w.size(0), n = groups * kRows, g = 4 * task.quad;
+      const int64_t have = std::min<int64_t>(4, groups - g);  // x8 groups in this task: 1-4
+      const uint8_t* base = w.data_ptr<uint8_t>() + g * 16 * k;
+      for (int nb = 0; nb < (have + 1) / 2; ++nb) {
+        const uint8_t* g0 = base + 2 * nb * 16 * k;
+        const uint8_t* g1 = 2 * nb + 1 < have ? g0 + 16 * k : nullptr;
+        for (int64_t i = 0; i < kc; ++i) amx_regroup(g0, g1, 8 * i, nq, tiles + 1024 * (nb * kc + i));
+      }
+      const int nblocks = static_cast<int>((have + 1) / 2);
       float* out = outs[task.j].data_ptr<float>();
       for (int64_t pass = task.pass0; pass < task.pass1; ++pass) {
         const int64_t row0 = pass * kAmxRowsPerPass;
-        const int blocks = static_cast<int>(std::min<int64_t>(4, (m16 - row0) / 16));
-        amx_block(xb + row0 * k32, k32, blocks, tiles, kc, c);
-        for (int r = 0; r < 16 * blocks && row0 + r < m; ++r)
-          std::memcpy(out + (row0 + r) * n + 16 * task.pair, c + 16 * r, 4 * cols);
+        const int mblocks = static_cast<int>(std::min<int64_t>(2, (m16 - row0) / 16));
+        amx_block(xb + row0 * k32, k32, mblocks, nblocks, panel, kc, c);
+        for (int mb = 0; mb < mblocks; ++mb)
+          for (int nb = 0; nb < nblocks; ++nb) {
+            const int cols = 2 * nb + 1 < have ? 16 : 8;
+            const float* cb = c + 256 * (2 * mb + nb);
+            for (int r = 0; r < 16 && row0 + 16 * mb + r < m; ++r)
+              std::memcpy(out + (row0 + 16 * mb + r) * n + 32 * task.quad + 16 * nb, cb + 16 * r, 4 * cols);
+          }
       }
     }
     amx_release();

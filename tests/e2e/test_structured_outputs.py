@@ -53,7 +53,10 @@ def test_json_object_regex_choice_and_grammar(llm):
     choices = ["red", "green", "blue sky"]
     assert {c.text for c in _run(llm, SO(choice=choices))} <= set(choices)
     for c in _run(llm, SO(grammar=GRAMMAR)):
-        assert re.fullmatch(r"(yes|no), because [a-z]+\.", c.text), c.text
+        if c.finish_reason == "length":  # [a-z]+ may run to max_tokens: still the grammar's prefix
+            assert re.fullmatch(r"(yes|no), because [a-z]*", c.text), c.text
+        else:
+            assert re.fullmatch(r"(yes|no), because [a-z]+\.", c.text), c.text
 
 
 def test_constrained_and_free_requests_share_a_batch(llm):

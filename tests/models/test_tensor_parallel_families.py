@@ -37,8 +37,9 @@ from tiny_models import (CHUNKED, NUM_TOKENS, VOCAB, base_fields, prompts, rando
 
 LOGPROB_TOL = 1e-3
 # Block weights run with 8-bit activations: an activation on a rounding boundary may round the
-# other way after TP's other summation order, one quantization step (measured: 1.7e-3, int8)
-BLOCKS_LOGPROB_TOL = 0.02
+# other way after TP's other summation order, one quantization step (measured: 1.7e-3, int8, on
+# AVX2; 0.034 on an AVX512-VNNI Xeon, Q8_0, and 0.026 for PP's batches there)
+BLOCKS_LOGPROB_TOL = 0.05
 # how close the one process's two best choices must be where TP=2 picks the other one (Q8_0)
 NEAR_TIE = 0.05
 

@@ -23,7 +23,7 @@ from pagedllm.memory.rank_memory import RankNodes, rank_memories
 from pagedllm.memory.weight_formats import FormatCost, format_costs, format_of, format_summary
 from pagedllm.memory.weight_layout import (gguf_weight_bytes, planned_weight_layout,
                                            quantized_at_load, weight_layout)
-from pagedllm.platforms import Platform, cpu_has_native_bf16, resolve_dtype, resolve_platform
+from pagedllm.platforms import Platform, resolve_dtype, resolve_platform
 from pagedllm.platforms.gpu import TorchGpuPlatform
 from pagedllm.platforms.interface import MemoryInfo, fmt_bytes
 
@@ -65,7 +65,7 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
         raise ValueError(f"quantization={wanted!r} quantizes float checkpoints; this GGUF is "
                          "already quantized (leave quantization unset to keep its blocks)")
     if wanted is None and not is_gguf:
-        wanted = "bf16" if _bf16_by_default(args, ckpt, on_cpu) else "none"
+        wanted = "bf16" if _bf16_by_default(args, ckpt, platform) else "none"
         if wanted == "bf16" and build_kernels and not platform.load_kernels():
             return "none"  # the kernels log line says why
     if wanted == "none" or (wanted is None and not is_gguf):
@@ -84,15 +84,23 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     return wanted or "gguf"
 
 
-def _bf16_by_default(args: EngineArgs, ckpt: Checkpoint, on_cpu: bool) -> bool:
+def _bf16_by_default(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> bool:
     """Whether a float checkpoint, quantization unset, keeps its matrices in bf16: a dense
-    decoder stored in bf16 (its values are bf16 already: nothing is rounded), dtype="auto",
-    on a CPU without native bf16, where the alternative is the float32 upcast (measured on Zen
-    3 AVX2: 1.23-1.5x one-stream decode, ~1 GB less on the default model). float16 and float32
-    checkpoints stay float (bf16 would round them), and so does every explicit dtype (vLLM's
-    behaviour). A CPU with native bf16 keeps torch's bf16 matmuls (dtype auto = bfloat16) until
-    the bf16 kernels are measured against them there (quantization="bf16" asks for them)."""
-    return (on_cpu and not cpu_has_native_bf16() and ckpt.arch.torch_dtype == "bfloat16"
+    decoder stored in bf16 (its values are bf16 already: nothing is rounded), dtype="auto", on a
+    CPU where pagedllm's bf16 kernels (and the C++ decode step they allow) beat the alternative:
+    - without native bf16, where the alternative is the float32 upcast (Zen 3 AVX2: 1.23-1.5x
+      one-stream decode, ~1 GB less on the default model);
+    - with AMX-BF16, where the amx kernels' tiles take batches and prefill, and the alternative
+      is torch's bf16 matmuls in the layer loop (docs/performance.md, Xeon with AMX).
+    A CPU with AVX512-BF16 but no AMX (Zen 4/5) keeps torch's bf16 (dtype auto = bfloat16) until
+    the kernels are measured against it there (quantization="bf16" asks for them). float16 and
+    float32 checkpoints stay float (bf16 would round them), and so does every explicit dtype
+    (vLLM's behaviour)."""
+    info = getattr(platform, "info", None)
+    if platform.name != "cpu" or info is None:
+        return False
+    kernels_win = not info.native_bf16 or "amx_bf16" in info.features
+    return (kernels_win and ckpt.arch.torch_dtype == "bfloat16"
             and ckpt.arch.moe is None and ckpt.arch.encoder is None
             and str(args.dtype or "auto").lower() == "auto")
 
@@ -317,7 +325,7 @@ def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quanti
            f"{ckpt.arch.torch_dtype or 'float'} checkpoint")
     if platform.name == "cpu" and dtype == torch.bfloat16:
         why += "; this CPU computes bf16 natively"
-    elif platform.name == "cpu" and not cpu_has_native_bf16():
+    elif platform.name == "cpu" and not platform.info.native_bf16:
         why += "; this CPU has no native bf16, so float32 is faster"
     return why
 

@@ -1,6 +1,6 @@
-"""The dtype and code-path choices on both kinds of CPU the project meets: AVX2 only (float32
-fastest) and AVX-512 with native bf16. Whichever this machine is, both choices run here, by
-handing the engine a CPU platform with the other feature set."""
+"""The dtype and code-path choices on the kinds of CPU the project meets: AVX2 only (float32
+fastest), AVX-512 with native bf16, and that with AMX. Whichever this machine is, every choice
+runs here, by handing the engine a CPU platform with the other feature sets."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +20,8 @@ from pagedllm.sampling_params import SamplingParams
 
 CPUS = {
     "avx2": ("avx2",),  # AMD Zen 3
-    "avx512_bf16": ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"),  # Zen 4/5, Cooper Lake on
+    "avx512_bf16": ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"),  # Zen 4/5, Cooper Lake
+    "amx": ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"),
 }
 
 
@@ -52,12 +53,16 @@ def test_kept_blocks_compute_in_float32_on_every_cpu(cpu, smollm_gguf):
 
 
 def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
-    """A bf16 checkpoint with dtype="auto" keeps its matrices in bf16 for pagedllm's kernels on
-    both CPUs (float32 activations, the C++ ops); quantization="none" is today's float path:
-    native bf16 where the CPU has it, else float32; an explicit dtype is vLLM's."""
+    """A bf16 checkpoint with dtype="auto" keeps its matrices in bf16 for pagedllm's kernels
+    (float32 activations, the C++ ops) without native bf16 and with AMX, and is torch's bf16
+    with AVX512-BF16 alone; quantization="none" is the float path: native bf16 where the CPU
+    has it, else float32; an explicit dtype is vLLM's."""
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
-    assert config.quantization == "bf16" and config.dtype == torch.float32
-    assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
+    if cpu.info.native_bf16 and "amx_bf16" not in cpu.info.features:
+        assert config.quantization == "none" and config.dtype == torch.bfloat16
+    else:
+        assert config.quantization == "bf16" and config.dtype == torch.float32
+        assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")
     want = torch.bfloat16 if cpu.info.native_bf16 else torch.float32
     assert config.quantization == "none" and config.dtype == want
@@ -92,7 +97,9 @@ def test_an_hf_checkpoint_logs_its_weight_formats_cost(cpu, smollm_hf_dir, caplo
     caplog.set_level("INFO", logger="pagedllm")
     _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
-    assert len(lines) == 1 and lines[0].startswith('weight format bf16x8 (quantization="bf16")')
+    torch_bf16 = cpu.info.native_bf16 and "amx_bf16" not in cpu.info.features
+    assert len(lines) == 1 and lines[0].startswith(
+        "weight format bf16 (" if torch_bf16 else 'weight format bf16x8 (quantization="bf16")')
     assert 'instead int8 (quantization="int8"): weights' in lines[0]
     caplog.clear()
     _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")

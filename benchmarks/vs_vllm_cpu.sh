@@ -45,23 +45,23 @@ serve_bench() {  # $1 label, then the server command
 for i in $(seq "$PAIRS"); do
   echo "== pair $i $(date +%T) load $(load)"
   if [ "${OFFLINE:-1}" = 1 ]; then
-  "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
-    | "$PY" -c 'import json,sys
+    "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
+      | "$PY" -c 'import json,sys
 for line in sys.stdin:
     if line.startswith("{"):
         r = json.loads(line)
         v = r["output_tok_per_s"] if r["mode"] == "throughput" else r["decode_tok_per_s"]
         print("vllm", r["mode"], round(v, 1))'
-  for f in $FORMATS; do
-    # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
-      --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
-      | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
-    # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
-      --input-len 16 --output-len 128 2>/dev/null \
-      | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
-  done
+    for f in $FORMATS; do
+      # shellcheck disable=SC2046
+      $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
+        --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
+        | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
+      # shellcheck disable=SC2046
+      $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
+        --input-len 16 --output-len 128 2>/dev/null \
+        | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
+    done
   fi
   if [ "${SERVE:-0}" = 1 ]; then
     serve_bench vllm "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \

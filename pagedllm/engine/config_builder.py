@@ -96,9 +96,9 @@ def _bf16_by_default(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> 
     the kernels are measured against it there (quantization="bf16" asks for them). float16 and
     float32 checkpoints stay float (bf16 would round them), and so does every explicit dtype
     (vLLM's behaviour)."""
-    info = getattr(platform, "info", None)
-    if platform.name != "cpu" or info is None:
+    if platform.name != "cpu":
         return False
+    info = platform.info
     kernels_win = not info.native_bf16 or "amx_bf16" in info.features
     return (kernels_win and ckpt.arch.torch_dtype == "bfloat16"
             and ckpt.arch.moe is None and ckpt.arch.encoder is None

@@ -26,7 +26,6 @@ from pagedllm.layers.custom_op import build_context
 from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
 from pagedllm.layers.quantization import QuantPlan, block_quantizers, float_quant_plan
 from pagedllm.layers.rotary import rope_summary
-from pagedllm.platforms.malloc import trim_freed_memory
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.gguf.gguf_loader import GGUFWeightReader, gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
@@ -37,6 +36,7 @@ from pagedllm.models.pipeline import held_elsewhere
 from pagedllm.models.registry import build_model, model_class
 from pagedllm.models.tensor_parallel import add_collectives
 from pagedllm.platforms.interface import fmt_bytes
+from pagedllm.platforms.malloc import trim_freed_memory
 from pagedllm.worker.x8_weight_file import cache_path, map_slots
 
 logger = logging.getLogger("pagedllm")

@@ -162,7 +162,6 @@ def test_the_bf16_x_variants(bf16_ckpt, auto_llm, variant):
         error = max_logit_error(auto_llm, bf16_ckpt[1])
     finally:
         torch.ops.pagedllm.set_bf16_kernel(chosen)
-    print(f"{variant}: max logit error {error:.4f}")
     assert error <= 0.15
 
 

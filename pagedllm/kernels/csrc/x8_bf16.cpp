@@ -15,8 +15,8 @@
 //
 //   variant      needs                         per quad and x row
 //   amx          avx512bf16 + amx_bf16 and     below kAmxMinRows x rows: avx512bf16; from there on
-//                the kernel's leave to use      tiles: 16 x rows by 16 weight rows by 32 values a
-//                the tile registers             tdpbf16ps, the weights regrouped per tile on the fly
+//                the kernel's leave to use      tiles: 32 x rows by 32 weight rows a pass (2 x 2
+//                the tile registers             tdpbf16ps), the weights regrouped per tile on the fly
 //   avx512bf16   avx512f avx512_bf16           1 vdpbf16ps zmm
 //   avx512f      avx512f                       2 widenings, 2 vfmadd zmm
 //   avx2         avx2 fma                      4 widenings, 4 vfmadd ymm (rows 0-3, 4-7); compiled
@@ -213,9 +213,10 @@ struct Fma256 {
 // --- AMX-BF16 ----------------------------------------------------------------------------
 // C[m][n] += sum over pairs p of x[m][2p] w[n][2p] + x[m][2p + 1] w[n][2p + 1], by tdpbf16ps on
 // 16 x 16 tiles: float32 sums of 32 x rows by 32 weight rows in four tiles, x blocks of 16 rows
-// by 32 bf16 (x rounded to bf16 as vdpbf16ps takes it), weight blocks of 16 pairs by 16 rows. The weight tile of 16 rows (two x8 groups) and 32 values is regrouped from
-// the 8 records that hold them: B row 2i + j is dword j of every row's pair in record i (one
-// vpermt2d each), so the x8 layout serves the tiles as it is, with no second copy of the weights.
+// by 32 bf16 (x rounded to bf16 as vdpbf16ps takes it), weight blocks of 16 pairs by 16 rows.
+// The weight tile of 16 rows (two x8 groups) and 32 values is regrouped from the 8 records that
+// hold them: B row 2i + j is dword j of every row's pair in record i (one vpermt2d each), so the
+// x8 layout serves the tiles as it is, with no second copy of the weights.
 // x is padded with zeros to whole tiles (16 rows, 32 values), and so are the weights past k.
 constexpr int64_t kAmxMinRows = 8;  // below: the vdpbf16ps kernels (weight reads bound there)
 constexpr int64_t kAmxRowsPerPass = 32;  // x rows sharing one pass over the weights (2 tiles)

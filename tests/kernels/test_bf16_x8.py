@@ -58,6 +58,20 @@ def test_variant_equals_its_scalar_model(m: int, variant: str, model: str, featu
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not _has("avx512_bf16"), reason="this CPU lacks avx512_bf16")
+@pytest.mark.parametrize("m,n,k", [(6, 32, 896), (7, 40, 64), (12, 24, 100), (37, 72, 896),
+                                   (64, 136, 256), (130, 8, 4864)])
+def test_avx512bf16_blocks_equal_their_scalar_model(m: int, n: int, k: int) -> None:
+    """The kernels of 4 groups by 6 rows a block, with ragged groups and rows, at the prefill's
+    row counts too: each row the scalar model's bits, and the same bits in any batch."""
+    x, w = _data(m, n, k)
+    packed = torch.ops.pagedllm.bf16_pack_x8(w)
+    full = torch.ops.pagedllm.bf16_linear_x8(x, packed, k, "avx512bf16")
+    assert torch.equal(full, torch.ops.pagedllm.bf16_linear_x8(x, packed, k, "scalar_dp"))
+    for lo, hi in ((0, 1), (1, min(m, 8)), (m // 2, m)):
+        assert torch.equal(torch.ops.pagedllm.bf16_linear_x8(x[lo:hi], packed, k, "avx512bf16"), full[lo:hi])
+
+
 def test_scalar_dp_model_is_exact_bf16_products() -> None:
     """bf16 x bf16 products are exact in float32, so plain float32 adds in the kernel's order
     (per row two lanes, odd element first, then lane 0 + lane 1) give scalar_dp's bits."""
@@ -195,16 +209,16 @@ def test_an_unrunnable_env_choice_is_a_value_error() -> None:
 
 @pytest.mark.parametrize("m", [1, 7, 64, 130])
 def test_several_weights_in_one_call(m: int) -> None:
-    """q/k/v in one ggml_linear_x8 call equal each alone; from 64 rows on (prefill) the call
-    widens W to float32 in chunks for a BLAS GEMM: exactly torch's mm on the float32 values,
-    except under the amx variant, whose tiles take every call from 8 rows on."""
+    """q/k/v in one ggml_linear_x8 call equal each alone; from 64 rows on (prefill) the FMA
+    variants widen W to float32 in chunks for a BLAS GEMM: exactly torch's mm on the float32
+    values; the vdpbf16ps variants keep their own blocks (amx: its tiles from 8 rows on)."""
     x, w = _data(m, 40, 128)
     ws = [w[:16], w[16:24], w[24:]]
     packed = [torch.ops.pagedllm.bf16_pack_x8(t) for t in ws]
     outs = torch.ops.pagedllm.ggml_linear_x8(x, packed, [BF16_TYPE] * 3, 128)
     variant = torch.ops.pagedllm.bf16_kernel()[0]
     for got, p, t in zip(outs, packed, ws):
-        if m >= 64 and variant != "amx":
+        if m >= 64 and variant not in ("amx", "avx512bf16"):
             assert torch.equal(got, torch.mm(x, t.float().t()))
         else:
             assert torch.equal(got, torch.ops.pagedllm.bf16_linear_x8(x, p, 128, variant))

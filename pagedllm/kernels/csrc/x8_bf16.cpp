@@ -119,6 +119,66 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_cols(con
   }
 }
 
+// The same sums over a block of G groups (8 G weight rows) and C x rows at once: G C
+// independent accumulators hide vdpbf16ps's latency (a lone chain waits ~6 cycles a step), each
+// weight record loaded once serves C rows and each x broadcast G groups. Every lane still adds
+// its quads in order, so a row's bits are those of dp_cols (and of scalar_dp), in any block.
+constexpr int kBlockGroups = 4, kBlockCols = 6;  // 24 accumulators + 4 weights + 1 x of 32 zmm
+
+template <int G, int C>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(const uint8_t* rec, int64_t gstride,
+                                                                               int64_t nq, const uint16_t* xb,
+                                                                               int64_t k, float* out, int64_t ldo) {
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < nq; ++q) {
+    __m512i w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(rec + g * gstride + 64 * q);
+    for (int c = 0; c < C; ++c) {
+      int64_t xq;
+      std::memcpy(&xq, xb + c * k + 4 * q, 8);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi64(xq);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)w[g], xv);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int g = 0; g < G; ++g) {  // lane 2r + lane 2r + 1 -> row r (the add as store_pairs does it)
+      const __m512 sum = _mm512_add_ps(acc[g][c], _mm512_permute_ps(acc[g][c], 0xB1));
+      _mm256_storeu_ps(out + c * ldo + kRows * g, _mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, sum)));
+    }
+}
+
+template <int G>
+void dp_block_rows(const uint8_t* rec, int64_t gstride, int64_t nq, const uint16_t* xb, int64_t k, int64_t m,
+                   float* out, int64_t ldo) {
+  int64_t c = 0;
+  for (; c + kBlockCols <= m; c += kBlockCols)
+    dp_block<G, kBlockCols>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo);
+  switch (m - c) {
+    case 5: dp_block<G, 5>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo); break;
+    case 4: dp_block<G, 4>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo); break;
+    case 3: dp_block<G, 3>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo); break;
+    case 2: dp_block<G, 2>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo); break;
+    case 1: dp_block<G, 1>(rec, gstride, nq, xb + c * k, k, out + c * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// groups [g0, g0 + groups) (groups <= kBlockGroups) of one weight by all m x rows
+void dp_blocked(const uint8_t* w, int64_t g0, int64_t groups, int64_t k, const uint16_t* xb, int64_t m, float* out,
+                int64_t ldo) {
+  const uint8_t* rec = w + g0 * 16 * k;
+  float* o = out + g0 * kRows;
+  const int64_t nq = k / 4, gstride = 16 * k;
+  switch (groups) {
+    case 4: dp_block_rows<4>(rec, gstride, nq, xb, k, m, o, ldo); break;
+    case 3: dp_block_rows<3>(rec, gstride, nq, xb, k, m, o, ldo); break;
+    case 2: dp_block_rows<2>(rec, gstride, nq, xb, k, m, o, ldo); break;
+    default: dp_block_rows<1>(rec, gstride, nq, xb, k, m, o, ldo);
+  }
+}
+
 // --- AVX-512F FMA ------------------------------------------------------------------------
 template <int C>
 __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void fma512_cols(const uint8_t* rec, int64_t nq,
@@ -366,6 +426,7 @@ struct Variant {
   GroupFn fn;
   bool bf16_x;  // x rounded to bf16 (else permuted float32)
   bool amx = false;  // from kAmxMinRows x rows on, the AMX tiles
+  bool blocked = false;  // dp_blocked (kBlockGroups groups by kBlockCols rows) at every row count
 };
 
 // what a variant needs, as /proc/cpuinfo spells it ("" when it can run here)
@@ -397,8 +458,8 @@ const char* const kChoices[] = {"amx", "avx512bf16", "avx512f", "avx2", "scalar"
 Variant variant_of(const std::string& name) {
   const std::string lacks = missing_feature(name);
   TORCH_CHECK(lacks.empty(), "variant '", name, "': this CPU lacks ", lacks);
-  if (name == "amx") return {by_cols<Dp>, true, true};
-  if (name == "avx512bf16") return {by_cols<Dp>, true};
+  if (name == "amx") return {by_cols<Dp>, true, true, true};
+  if (name == "avx512bf16") return {by_cols<Dp>, true, false, true};
   if (name == "avx512f") return {by_cols<Fma512>, false};
   if (name == "avx2") return {by_cols<Fma256>, false};
   if (name == "scalar_dp") return {group_scalar<true>, true};
@@ -488,8 +549,9 @@ at::Tensor bf16_pack_x8(const at::Tensor& w_in) {
   return out;
 }
 
-// From this many x rows on, chunks of W widened to float32 and a BLAS GEMM (prefill): the gemm
-// here does at most 4 rows a pass over W, where BLAS blocks for the cache.
+// From this many x rows on, the FMA variants (float32 x) take chunks of W widened to float32 and
+// a BLAS GEMM (prefill): their gemm here does at most 4 rows a pass over W, where BLAS blocks for
+// the cache. The vdpbf16ps variants keep their blocks (dp_blocked) at every row count.
 constexpr int64_t kDenseRows = 64;
 constexpr int64_t kDenseChunkValues = 2 * 1024 * 1024;  // 8 MiB of float32 per chunk
 
@@ -497,6 +559,23 @@ constexpr int64_t kDenseChunkValues = 2 * 1024 * 1024;  // 8 MiB of float32 per 
 at::Tensor widen_groups(const at::Tensor& wp, int64_t k, int64_t g0, int64_t g1) {
   const at::Tensor bf = wp.narrow(0, g0, g1 - g0).view(at::kBFloat16).view({g1 - g0, k / 4, kRows, 4});
   return bf.permute({0, 2, 1, 3}).reshape({(g1 - g0) * kRows, k}).to(at::kFloat);
+}
+
+// outs[j] = x (bf16, [m, k]) @ W_j^T by dp_blocked: blocks of kBlockGroups groups of every
+// matrix split over the threads together, each block taking all m rows
+void blocked_linear(const uint16_t* xb, int64_t m, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
+  std::vector<std::pair<size_t, int64_t>> tasks;  // (weight, first group of the block)
+  for (size_t j = 0; j < ws.size(); ++j)
+    for (int64_t g = 0; g < ws[j].size(0); g += kBlockGroups) tasks.emplace_back(j, g);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [j, g] = tasks[t];
+      const int64_t groups = std::min<int64_t>(kBlockGroups, ws[j].size(0) - g);
+      dp_blocked(ws[j].data_ptr<uint8_t>(), g, groups, k, xb, m, outs[j].data_ptr<float>(), ws[j].size(0) * kRows);
+    }
+  });
 }
 
 // y_j = x [M, K] float32 @ W_j^T for bf16 x8 weights W_j sharing x, by variant v: x prepared once,
@@ -513,7 +592,7 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
     amx_linear(x, ws, k, outs);
     return outs;
   }
-  if (m >= kDenseRows) {
+  if (m >= kDenseRows && !v.bf16_x) {
     for (size_t j = 0; j < ws.size(); ++j) {
       const int64_t groups = ws[j].size(0), step = std::max<int64_t>(1, kDenseChunkValues / (kRows * k));
       for (int64_t g0 = 0; g0 < groups; g0 += step) {
@@ -527,12 +606,18 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
   const float* xp = x.data_ptr<float>();
   if (v.bf16_x) {
     prep.bf.resize(m * k);
-    for (int64_t i = 0; i < m * k; ++i) prep.bf[i] = bf16_rne(xp[i]);
+    at::parallel_for(0, m * k, 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) prep.bf[i] = bf16_rne(xp[i]);
+    });
   } else {
     prep.perm.resize(m * k);
     static const int kPerm[4] = {0, 2, 1, 3};
     for (int64_t i = 0; i < m * k; i += 4)
       for (int e = 0; e < 4; ++e) prep.perm[i + e] = xp[i + kPerm[e]];
+  }
+  if (v.blocked) {
+    blocked_linear(prep.bf.data(), m, ws, k, outs);
+    return outs;
   }
   std::vector<std::pair<size_t, int64_t>> tasks;  // (weight, group)
   for (size_t j = 0; j < ws.size(); ++j)

@@ -86,21 +86,18 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
 
 def _bf16_by_default(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> bool:
     """Whether a float checkpoint, quantization unset, keeps its matrices in bf16: a dense
-    decoder stored in bf16 (its values are bf16 already: nothing is rounded), dtype="auto", on a
-    CPU where pagedllm's bf16 kernels (and the C++ decode step they allow) beat the alternative:
-    - without native bf16, where the alternative is the float32 upcast (Zen 3 AVX2: 1.23-1.5x
+    decoder stored in bf16 (its values are bf16 already: nothing is rounded), dtype="auto", on
+    the CPU, where pagedllm's bf16 kernels (and the C++ decode step they allow) beat the
+    alternative on every CPU measured (docs/performance.md):
+    - without native bf16 the alternative is the float32 upcast (Zen 3 AVX2: 1.23-1.5x
       one-stream decode, ~1 GB less on the default model);
-    - with AMX-BF16, where the amx kernels' tiles take batches and prefill, and the alternative
-      is torch's bf16 matmuls in the layer loop (docs/performance.md, Xeon with AMX).
-    A CPU with AVX512-BF16 but no AMX (Zen 4/5) keeps torch's bf16 (dtype auto = bfloat16) until
-    the kernels are measured against it there (quantization="bf16" asks for them). float16 and
-    float32 checkpoints stay float (bf16 would round them), and so does every explicit dtype
-    (vLLM's behaviour)."""
+    - with AVX512-BF16 (Zen 4) or AMX-BF16 it is torch's bf16 matmuls in the layer loop: the
+      vdpbf16ps blocks / amx tiles are 1.0-3x oneDNN's per matmul and 1.3-2x end to end.
+    float16 and float32 checkpoints stay float (bf16 would round them), and so does every
+    explicit dtype (vLLM's behaviour)."""
     if platform.name != "cpu":
         return False
-    info = platform.info
-    kernels_win = not info.native_bf16 or "amx_bf16" in info.features
-    return (kernels_win and ckpt.arch.torch_dtype == "bfloat16"
+    return (ckpt.arch.torch_dtype == "bfloat16"
             and ckpt.arch.moe is None and ckpt.arch.encoder is None
             and str(args.dtype or "auto").lower() == "auto")
 

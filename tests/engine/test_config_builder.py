@@ -54,15 +54,11 @@ def test_kept_blocks_compute_in_float32_on_every_cpu(cpu, smollm_gguf):
 
 def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
     """A bf16 checkpoint with dtype="auto" keeps its matrices in bf16 for pagedllm's kernels
-    (float32 activations, the C++ ops) without native bf16 and with AMX, and is torch's bf16
-    with AVX512-BF16 alone; quantization="none" is the float path: native bf16 where the CPU
-    has it, else float32; an explicit dtype is vLLM's."""
+    (float32 activations, the C++ ops) on every CPU; quantization="none" is the float path:
+    native bf16 where the CPU has it, else float32; an explicit dtype is vLLM's."""
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
-    if cpu.info.native_bf16 and "amx_bf16" not in cpu.info.features:
-        assert config.quantization == "none" and config.dtype == torch.bfloat16
-    else:
-        assert config.quantization == "bf16" and config.dtype == torch.float32
-        assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
+    assert config.quantization == "bf16" and config.dtype == torch.float32
+    assert cpu.attention_backend(config.dtype) == "cpu" and cpu.op_impl(config.dtype) == "cpu"
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")
     want = torch.bfloat16 if cpu.info.native_bf16 else torch.float32
     assert config.quantization == "none" and config.dtype == want
@@ -97,9 +93,7 @@ def test_an_hf_checkpoint_logs_its_weight_formats_cost(cpu, smollm_hf_dir, caplo
     caplog.set_level("INFO", logger="pagedllm")
     _config(smollm_hf_dir, checkpoint_dtype="bfloat16")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weight format")]
-    torch_bf16 = cpu.info.native_bf16 and "amx_bf16" not in cpu.info.features
-    assert len(lines) == 1 and lines[0].startswith(
-        "weight format bf16 (" if torch_bf16 else 'weight format bf16x8 (quantization="bf16")')
+    assert len(lines) == 1 and lines[0].startswith('weight format bf16x8 (quantization="bf16")')
     assert 'instead int8 (quantization="int8"): weights' in lines[0]
     caplog.clear()
     _config(smollm_hf_dir, checkpoint_dtype="bfloat16", quantization="none")

@@ -169,19 +169,9 @@ def test_doctor_in_the_seed_vm_names_the_tested_way_first(seed_vm, tmp_path):
     # (quantization "bf16"), which compute in float32: a float32 KV cache and the regrouping
     # peak (planned as the matrices twice) leave no even split over such machines; the bf16
     # way (dtype='bfloat16', 8 machines) stays among the ways out
-    # (on a CPU without native bf16 or with AMX; with AVX512-BF16 alone, dtype auto stays
-    # torch's bf16: 8 machines)
-    from pagedllm.platforms import cpu_platform
-
-    info = cpu_platform().info
-    if info.native_bf16 and "amx_bf16" not in info.features:
-        assert model["quantization"] == "none"
-        assert model["machines_needed"] == {"pipeline_parallel_size": 8,
-                                            "tensor_parallel_size": None}
-    else:
-        assert model["quantization"] == "bf16"
-        assert model["machines_needed"] == {"pipeline_parallel_size": None,
-                                            "tensor_parallel_size": None}
+    assert model["quantization"] == "bf16"
+    assert model["machines_needed"] == {"pipeline_parallel_size": None,
+                                        "tensor_parallel_size": None}
     text = runs[1].stdout
     ways = text[text.index("ways out"):].split("\n")[1:]
     assert ways[0].startswith("    - the tested way: a Q4_K_M GGUF with pipeline_parallel_size=2 "

@@ -15,14 +15,28 @@
 #include "kernels.h"
 #include "simd.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 namespace pagedllm_ops {
+
+at::Tensor empty_weights(int64_t rows, int64_t cols) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t bytes = static_cast<size_t>(rows) * static_cast<size_t>(cols);
+  if (bytes < 2 * kHuge) return at::empty({rows, cols}, at::TensorOptions().dtype(at::kByte));
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, kHuge, bytes) == 0, "out of memory allocating ", bytes, " bytes of weights");
+  // whole huge pages only: a tail rounded up would be resident in full
+  madvise(p, bytes / kHuge * kHuge, MADV_HUGEPAGE);  // a hint: where THP is off it changes nothing
+  return at::from_blob(p, {rows, cols}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
 
 #ifdef PAGEDLLM_AVX2
 using pagedllm_simd::exp_nonpositive;

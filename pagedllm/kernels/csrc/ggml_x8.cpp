@@ -59,7 +59,7 @@ at::Tensor ggml_pack_x8(const at::Tensor& w, int64_t qtype, int64_t k) {
   check_weight(w, qtype, k);
   TORCH_CHECK(w.size(0) % kRows == 0, "rows=", w.size(0), " is not a multiple of ", kRows);
   const int64_t groups = w.size(0) / kRows, nrec = k / f.values, rb = w.size(1);
-  at::Tensor out = at::empty({groups, nrec * f.rec_bytes}, w.options());
+  at::Tensor out = pagedllm_ops::empty_weights(groups, nrec * f.rec_bytes);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {

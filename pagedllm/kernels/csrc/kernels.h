@@ -8,6 +8,11 @@
 #include <vector>
 
 namespace pagedllm_ops {  // cpu_ops.cpp
+// uint8 [rows, cols] for regrouped weights: from 4 MiB on, 2 MiB-aligned and madvise'd for
+// transparent huge pages (where THP is "madvise", the default of most distributions). A decode
+// step streams every weight once: with 4 KiB pages it misses the TLB every 64 cache lines
+// (measured on a Zen 4, 24 layers of a 0.5B model, bf16: 19.3 -> 16.7 ms a step at one row).
+at::Tensor empty_weights(int64_t rows, int64_t cols);
 // t must be a contiguous float32 CPU tensor (the error names it)
 void check_f32(const at::Tensor& t, const char* name);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);

@@ -13,7 +13,7 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
+from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import ModelFootprint, footprint, regrouped_bytes

@@ -6,7 +6,7 @@ from typing import Optional
 
 from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
 from pagedllm.tokenizer.gguf_tokenizer_cache import cached_gguf_tokenizer
-from pagedllm.loader.gguf.gguf_vocab_checks import check_token_count
+from pagedllm.loader.gguf.vocab_checks import check_token_count
 from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
 from pagedllm.tokenizer.known_templates import with_known_template
 from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files

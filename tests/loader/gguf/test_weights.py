@@ -21,7 +21,7 @@ from pagedllm.loader.gguf import header
 from pagedllm.loader.gguf.header import read_gguf_header
 from pagedllm.loader.gguf.weights import (arch_from_gguf, hf_name, iter_gguf_weights,
                                           load_gguf_weights)
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.hub.model_store import ensure_model
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pagedllm.loader.checkpoint import generation_config, load_weights, resolve_checkpoint
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.loader.hf.safetensors_loader import INDEX_FILE, load_safetensors_weights
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 

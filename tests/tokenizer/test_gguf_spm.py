@@ -23,7 +23,7 @@ from pagedllm.loader.gguf.vocab import read_gguf_vocab
 from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
 from pagedllm.tokenizer.known_templates import with_known_template
 from pagedllm.tokenizer.tokenizer import load_tokenizer
-from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files, save_tokenizer_files
+from pagedllm.tokenizer.files import load_tokenizer_files, save_tokenizer_files
 
 TEXTS = [
     "Hello world",

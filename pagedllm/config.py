@@ -439,7 +439,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # vLLM's default
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4", "bf16" or "none"
     # the kept GGUF blocks mapped, regrouped, from a cache file (page cache) instead of read

@@ -6,7 +6,8 @@ import logging
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, ParallelConfig,
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, CacheConfig,
+                             EngineConfig, ParallelConfig, SchedulerConfig,
                              StructuredOutputsConfig, check_positive_int, check_quantization)
 from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, check_parser_name
 
@@ -158,13 +159,14 @@ class EngineArgs:
         action="BooleanOptionalAction")
     max_model_len: Optional[int] = _opt(None, "longest prompt + output (default: the model's, "
                                         "shrunk to what memory holds)", type=int)
-    max_num_seqs: int = _opt(64, "most sequences in a batch")
+    max_num_seqs: int = _opt(SchedulerConfig.max_num_seqs, "most sequences in a batch")
     max_num_batched_tokens: Optional[int] = _opt(
         None, "most tokens one step computes (default: chosen per device for short steps)",
         type=int)
-    block_size: int = _opt(16, "tokens per KV-cache block")
-    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes already "
-                                       "computed", action="BooleanOptionalAction")
+    block_size: int = _opt(CacheConfig.block_size, "tokens per KV-cache block")
+    enable_prefix_caching: bool = _opt(CacheConfig.enable_prefix_caching, "reuse the KV blocks of "
+                                       "prompt prefixes already computed",
+                                       action="BooleanOptionalAction")
     kv_cache_memory_bytes: Optional[int] = _opt(
         None, "bytes for the KV cache (default: sized from the memory available)", type=int)
     # vLLM's name; here: the number of KV blocks on any device
@@ -173,18 +175,18 @@ class EngineArgs:
     gpu_memory_utilization: Optional[float] = _opt(
         None, "share of free GPU memory to plan with (default: the platform's; no effect on "
         "the CPU)", type=float)
-    # vLLM's default
-    max_logprobs: int = _opt(20, "most logprobs a request may ask for")
-    seed: int = _opt(0, "seed of the sampling generators")
+    max_logprobs: int = _opt(EngineConfig.max_logprobs, "most logprobs a request may ask for")
+    seed: int = _opt(EngineConfig.seed, "seed of the sampling generators")
     trust_remote_code: bool = _opt(False, "let the tokenizer run code from the model's repo",
                                    action="store_true")
     # ranks: the layers split into pipeline_parallel_size stages and every layer of a stage
     # split over tensor_parallel_size ranks (tp x pp ranks in all); one process each ("mp") or
     # one Ray actor each ("ray")
-    pipeline_parallel_size: int = _opt(1, "split the layers into this many stages, one process "
-                                       "each", short="-pp")
-    tensor_parallel_size: int = _opt(1, "ranks each layer is split over, one process (or Ray "
-                                     "actor) each; with -pp, in every stage", short="-tp")
+    pipeline_parallel_size: int = _opt(ParallelConfig.pipeline_parallel_size, "split the layers "
+                                       "into this many stages, one process each", short="-pp")
+    tensor_parallel_size: int = _opt(ParallelConfig.tensor_parallel_size, "ranks each layer is "
+                                     "split over, one process (or Ray actor) each; with -pp, in "
+                                     "every stage", short="-tp")
     distributed_executor_backend: Optional[str] = _opt(
         None, "mp: one process per rank on this machine; ray: one Ray actor per rank on the "
         "Ray cluster at RAY_ADDRESS (else a local one; needs pagedllm[ray]); uni: the model in "
@@ -195,10 +197,10 @@ class EngineArgs:
     usage_context: str = "llm"
     # executor/deadline.py: the floor speed, and 195 s more for a 256-token prefill chunk of a 7B
     step_timeout: Optional[float] = _opt(
-        30.0, "seconds a step may take, plus its work at 20 GFLOP/s (195 s more for a "
-        "256-token prefill of a 7B), before the engine is declared hung (a rank stopped, a "
-        "kernel stuck): the requests fail, and a server answers /health with 503 and the "
-        "reason and exits 1 (0: no deadline)", type=float)
+        EngineConfig.step_timeout, "seconds a step may take, plus its work at 20 GFLOP/s "
+        "(195 s more for a 256-token prefill of a 7B), before the engine is declared hung (a "
+        "rank stopped, a kernel stuck): the requests fail, and a server answers /health with "
+        "503 and the reason and exits 1 (0: no deadline)", type=float)
     # "pooling": the model embeds (LLM.embed, /v1/embeddings); "generate": it completes;
     # "auto": pooling for an encoder (BERT), generate otherwise (vLLM's --runner)
     runner: str = _opt("auto", "pooling: the model embeds (/v1/embeddings); generate: it "

@@ -13,10 +13,10 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
+from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
-from pagedllm.memory.footprint import footprint, regrouped_bytes
+from pagedllm.memory.footprint import ModelFootprint, footprint, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories
@@ -182,50 +182,96 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
     tensor_parallel_size M too, a rank's share is its stage's over M (memory/footprint.py's
     tp_share)."""
-    tensors = gguf_tensors(ckpt)  # read once, handed down to every candidate's plan
-    num_params, source = checkpoint_num_params(ckpt, tensors)
-    mem = platform.memory()
-    world, tp_size = args.pipeline_parallel_size, args.tensor_parallel_size
-    # each rank's cgroup, every TP rank of every stage (with pipeline parallelism)
-    if rank_mems is None:
-        rank_mems = (rank_memories(world * tp_size) if world > 1 and platform.name == "cpu"
-                     else None)
-    batched = _max_num_batched_tokens(args, ckpt, platform)
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
-    keeps_blocks = _keeps_gguf_blocks(ckpt, platform, quantization, tensors)
+    planner = CandidatePlanner.of(args, ckpt, platform, quantization, rank_mems)
+    candidates = _candidates(args, ckpt, platform, dtype, quantization, planner.mem)
+    result, chosen = _first_that_fits(candidates, planner.plan)
+    if chosen.forced:
+        _warn_mapped_tight(result)
+    return result, chosen.dtype
 
-    def plan(c: Candidate) -> MemoryPlan:
+
+def _warn_mapped_tight(result: MemoryPlan) -> None:
+    """mmap_weights=True kept a mapped plan: warn for each share whose page cache is short."""
+    for share in result.ranks or (result,):
+        if share.mapped_tight():
+            logger.warning("%s", share.reread_warning())
+
+
+def _rank_cgroup_memories(args: EngineArgs, platform: Platform
+                          ) -> Optional[list[MemoryInfo]]:
+    """With pipeline parallelism on the CPU, each rank's cgroup (every TP rank of every
+    stage; rank_memories), else None."""
+    pp = args.pipeline_parallel_size
+    if pp > 1 and platform.name == "cpu":
+        return rank_memories(pp * args.tensor_parallel_size)
+    return None
+
+
+@dataclass(frozen=True)
+class CandidatePlanner:
+    """What every candidate plan of one engine shares (the GGUF's tensor table, read once and
+    handed down; the parameter count; the memory), and the plan of one Candidate."""
+
+    args: EngineArgs
+    ckpt: Checkpoint
+    platform: Platform
+    quantization: str
+    tensors: Optional[Sequence[GGUFTensorInfo]]
+    num_params: int
+    params_source: str
+    mem: MemoryInfo
+    rank_mems: Optional[Sequence[MemoryInfo]]
+    batched: int  # max_num_batched_tokens
+    keeps_blocks: bool  # a GGUF keeping some of its blocks (_keeps_gguf_blocks)
+
+    @classmethod
+    def of(cls, args: EngineArgs, ckpt: Checkpoint, platform: Platform, quantization: str,
+           rank_mems: Optional[Sequence[MemoryInfo]]) -> "CandidatePlanner":
+        """Read the checkpoint's metadata and the memory once; rank_mems None: each rank's
+        cgroup with pipeline parallelism (_rank_cgroup_memories)."""
+        tensors = gguf_tensors(ckpt)
+        num_params, source = checkpoint_num_params(ckpt, tensors)
+        mem = platform.memory()
+        if rank_mems is None:
+            rank_mems = _rank_cgroup_memories(args, platform)
+        return cls(args, ckpt, platform, quantization, tensors, num_params, source, mem,
+                   rank_mems, _max_num_batched_tokens(args, ckpt, platform),
+                   _keeps_gguf_blocks(ckpt, platform, quantization, tensors))
+
+    def footprint(self, c: Candidate) -> ModelFootprint:
+        """The model's footprint in this candidate's dtype, with the bytes its weights hold:
+        a GGUF's kept blocks (mapped, when c.mapped), or blocks quantized at load."""
+        ckpt, quantization = self.ckpt, self.quantization
         itemsize = torch.empty((), dtype=c.dtype).element_size()
-        kept = platform.block_types() if ckpt.kind == "gguf" else frozenset()
-        layout = planned_weight_layout(ckpt, kept, quantization, itemsize, tensors)
+        kept = self.platform.block_types() if ckpt.kind == "gguf" else frozenset()
+        layout = planned_weight_layout(ckpt, kept, quantization, itemsize, self.tensors)
         # a GGUF keeping blocks holds the layout's bytes (its kept ones mapped, when asked)
-        weights = layout.total if keeps_blocks else None
-        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if keeps_blocks else "")
-        mapped_bytes = layout.mapped_total if c.mapped else 0
+        weights = layout.total if self.keeps_blocks else None
+        name = _dtype_name(c.dtype) + (" with GGUF blocks kept" if self.keeps_blocks else "")
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
-        fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
-                       layout)
+        fp = footprint(ckpt.arch, self.num_params, itemsize, name, self.params_source, weights,
+                       layout.mapped_total if c.mapped else 0, layout)
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
-        limits = PlanLimits(args.block_size, args.max_num_seqs, batched, args.max_model_len,
+        return fp
+
+    def plan(self, c: Candidate) -> MemoryPlan:
+        """This candidate's plan, or its InsufficientMemoryError: one rank's, or each
+        pipeline rank's share with pipeline parallelism."""
+        args, fp = self.args, self.footprint(c)
+        limits = PlanLimits(args.block_size, args.max_num_seqs, self.batched, args.max_model_len,
                             args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
                             mapped_forced=c.forced)
-        if world > 1:
-            return plan_pipeline_memory(fp, world, mem, limits, rank_mems, tp_size,
+        if args.pipeline_parallel_size > 1:
+            return plan_pipeline_memory(fp, args.pipeline_parallel_size, self.mem, limits,
+                                        self.rank_mems, args.tensor_parallel_size,
                                         advisor=advise)
-        return plan_memory(fp, mem, limits, advise)
-
-    candidates = _candidates(args, ckpt, platform, dtype, quantization, mem)
-    result, chosen = _first_that_fits(candidates, plan)
-    if chosen.forced:
-        for share in result.ranks or (result,):
-            if share.mapped_tight():
-                logger.warning("%s", share.reread_warning())
-    return result, chosen.dtype
+        return plan_memory(fp, self.mem, limits, advise)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class InputProcessor:
     """Tokenizes prompts and checks them against the model's limits."""
 
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 eos_token_ids: frozenset[int], block_size: int, max_logprobs: int = 20,
+                 eos_token_ids: frozenset[int], block_size: int, max_logprobs: int,
                  structured_outputs: Optional[StructuredOutputsConfig] = None,
                  pooling_arch: Optional[ModelArchConfig] = None) -> None:
         """pooling_arch: the model's architecture when it pools (None: it generates)."""

@@ -91,7 +91,7 @@ def _store_rows() -> list[ModelRow]:
 
 def _hub_rows() -> list[ModelRow]:
     """The model repos in the Hub cache."""
-    from pagedllm.hub.hub_cache import cached_repos
+    from pagedllm.hub.cache import cached_repos
 
     return [ModelRow(r.repo_id, r.size, "+".join(r.formats) or "no weights", str(r.path), "hub",
                      _HUB_ORIGIN) for r in cached_repos()]
@@ -136,7 +136,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def _stored_hub_repo(name: str) -> bool:
     """True if the Hub cache holds a repo whose id is exactly `name`."""
-    from pagedllm.hub.hub_cache import cached_repos
+    from pagedllm.hub.cache import cached_repos
 
     return "/" in name and any(r.repo_id == name for r in cached_repos())
 
@@ -147,7 +147,7 @@ def run_rm(args: argparse.Namespace) -> int:
 
     name = args.model.strip()
     if _stored_hub_repo(name):  # the name `pagedllm list` shows wins over a store alias
-        from pagedllm.hub.hub_cache import remove_repo
+        from pagedllm.hub.cache import remove_repo
 
         repo = remove_repo(name)
         if repo is not None:

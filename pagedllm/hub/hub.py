@@ -198,7 +198,7 @@ def _range_reader(ref: HubRef, s: _Settings, filename: str, commit: str) -> Call
 def _fetch_gguf_header(read: Callable[[int, int], bytes], size: int, name: str) -> bytes:
     """The smallest prefix of a remote GGUF (growing x4) that holds its whole header, whose
     tensors all lie inside the remote file's size."""
-    from pagedllm.loader.gguf.gguf_header import check_tensor_extents, read_gguf_header  # gguf: only here
+    from pagedllm.loader.gguf.header import check_tensor_extents, read_gguf_header  # gguf: only here
 
     data = b""
     want = _HEADER_FIRST_READ

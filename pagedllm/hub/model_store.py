@@ -187,7 +187,7 @@ def _export_tokenizer(spec: ModelSpec, model_dir: pathlib.Path) -> list[str]:
     """Export HF tokenizer files from the GGUF's metadata into model_dir; return their names."""
     # transformers takes seconds to import: only when a tokenizer is exported
     from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
-    from pagedllm.tokenizer.tokenizer_files import save_tokenizer_files
+    from pagedllm.tokenizer.files import save_tokenizer_files
 
     tmp = pathlib.Path(tempfile.mkdtemp(dir=_tmp_root(), prefix=f"{spec.name}-tok-"))
     try:

@@ -111,7 +111,7 @@ def rope_inv_freq(base: float, dim: int, scaling: Optional[dict[str, Any]], max_
         return _yarn_inv_freq(base, dim, scaling, max_pos)
     if kind == "longrope":
         return _longrope_inv_freq(base, dim, scaling, max_pos, context_len or max_pos)
-    if kind == "frequency_divisors":  # a GGUF's rope_freqs tensor (loader/gguf/gguf_rope.py)
+    if kind == "frequency_divisors":  # a GGUF's rope_freqs tensor (loader/gguf/rope.py)
         return _default_inv_freq(base, dim) / torch.tensor(scaling["divisors"]), 1.0
     raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: "
                      "none (default), linear, llama3, yarn, longrope")

@@ -9,8 +9,8 @@ import torch
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import read_json_object
-from pagedllm.loader.gguf.gguf_loader import arch_from_gguf, load_gguf_weights
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.gguf.weights import arch_from_gguf, load_gguf_weights
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.loader.hf.safetensors_loader import load_safetensors_weights
 from pagedllm.shard import Shard
 

@@ -41,7 +41,7 @@ def _sliding_layers(cfg: Mapping[str, Any], arch: str, num_layers: int, source: 
 
 
 def gemma3_global_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """cfg with the global layers' RoPE at the top, as hf_config reads a one-table model:
+    """cfg with the global layers' RoPE at the top, as loader/hf/arch.py reads a one-table model:
     transformers 5 keys rope_parameters by layer type; older configs hold the global ones in
     rope_theta / rope_scaling. The base defaults to Gemma 3's 1e6."""
     out = dict(cfg)

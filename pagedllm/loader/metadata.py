@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf.header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.hf.safetensors_header import safetensors_num_params
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from gguf import GGML_QUANT_SIZES
 
 from pagedllm.loader.checkpoint import Checkpoint
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo, gguf_header
+from pagedllm.loader.gguf.header import GGUFTensorInfo, gguf_header
 from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.hf.safetensors_header import safetensors_shapes
 

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from pagedllm.loader.errors import NotBuildable, building_tokenizer
 from pagedllm.tokenizer.fast_tokenizer import SPECIAL_TOKEN_NAMES, FastTokenizer, TokenizerSpec
-from pagedllm.loader.gguf.gguf_vocab import GGUFVocab
+from pagedllm.loader.gguf.vocab import GGUFVocab
 
 SPACE = "\u2581"  # SentencePiece's visible space
 # llama.cpp token types (tokenizer.ggml.token_type)

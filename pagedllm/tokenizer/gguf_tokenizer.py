@@ -22,10 +22,10 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from pagedllm.loader.errors import NotBuildable, building_tokenizer
 from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
-from pagedllm.loader.gguf.gguf_header import gguf_arrays, gguf_header
+from pagedllm.loader.gguf.header import gguf_arrays, gguf_header
 from pagedllm.tokenizer.gguf_spm import CONTROL, USER_DEFINED, build_spm_tokenizer
-from pagedllm.loader.gguf.gguf_vocab import GGUFVocab, read_gguf_vocab
-from pagedllm.loader.gguf.gguf_vocab_checks import check_vocab, check_vocab_header
+from pagedllm.loader.gguf.vocab import GGUFVocab, read_gguf_vocab
+from pagedllm.loader.gguf.vocab_checks import check_vocab, check_vocab_header
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -21,11 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+from pagedllm.paths import cache_dir
 from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.files import load_tokenizer_files, save_tokenizer_files
 from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
-from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files, save_tokenizer_files
-from pagedllm.paths import cache_dir
 
 logger = logging.getLogger("pagedllm")
 

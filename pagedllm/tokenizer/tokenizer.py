@@ -4,13 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from pagedllm.loader.gguf.vocab_checks import check_token_count
+from pagedllm.paths import TOKENIZER_MARKER
 from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
+from pagedllm.tokenizer.files import load_tokenizer_files
 from pagedllm.tokenizer.gguf_tokenizer_cache import cached_gguf_tokenizer
-from pagedllm.loader.gguf.gguf_vocab_checks import check_token_count
 from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
 from pagedllm.tokenizer.known_templates import with_known_template
-from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files
-from pagedllm.paths import TOKENIZER_MARKER
 
 
 def load_tokenizer(path: str | Path, *, trust_remote_code: bool = False,

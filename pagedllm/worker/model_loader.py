@@ -27,7 +27,7 @@ from pagedllm.layers.ggml_linear import X8Slot, pack_x8, x8_slots
 from pagedllm.layers.quantization import QuantPlan, block_quantizers, float_quant_plan
 from pagedllm.layers.rotary import rope_summary
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
-from pagedllm.loader.gguf.gguf_loader import GGUFWeightReader, gguf_quant_plan
+from pagedllm.loader.gguf.weights import GGUFWeightReader, gguf_quant_plan
 from pagedllm.loader.metadata import gguf_kept_embedding
 from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.loader.weight_checks import check_finite_vectors

@@ -82,7 +82,7 @@ def test_max_tokens_beyond_the_context(engine):
 
 def test_text_ids_are_checked_against_the_vocabulary(qwen_tokenizer):
     proc = InputProcessor(qwen_tokenizer, max_model_len=512, vocab_size=1000,
-                          eos_token_ids=frozenset(), block_size=16)
+                          eos_token_ids=frozenset(), block_size=16, max_logprobs=20)
     with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 1000\)"):
         proc.process("cjk", "你好，世界", GREEDY)
 

@@ -25,9 +25,9 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.executor.abstract import WorkerDiedError, WorkerError
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.rank_places import rank_places
-from pagedllm.loader.gguf import gguf_loader
+from pagedllm.loader.gguf import weights as gguf_weights
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.gguf.gguf_header import gguf_header
+from pagedllm.loader.gguf.header import gguf_header
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.worker.model_loader import load_model
@@ -104,8 +104,8 @@ def test_a_stage_reads_only_its_own_tensors(smollm_gguf, monkeypatch):
     """The last stage of SmolLM2 (tied embeddings) reads layers 15-29, the final norm and the
     token embedding for its head, and nothing of layers 0-14."""
     read: list[str] = []
-    copy = gguf_loader._copy_tensor
-    monkeypatch.setattr(gguf_loader, "_copy_tensor",
+    copy = gguf_weights._copy_tensor
+    monkeypatch.setattr(gguf_weights, "_copy_tensor",
                         lambda fh, info, *a: (read.append(info.name), copy(fh, info, *a))[1])
     ckpt = resolve_checkpoint(smollm_gguf)
     config = EngineConfig(model_path=str(smollm_gguf), arch=ckpt.arch, dtype=torch.float32,

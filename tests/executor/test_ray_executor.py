@@ -32,7 +32,7 @@ from pagedllm.executor import ray_executor
 from pagedllm.executor.abstract import WorkerDiedError, WorkerError
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
-from pagedllm.loader.gguf.gguf_header import gguf_header
+from pagedllm.loader.gguf.header import gguf_header
 from rank_helpers import DEADLINE_S, free_port, gone, kill_mid_generation, wait_healthy
 
 PROMPTS = [

@@ -28,7 +28,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.kernels import load_kernels
 from pagedllm.executor.abstract import WorkerDiedError, WorkerError
 from pagedllm.executor.multiproc import MultiprocExecutor
-from pagedllm.loader.gguf import gguf_loader
+from pagedllm.loader.gguf import weights as gguf_weights
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.platforms.cpu import CpuPlatform
 from pagedllm.worker.model_loader import load_model
@@ -150,18 +150,18 @@ def test_each_rank_reads_only_its_part_of_the_gguf(qwen_gguf, monkeypatch):
     rows (the embedding's Q5_0 blocks as they are), o_proj by whole Q5_0 blocks of every row;
     only down_proj (K-quant rows cut mid-block) is read whole. Everything read is counted."""
     read = {"bytes": 0}
-    into = gguf_loader._read_into
+    into = gguf_weights._read_into
 
     def counting(fh, offset, buf):
         read["bytes"] += buf.nbytes
         return into(fh, offset, buf)
 
-    monkeypatch.setattr(gguf_loader, "_read_into", counting)
+    monkeypatch.setattr(gguf_weights, "_read_into", counting)
     ckpt = resolve_checkpoint(qwen_gguf)
     config = EngineConfig(model_path=str(qwen_gguf), arch=ckpt.arch, dtype=torch.float32,
                           platform=CpuPlatform(), quantization="none")
     model = load_model(config, tp=TensorParallelRank(1, 2))
-    tensors = {t.name: t for t in gguf_loader._read_header(qwen_gguf).tensors}
+    tensors = {t.name: t for t in gguf_weights._read_header(qwen_gguf).tensors}
     want = 0
     for name, info in tensors.items():
         split = any(k in name for k in ("attn_q.", "attn_k.", "attn_v.", "ffn_gate", "ffn_up",

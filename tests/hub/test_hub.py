@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.gguf.gguf_loader import arch_from_gguf
+from pagedllm.loader.gguf.weights import arch_from_gguf
 from pagedllm.hub.hub import HubError, HubRef, PreparedModel, parse_hub_ref, prepare_hub_model
 from pagedllm.loader.metadata import checkpoint_num_params
 from fake_hub import FakeHub, FakeRepo, closed_port

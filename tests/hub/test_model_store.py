@@ -240,8 +240,8 @@ def test_tokenizer_export_is_built_from_gguf_metadata(tmp_path, monkeypatch):
     that load back to the same tokenizer."""
     from pagedllm.tokenizer import gguf_tokenizer
     from pagedllm.tokenizer.gguf_tokenizer import build_tokenizer
-    from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
-    from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files
+    from pagedllm.loader.gguf.vocab import read_gguf_vocab
+    from pagedllm.tokenizer.files import load_tokenizer_files
 
     spec = ms.model_spec(SMOL)
     gguf_path = ms.ensure_gguf(SMOL)  # the real cache, before pointing the store elsewhere

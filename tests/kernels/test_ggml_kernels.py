@@ -14,7 +14,7 @@ from pagedllm.kernels import load_kernels
 from pagedllm.layers.ggml_linear import (DENSE_MIN_ROWS, KERNEL_TYPES, GGMLEmbedding, GGMLLinear,
                                          dequantize, ggml_matmul)
 from pagedllm.layers.quantization import quantize_q4_1, quantize_q8_0
-from pagedllm.loader.gguf.gguf_header import read_gguf_header
+from pagedllm.loader.gguf.header import read_gguf_header
 
 # byte offsets of the fp16 scale/min fields inside one block of each type
 HALF_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from pagedllm import LLM
 from pagedllm.loader.checkpoint import Checkpoint, load_weights, resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_header import gguf_header
+from pagedllm.loader.gguf.header import gguf_header
 from pagedllm.loader.metadata import checkpoint_num_params
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 from pagedllm.loader.weight_checks import check_finite_vectors

@@ -15,7 +15,7 @@ from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from tiny_models import (CHUNKED, VOCAB, base_fields, check_captured_equals_loop, check_float32,
                          check_q8_0, gguf_tensors, gemma_init, hf_reference, prompts,
                          save_checkpoints)

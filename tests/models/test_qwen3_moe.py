@@ -14,7 +14,7 @@ from pagedllm.layers.ggml_linear import GGMLMergedLinear
 from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_loader import arch_from_gguf
+from pagedllm.loader.gguf.weights import arch_from_gguf
 from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_float32, check_q8_0,
                          gguf_tensors, hf_reference, prompts, random_init, save_checkpoints,
                          save_hf_dir, write_gguf)

@@ -10,7 +10,7 @@ from transformers import SmolLM3Config, SmolLM3ForCausalLM
 from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from tiny_models import (CHUNKED, VOCAB, base_fields, check_captured_equals_loop, check_float32,
                          check_q8_0, hf_reference, prompts, random_init, save_checkpoints)
 

@@ -19,11 +19,11 @@ from pagedllm.loader.errors import NotBuildable
 from pagedllm.tokenizer.fast_tokenizer import FastTokenizer
 from pagedllm.tokenizer.gguf_spm import build_spm_tokenizer, derive_merges, derive_merges_by_position
 from pagedllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
-from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
+from pagedllm.loader.gguf.vocab import read_gguf_vocab
 from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
 from pagedllm.tokenizer.known_templates import with_known_template
 from pagedllm.tokenizer.tokenizer import load_tokenizer
-from pagedllm.tokenizer.tokenizer_files import load_tokenizer_files, save_tokenizer_files
+from pagedllm.tokenizer.files import load_tokenizer_files, save_tokenizer_files
 
 TEXTS = [
     "Hello world",

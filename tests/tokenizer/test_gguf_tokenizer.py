@@ -18,10 +18,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.tokenizer import gguf_tokenizer_cache
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_header import gguf_header
+from pagedllm.loader.gguf.header import gguf_header
 from pagedllm.tokenizer.gguf_tokenizer import NotBuildable, build_tokenizer, tokenizer_from_gguf
 from pagedllm.tokenizer.gguf_tokenizer_cache import SOURCE_MARKER, cache_folder, cached_gguf_tokenizer
-from pagedllm.loader.gguf.gguf_vocab import GGUFVocab, read_gguf_vocab
+from pagedllm.loader.gguf.vocab import GGUFVocab, read_gguf_vocab
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 TEXTS = [

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from tokenizers import pre_tokenizers
 
-from pagedllm.loader.gguf.gguf_header import gguf_header, read_gguf_header
+from pagedllm.loader.gguf.header import gguf_header, read_gguf_header
 
 SYMBOLS = tuple(sorted(pre_tokenizers.ByteLevel.alphabet()))
 WORDS = ("Ġa", "Ġab", "12", "123", "ab")

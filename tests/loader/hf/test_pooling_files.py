@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm.config import PoolerConfig
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.loader.hf.pooling_files import DEFAULT_POOLER, pooler_config
 
 BERT = dict(architectures=["BertModel"], model_type="bert", vocab_size=100, hidden_size=32,

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from pagedllm.loader.checkpoint import generation_config, load_weights, resolve_checkpoint
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.loader.hf.safetensors_loader import INDEX_FILE, load_safetensors_weights
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -23,7 +23,8 @@ LLAMA_CONFIG = {
 
 @pytest.mark.parametrize("which", ["qwen", "smollm"])
 def test_hf_dir_loads_what_transformers_saved(which, qwen_hf_dir, smollm_hf_dir):
-    # test_gguf_loader shows the GGUF load equals these files, so both paths give the same tensors.
+    # tests/loader/gguf/test_weights.py shows the GGUF load equals these files, so both paths
+    # give the same tensors.
     hf_dir = {"qwen": qwen_hf_dir, "smollm": smollm_hf_dir}[which]
     ckpt = resolve_checkpoint(hf_dir)
     assert (ckpt.kind, ckpt.path, ckpt.tokenizer_path) == ("safetensors", hf_dir, hf_dir)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_header import GGUFArrayInfo, GGUFTensorInfo, gguf_arrays
-from pagedllm.loader.gguf.gguf_vocab import GGUFVocab
+from pagedllm.loader.gguf.header import GGUFArrayInfo, GGUFTensorInfo, gguf_arrays
+from pagedllm.loader.gguf.vocab import GGUFVocab
 
 _T = "tokenizer.ggml."
 _STRING, _INT32, _FLOAT32 = 8, 5, 6

@@ -1,7 +1,7 @@
 """Load a GGUF's tensors into HF-named params (dequantized, or as blocks), and its architecture.
 
-The header is read and checked by gguf_header.py, its metadata turned into a ModelArchConfig by
-gguf_arch.py; this module plans and copies the tensor payloads.
+The header is read and checked by header.py, its metadata turned into a ModelArchConfig by
+arch.py; this module plans and copies the tensor payloads.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from gguf.quants import dequantize
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_arch import arch_from_header
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo, gguf_arrays, gguf_header
-from pagedllm.loader.gguf.gguf_shards import Columns, shard_piece
-from pagedllm.loader.gguf.gguf_vocab_checks import check_vocab_header
-from pagedllm.loader.gguf.gguf_rope import ROPE_FACTOR_TENSORS, with_rope_factors
+from pagedllm.loader.gguf.arch import arch_from_header
+from pagedllm.loader.gguf.header import GGUFTensorInfo, gguf_arrays, gguf_header
+from pagedllm.loader.gguf.rope import ROPE_FACTOR_TENSORS, with_rope_factors
+from pagedllm.loader.gguf.shards import Columns, shard_piece
+from pagedllm.loader.gguf.vocab_checks import check_vocab_header
 from pagedllm.loader.progress import load_progress
 from pagedllm.shard import Shard
 

@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedllm.loader.gguf import gguf_header as gguf_header_module
+from pagedllm.loader.gguf import header as header_module
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_arch import arch_from_header
-from pagedllm.loader.gguf.gguf_header import gguf_header, parse_gguf_file, read_gguf_header
+from pagedllm.loader.gguf.arch import arch_from_header
+from pagedllm.loader.gguf.header import gguf_header, parse_gguf_file, read_gguf_header
 
 CASES = 400
 SEED = 13
@@ -102,7 +102,7 @@ def _mutate(slim: SlimGGUF, rng: random.Random) -> tuple[str, bytes, int]:
 
 def test_mutated_headers_parse_consistently_or_raise_model_file_error(slim, monkeypatch):
     # 4 kB reads (not 4 MiB): each case refills the buffer inside strings, arrays and tables
-    monkeypatch.setattr(gguf_header_module._HeaderReader, "_CHUNK", 4096)
+    monkeypatch.setattr(header_module._HeaderReader, "_CHUNK", 4096)
     rng = random.Random(SEED)
     outcomes = {"refused": 0, "parsed": 0, "refused_arch": 0}
     started, peak_rss = time.monotonic(), _peak_rss()

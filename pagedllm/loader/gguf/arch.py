@@ -8,7 +8,7 @@ from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf, gemma_window
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
+from pagedllm.loader.gguf.header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
 GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",

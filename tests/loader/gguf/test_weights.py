@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.checkpoint import resolve_checkpoint
-from pagedllm.loader.gguf import gguf_header
-from pagedllm.loader.gguf.gguf_header import read_gguf_header
-from pagedllm.loader.gguf.gguf_loader import (arch_from_gguf, hf_name, iter_gguf_weights,
-                                        load_gguf_weights)
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.gguf import header
+from pagedllm.loader.gguf.header import read_gguf_header
+from pagedllm.loader.gguf.weights import (arch_from_gguf, hf_name, iter_gguf_weights,
+                                          load_gguf_weights)
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.hub.model_store import ensure_model
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -69,7 +69,7 @@ def model_case(request, qwen_gguf, smollm_gguf, qwen_hf_dir, smollm_hf_dir):
 
 @pytest.mark.parametrize("chunk", [1 << 22, 1000])  # 1000 bytes: refills inside strings and arrays
 def test_header_matches_gguf_reader(smollm_gguf, chunk, monkeypatch):
-    monkeypatch.setattr(gguf_header._HeaderReader, "_CHUNK", chunk)
+    monkeypatch.setattr(header._HeaderReader, "_CHUNK", chunk)
     with open(smollm_gguf, "rb") as fh:
         fields, tensors = read_gguf_header(fh)
     reader = gguf.GGUFReader(str(smollm_gguf))
@@ -129,8 +129,8 @@ def test_llama_qk_are_unpermuted_and_tied_head_filled(smollm_gguf, smollm_hf_dir
 def test_peak_rss_within_final_plus_25_percent(qwen_gguf):
     script = textwrap.dedent(f"""
         import json, psutil, torch
-        from pagedllm.loader.gguf.gguf_header import read_gguf_header
-        from pagedllm.loader.gguf.gguf_loader import hf_name, load_gguf_weights
+        from pagedllm.loader.gguf.header import read_gguf_header
+        from pagedllm.loader.gguf.weights import hf_name, load_gguf_weights
         with open({str(qwen_gguf)!r}, "rb") as fh:
             tensors = read_gguf_header(fh)[1]
         params = {{hf_name(t.name): torch.empty(t.shape, dtype=torch.float32) for t in tensors}}

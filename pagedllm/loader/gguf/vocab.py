@@ -1,6 +1,6 @@
 """Read the tokenizer a GGUF file describes: its `tokenizer.*` metadata, arrays included.
 
-gguf_header's reader skips arrays (loading weights never needs them); a tokenizer needs
+header.py's reader skips arrays (loading weights never needs them); a tokenizer needs
 the vocabulary and merges in full. This walks only the metadata section of the file, through a
 memory map, and keeps the `tokenizer.*` keys: about 0.3 s for Qwen2's 152k tokens and merges,
 where gguf.GGUFReader takes ~10 s (it makes a numpy view per string).

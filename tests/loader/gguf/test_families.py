@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_loader import arch_from_gguf, gguf_quant_plan, hf_name, load_gguf_weights
-from pagedllm.loader.gguf.gguf_rope import LONG, SHORT
+from pagedllm.loader.gguf.rope import LONG, SHORT
+from pagedllm.loader.gguf.weights import arch_from_gguf, gguf_quant_plan, hf_name, load_gguf_weights
 
 
 def _write(path: Path, arch: str, tensors: dict[str, np.ndarray], hidden: int = 8,

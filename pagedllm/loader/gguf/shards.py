@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 from gguf import GGML_QUANT_SIZES
 
-from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
+from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.shard import Shard
 
 

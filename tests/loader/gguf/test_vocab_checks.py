@@ -17,7 +17,7 @@ from hostile_gguf import BOS, EOS, TOKENS, write_gguf
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.tokenizer.gguf_tokenizer import build_tokenizer
-from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
+from pagedllm.loader.gguf.vocab import read_gguf_vocab
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 T = "tokenizer.ggml."
@@ -45,7 +45,7 @@ _MEASURE = """
 import json, sys, time
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.gguf.gguf_vocab import read_gguf_vocab
+from pagedllm.loader.gguf.vocab import read_gguf_vocab
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 def status(key):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pagedllm.loader.gguf import gguf_header as gh
+from pagedllm.loader.gguf import header as gh
 
 
 @pytest.fixture()

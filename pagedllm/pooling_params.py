@@ -100,7 +100,7 @@ def model_tasks(labels: int) -> tuple[str, ...]:
 def check_pooling_task(task: Optional[str], arch: Any) -> str:
     """The task a request runs (None: the model's first), or a ValueError naming what the
     model serves. arch: the model's ModelArchConfig."""
-    labels = 0 if arch.encoder is None else arch.encoder.num_labels
+    labels = arch.num_labels
     tasks = model_tasks(labels)
     if task is None:
         return tasks[0]

@@ -188,12 +188,12 @@ class BertForSequenceClassification(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
-        if cfg.encoder is None or not cfg.encoder.num_labels:
+        if cfg.encoder is None or cfg.classifier is None:
             raise ValueError(f"architecture {cfg.architecture!r} has no classification labels")
         self.config = cfg
         self.bert = BertModel(cfg, max_positions)
         self.bert.pooler = BertPooler(cfg.hidden_size)
-        self.classifier = nn.Linear(cfg.hidden_size, cfg.encoder.num_labels)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.classifier.num_labels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[object] = None,

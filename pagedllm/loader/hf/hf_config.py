@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from pagedllm.config import ModelArchConfig, MoEConfig
+from pagedllm.config import ClassifierConfig, ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.hf.encoder_arch import encoder_from_hf
+from pagedllm.loader.hf.head_arch import classifier_from_hf, matryoshka
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
 from pagedllm.loader.window_layers import full_attention_layers
@@ -23,6 +24,10 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
+    # a decoder with a classification head over its last token (Qwen3-Reranker through vLLM's
+    # hf_overrides, or a checkpoint converted to one: score.weight)
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "SmolLM3ForCausalLM": "smollm3",
 }
@@ -57,6 +62,16 @@ def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json")
         f"architectures={names!r} (model_type={model_type!r}) is not supported; supported: "
         f"{', '.join(sorted(HF_ARCHITECTURES))} (model_type {', '.join(sorted(_MODEL_TYPES))}) "
         f"in {source}")
+
+
+def _classifier(cfg: Mapping[str, Any], arch: str, source: str | Path
+                ) -> Optional[ClassifierConfig]:
+    """The classification head of a *ForSequenceClassification checkpoint, else None."""
+    names = cfg.get("architectures") or []
+    names = names if isinstance(names, list) else [names]
+    if not any(isinstance(n, str) and n.endswith("ForSequenceClassification") for n in names):
+        return None
+    return classifier_from_hf(cfg, arch, source)
 
 
 def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -209,6 +224,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
     window, layers = _sliding_window(cfg, arch, source), dim("num_hidden_layers")
     nope = _nope_layers(cfg, arch, layers, source)
     bos = cfg.get("bos_token_id")
+    matryoshka_dims, is_matryoshka = matryoshka(cfg, source)
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):
         raise ModelFileError(f"torch_dtype must be a dtype name such as 'bfloat16', got "
@@ -241,4 +257,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
         gemma=gemma,
         encoder=encoder_from_hf(cfg, arch, source),
+        classifier=_classifier(cfg, arch, source),
+        matryoshka_dimensions=matryoshka_dims,
+        is_matryoshka=is_matryoshka,
     )

@@ -133,15 +133,21 @@ class ClassifierConfig:
 @dataclass(frozen=True)
 class EncoderConfig:
     """Where a BERT-family encoder departs from the decoder: bidirectional attention, learned
-    absolute positions, token types, post-LayerNorm with biases and a plain (ungated) MLP."""
+    absolute positions, token types, post-LayerNorm with biases and a plain (ungated) MLP.
+    XLM-RoBERTa is the same encoder with its positions counted from padding_idx + 1 and no
+    token types (its tokenizer gives none; every token reads type 0)."""
 
     type_vocab_size: int  # rows of the token-type (segment) embedding
     layer_norm_eps: float
     hidden_act: str  # one of ENCODER_ACTIVATIONS
+    position_offset: int = 0  # the learned position row of token 0 (XLM-RoBERTa: pad id + 1)
+    token_types: bool = True  # whether a pair's second text reads token type 1 (BERT's)
 
     def __post_init__(self) -> None:
         if self.type_vocab_size < 1:
             raise ValueError(f"type_vocab_size must be >= 1, got {self.type_vocab_size}")
+        if self.position_offset < 0:
+            raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
         if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):
             raise ValueError(f"layer_norm_eps must be a finite number > 0, got "
                              f"{self.layer_norm_eps}")
@@ -226,6 +232,10 @@ class ModelArchConfig:
                              f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
         if self.gemma is not None and self.gemma.sliding_layers and self.sliding_window is None:
             raise ValueError("gemma.sliding_layers are set but sliding_window is None")
+        if self.max_positions < 1:
+            raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) must be "
+                             f"larger than the encoder's position_offset "
+                             f"({self.encoder.position_offset if self.encoder else 0})")
         if not all(0 <= i < self.num_hidden_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} must be "
                              f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
@@ -247,7 +257,14 @@ class ModelArchConfig:
     def uses_token_types(self) -> bool:
         """Whether a text pair's second text is told apart by token type (a BERT encoder's);
         a decoder reads a pair as its tokens joined."""
-        return self.encoder is not None
+        return self.encoder is not None and self.encoder.token_types
+
+    @property
+    def max_positions(self) -> int:
+        """The longest input the learned or trained positions cover (XLM-RoBERTa's first
+        padding_idx + 1 position rows are never a token's)."""
+        offset = 0 if self.encoder is None else self.encoder.position_offset
+        return self.max_position_embeddings - offset
 
     @property
     def is_encoder(self) -> bool:

@@ -73,3 +73,31 @@ def yes_no_scores(path: Path, model: torch.nn.Module, queries: list[str],
             last = model(ids).logits[0, -1]
         out.append(torch.sigmoid(last[yes] - last[no]))
     return torch.stack(out)
+
+
+# XLM-RoBERTa's special tokens, at its ids (<s> 0, <pad> 1, </s> 2, <unk> 3)
+XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+XLMR_CORPUS = ["what is the capital of france?", "Paris is the capital and largest city of France.",
+               "The cat sat on the mat.", "Berlin is the capital of Germany.",
+               "Gravity is a force that attracts two bodies towards each other.",
+               "A man is playing a guitar on the street.", "who plays music in the city?"]
+
+
+def xlmr_tokenizer() -> PreTrainedTokenizerFast:
+    """A small Unigram (SentencePiece-style) tokenizer trained on XLMR_CORPUS, with XLM-R's
+    specials and its pair template, <s> A </s></s> B </s>, as XLMRobertaTokenizerFast."""
+    from tokenizers import normalizers, processors, trainers
+    from transformers import XLMRobertaTokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(XLMR_CORPUS * 20, trainers.UnigramTrainer(
+        vocab_size=150, special_tokens=XLMR_SPECIALS, unk_token="<unk>"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)])
+    return XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   sep_token="</s>", cls_token="<s>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<unk>")

@@ -11,7 +11,8 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.bert import BertForSequenceClassification, BertModel
+from pagedllm.models.bert import (BertForSequenceClassification, BertModel,
+                                  XLMRobertaForSequenceClassification)
 from pagedllm.models.decoder_classifier import with_classifier
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
@@ -32,6 +33,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
+    "xlm_roberta": BertModel,  # the same tensors; its config declares the departures
+    "xlm_roberta_classifier": XLMRobertaForSequenceClassification,
 }
 
 

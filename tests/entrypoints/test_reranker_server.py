@@ -1,6 +1,8 @@
-"""Qwen3-Reranker served as vLLM serves it (`serve --hf-overrides JSON`): /rerank and /score
-on a tiny random Qwen3 causal LM equal sigmoid(logit(yes) - logit(no)) from transformers; a bad
---hf-overrides is refused before the server starts, naming the flag."""
+"""Rerankers other than BERT's through a server: Qwen3-Reranker served as vLLM serves it
+(`serve --hf-overrides JSON`): /rerank and /score on a tiny random Qwen3 causal LM equal
+sigmoid(logit(yes) - logit(no)) from transformers; a bad --hf-overrides is refused before the
+server starts, naming the flag; an XLM-RoBERTa cross-encoder (bge-reranker-v2-m3's shape)
+reranks as transformers scores."""
 from __future__ import annotations
 
 import json
@@ -9,10 +11,13 @@ import sys
 
 import httpx
 import pytest
-from transformers import Qwen3ForCausalLM
+import torch
+from transformers import (AutoTokenizer, Qwen3ForCausalLM, XLMRobertaConfig,
+                          XLMRobertaForSequenceClassification)
 
 from conftest import Server
-from pooling_models import RERANKER, reranker_pairs, tiny_qwen3, yes_no_scores
+from pooling_models import (RERANKER, XLMR_CORPUS, reranker_pairs, tiny_qwen3, xlmr_tokenizer,
+                            yes_no_scores)
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,32 @@ def test_a_bad_hf_overrides_flag_is_refused(value, message):
     proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "x",
                            "--hf-overrides", value], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_an_xlm_roberta_cross_encoder_reranks_as_transformers(tmp_path):
+    torch.manual_seed(13)
+    tok = xlmr_tokenizer()
+    model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=130, type_vocab_size=1,
+        num_labels=1)).eval()
+    with torch.no_grad():
+        model.classifier.out_proj.weight.normal_(0, 1.0)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    query, docs = XLMR_CORPUS[0], XLMR_CORPUS[1:5]
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        ref = [float(torch.sigmoid(model(**hf_tok(query, d, return_tensors="pt")).logits[0, 0]))
+               for d in docs]
+    srv = Server("--served-model-name", "xr", "--dtype", "float32", model=str(tmp_path))
+    try:
+        out = httpx.post(f"{srv.url}/v2/rerank", json={"model": "xr", "query": query,
+                                                       "documents": docs, "top_n": 2},
+                         timeout=60).json()
+    finally:
+        srv.stop()
+    best = sorted(range(len(docs)), key=lambda i: -ref[i])[:2]
+    assert [r["index"] for r in out["results"]] == best
+    assert [r["relevance_score"] for r in out["results"]] == [pytest.approx(ref[i], abs=2e-6)
+                                                              for i in best]

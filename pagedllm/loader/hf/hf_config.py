@@ -30,13 +30,16 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForSequenceClassification": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "SmolLM3ForCausalLM": "smollm3",
+    "XLMRobertaModel": "xlm_roberta",  # bge-m3's shape
+    "XLMRobertaForSequenceClassification": "xlm_roberta_classifier",  # bge-reranker-v2-m3's
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
 _MODEL_TYPES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
                                 "mistral": "llama", "phi3": "phi3", "qwen2": "qwen2",
                                 "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
-                                "qwen3_moe": "qwen3_moe", "smollm3": "smollm3"}
+                                "qwen3_moe": "qwen3_moe", "smollm3": "smollm3",
+                                "xlm-roberta": "xlm_roberta"}
 # Multimodal checkpoints (architecture, model_type) whose text decoder alone is supported
 _TEXT_ONLY: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM (model_type gemma3_text)")}

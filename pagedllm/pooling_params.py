@@ -64,18 +64,18 @@ class PoolingParams:
                matryoshka_dimensions: Optional[tuple[int, ...]]) -> None:
         """Refuse dimensions the model cannot give: only Matryoshka-trained models may be cut
         (to one of their trained sizes where the model names them), as vLLM refuses, in its
-        words; the model's own size is no cut and always allowed."""
+        words after the field's; the model's own size is no cut and always allowed."""
         d = self.dimensions
         if d is None or d == hidden_size:
             return
         if not matryoshka and matryoshka_dimensions is None:
-            raise ValueError("Model does not support matryoshka representation, changing output "
-                             f"dimensions will lead to poor results (dimensions is {d}; its "
-                             f"embeddings have {hidden_size} values)")
+            raise ValueError(f"dimensions {d}: Model does not support matryoshka "
+                             "representation, changing output dimensions will lead to poor "
+                             f"results (its embeddings have {hidden_size} values)")
         if matryoshka_dimensions is not None and d not in matryoshka_dimensions:
-            raise ValueError(f"Model only supports {list(matryoshka_dimensions)} matryoshka "
-                             "dimensions, use other output dimensions will lead to poor results "
-                             f"(dimensions is {d})")
+            raise ValueError(f"dimensions {d}: Model only supports {list(matryoshka_dimensions)} "
+                             "matryoshka dimensions, use other output dimensions will lead to "
+                             "poor results")
         if d > hidden_size:
             raise ValueError(f"dimensions {d} is larger than the model's {hidden_size}")
 

@@ -94,8 +94,8 @@ def test_matryoshka_cuts_follow_the_config_as_for_bert(tiny):
     full = _last_states(tiny.model, tiny.prompts[:2])
     prompts = [{"prompt_token_ids": p} for p in tiny.prompts[:2]]
     plain = LLM(model=str(tiny.hf_dir), runner="pooling", dtype="float32")
-    with pytest.raises(ValueError, match=r"Model does not support matryoshka representation, "
-                                         r"changing output dimensions .*\(dimensions is 16; its "
+    with pytest.raises(ValueError, match=r"dimensions 16: Model does not support matryoshka "
+                                         r"representation, changing output dimensions .*\(its "
                                          r"embeddings have 64 values\)"):
         plain.embed(prompts, PoolingParams(dimensions=16), use_tqdm=False)
     assert len(plain.embed(prompts[0], PoolingParams(dimensions=64),  # its own size: no cut
@@ -106,7 +106,8 @@ def test_matryoshka_cuts_follow_the_config_as_for_bert(tiny):
     outs = listed.embed(prompts, PoolingParams(dimensions=16), use_tqdm=False)
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in outs]),
                                F.normalize(full[:, :16], dim=-1), atol=2e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"Model only supports \[16, 32\] matryoshka dimensions"):
+    with pytest.raises(ValueError, match=r"dimensions 20: Model only supports \[16, 32\] "
+                                         r"matryoshka dimensions"):
         listed.embed(prompts, PoolingParams(dimensions=20), use_tqdm=False)
     del listed
     free = LLM(model=str(tiny.hf_dir), runner="pooling", dtype="float32",

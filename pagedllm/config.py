@@ -100,9 +100,10 @@ HEAD_ACTIVATIONS = ("sigmoid", "softmax", "identity")
 class ClassifierConfig:
     """A sequence-classification head (a cross-encoder, a reranker or a classifier): its labels
     (id2label order) and what its logits go through for a score and for classify's
-    probabilities. A BERT encoder's reads the [CLS] row; a decoder's (Qwen3ForSequenceClassification)
-    the last token's, and `from_tokens` builds it from the LM head's rows of those tokens
-    (vLLM's classifier_from_token with from_2_way_softmax: weight = W[yes] - W[no], one label)."""
+    probabilities. A BERT encoder's reads the [CLS] row; a decoder's
+    (Qwen3ForSequenceClassification) the last token's, and `from_tokens` builds it from the LM
+    head's rows of those tokens (vLLM's classifier_from_token with from_2_way_softmax: weight =
+    W[yes] - W[no], one label)."""
 
     labels: tuple[str, ...]
     score_activation: str = "sigmoid"

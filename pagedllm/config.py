@@ -97,35 +97,58 @@ HEAD_ACTIVATIONS = ("sigmoid", "softmax", "identity")
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
-    """Where a BERT-family encoder departs from the decoder: bidirectional attention, learned
-    absolute positions, token types, post-LayerNorm with biases and a plain (ungated) MLP."""
+class ClassifierConfig:
+    """A sequence-classification head (a cross-encoder, a reranker or a classifier): its labels
+    (id2label order) and what its logits go through for a score and for classify's
+    probabilities. A BERT encoder's reads the [CLS] row; a decoder's
+    (Qwen3ForSequenceClassification) the last token's, and `from_tokens` builds it from the LM
+    head's rows of those tokens (vLLM's classifier_from_token with from_2_way_softmax: weight =
+    W[yes] - W[no], one label)."""
 
-    type_vocab_size: int  # rows of the token-type (segment) embedding
-    layer_norm_eps: float
-    hidden_act: str  # one of ENCODER_ACTIVATIONS
-    # Matryoshka-trained: the first n values of an embedding are an embedding (dimensions=n)
-    matryoshka_dimensions: Optional[tuple[int, ...]] = None
-    is_matryoshka: bool = False  # any n is allowed (matryoshka_dimensions names the trained ones)
-    # a sequence-classification head (BertForSequenceClassification: a cross-encoder or a
-    # classifier) over the [CLS] row: its labels (id2label order), what its logits go through
-    # for a score and for classify's probabilities; no labels: a plain encoder that embeds
-    labels: tuple[str, ...] = ()
+    labels: tuple[str, ...]
     score_activation: str = "sigmoid"
     classify_activation: str = "softmax"
+    from_tokens: tuple[str, ...] = ()  # (false token, true token), as config.json names them
+    token_ids: tuple[int, ...] = ()  # their ids, filled in from the tokenizer before loading
 
     @property
     def num_labels(self) -> int:
-        """Outputs of the classification head (0: none, the encoder embeds)."""
+        """Outputs of the classification head."""
         return len(self.labels)
 
     def __post_init__(self) -> None:
+        if not self.labels:
+            raise ValueError("a classification head needs at least one label")
         for name in ("score_activation", "classify_activation"):
             if getattr(self, name) not in HEAD_ACTIVATIONS:
                 raise ValueError(f"{name} must be one of {', '.join(HEAD_ACTIVATIONS)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.from_tokens and (len(self.from_tokens) != 2 or self.num_labels != 1):
+            raise ValueError(f"from_tokens must name two tokens (false, true) of a one-label "
+                             f"head, got {list(self.from_tokens)}")
+        if self.token_ids and len(self.token_ids) != len(self.from_tokens):
+            raise ValueError(f"token_ids {list(self.token_ids)} must be the ids of from_tokens "
+                             f"{list(self.from_tokens)}")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """Where a BERT-family encoder departs from the decoder: bidirectional attention, learned
+    absolute positions, token types, post-LayerNorm with biases and a plain (ungated) MLP.
+    XLM-RoBERTa is the same encoder with its positions counted from padding_idx + 1 and no
+    token types (its tokenizer gives none; every token reads type 0)."""
+
+    type_vocab_size: int  # rows of the token-type (segment) embedding
+    layer_norm_eps: float
+    hidden_act: str  # one of ENCODER_ACTIVATIONS
+    position_offset: int = 0  # the learned position row of token 0 (XLM-RoBERTa: pad id + 1)
+    token_types: bool = True  # whether a pair's second text reads token type 1 (BERT's)
+
+    def __post_init__(self) -> None:
         if self.type_vocab_size < 1:
             raise ValueError(f"type_vocab_size must be >= 1, got {self.type_vocab_size}")
+        if self.position_offset < 0:
+            raise ValueError(f"position_offset must be >= 0, got {self.position_offset}")
         if not (math.isfinite(self.layer_norm_eps) and self.layer_norm_eps > 0):
             raise ValueError(f"layer_norm_eps must be a finite number > 0, got "
                              f"{self.layer_norm_eps}")
@@ -167,6 +190,12 @@ class ModelArchConfig:
     moe: Optional[MoEConfig] = None  # routed experts (Qwen2-MoE, Qwen3-MoE); None: dense
     gemma: Optional[GemmaConfig] = None  # Gemma 2/3's departures; None: another family
     encoder: Optional[EncoderConfig] = None  # a BERT-family encoder; None: a decoder
+    # a sequence-classification head (a pooling model that classifies and scores); None: none
+    classifier: Optional[ClassifierConfig] = None
+    # Matryoshka-trained: the first n values of an embedding are an embedding (dimensions=n);
+    # is_matryoshka allows any n, matryoshka_dimensions names the trained ones (vLLM's keys)
+    matryoshka_dimensions: Optional[tuple[int, ...]] = None
+    is_matryoshka: bool = False
 
     def __post_init__(self) -> None:
         # the loaders refuse these by their checkpoint key and file; this guards every other way in
@@ -204,6 +233,10 @@ class ModelArchConfig:
                              f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
         if self.gemma is not None and self.gemma.sliding_layers and self.sliding_window is None:
             raise ValueError("gemma.sliding_layers are set but sliding_window is None")
+        if self.max_positions < 1:
+            raise ValueError(f"max_position_embeddings ({self.max_position_embeddings}) must be "
+                             f"larger than the encoder's position_offset "
+                             f"({self.encoder.position_offset if self.encoder else 0})")
         if not all(0 <= i < self.num_hidden_layers for i in self.full_attention_layers):
             raise ValueError(f"full_attention_layers {list(self.full_attention_layers)} must be "
                              f"layer indices below num_hidden_layers ({self.num_hidden_layers})")
@@ -215,6 +248,24 @@ class ModelArchConfig:
         if self.gemma is not None:
             return self.sliding_window if index in self.gemma.sliding_layers else None
         return None if index in self.full_attention_layers else self.sliding_window
+
+    @property
+    def num_labels(self) -> int:
+        """Outputs of the classification head (0: none; a pooling model then embeds)."""
+        return 0 if self.classifier is None else self.classifier.num_labels
+
+    @property
+    def uses_token_types(self) -> bool:
+        """Whether a text pair's second text is told apart by token type (a BERT encoder's);
+        a decoder reads a pair as its tokens joined."""
+        return self.encoder is not None and self.encoder.token_types
+
+    @property
+    def max_positions(self) -> int:
+        """The longest input the learned or trained positions cover (XLM-RoBERTa's first
+        padding_idx + 1 position rows are never a token's)."""
+        offset = 0 if self.encoder is None else self.encoder.position_offset
+        return self.max_position_embeddings - offset
 
     @property
     def is_encoder(self) -> bool:
@@ -454,6 +505,9 @@ class EngineConfig:
     step_timeout: Optional[float] = 30.0
     runner: str = "generate"  # "pooling": requests are embedded, never sampled
     pooler: Optional[PoolerConfig] = None  # set exactly when runner is "pooling"
+    # vLLM's hf_overrides: config.json keys merged over the checkpoint's (arch is read with
+    # them; every rank re-reads the checkpoint with them)
+    hf_overrides: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

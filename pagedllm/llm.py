@@ -139,7 +139,7 @@ class LLM:
             params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
         engine = self.llm_engine
         arch = engine.input_processor.pooling_arch
-        if arch is not None and arch.encoder is not None and arch.encoder.num_labels:
+        if arch is not None and arch.num_labels:
             check_pooling_task("score", arch)
             prompts = pair_requests(engine.tokenizer, pairs, engine.input_processor.max_model_len,
                                     params)

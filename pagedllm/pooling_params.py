@@ -63,16 +63,19 @@ class PoolingParams:
     def verify(self, hidden_size: int, matryoshka: bool,
                matryoshka_dimensions: Optional[tuple[int, ...]]) -> None:
         """Refuse dimensions the model cannot give: only Matryoshka-trained models may be cut
-        (to one of their trained sizes where the model names them), as vLLM refuses."""
+        (to one of their trained sizes where the model names them), as vLLM refuses, in its
+        words after the field's; the model's own size is no cut and always allowed."""
         d = self.dimensions
         if d is None or d == hidden_size:
             return
         if not matryoshka and matryoshka_dimensions is None:
-            raise ValueError(f"dimensions is {d}, but the model does not support Matryoshka "
-                             f"representations: its embeddings have {hidden_size} values")
+            raise ValueError(f"dimensions {d}: Model does not support matryoshka "
+                             "representation, changing output dimensions will lead to poor "
+                             f"results (its embeddings have {hidden_size} values)")
         if matryoshka_dimensions is not None and d not in matryoshka_dimensions:
-            raise ValueError(f"dimensions {d} is not one the model supports: "
-                             f"{list(matryoshka_dimensions)}")
+            raise ValueError(f"dimensions {d}: Model only supports {list(matryoshka_dimensions)} "
+                             "matryoshka dimensions, use other output dimensions will lead to "
+                             "poor results")
         if d > hidden_size:
             raise ValueError(f"dimensions {d} is larger than the model's {hidden_size}")
 
@@ -100,7 +103,7 @@ def model_tasks(labels: int) -> tuple[str, ...]:
 def check_pooling_task(task: Optional[str], arch: Any) -> str:
     """The task a request runs (None: the model's first), or a ValueError naming what the
     model serves. arch: the model's ModelArchConfig."""
-    labels = 0 if arch.encoder is None else arch.encoder.num_labels
+    labels = arch.num_labels
     tasks = model_tasks(labels)
     if task is None:
         return tasks[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
@@ -51,7 +52,6 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "enable_chunked_prefill": IgnoredArg("long prompts are always prefilled in chunks"),
     "disable_async_output_proc": IgnoredArg(),
     "worker_cls": IgnoredArg("every rank runs pagedllm's own worker", str),
-    "hf_overrides": IgnoredArg("the checkpoint's config is used as it is", str),
     "mm_processor_kwargs": IgnoredArg("the engine runs text-only models", str),
     "limit_mm_per_prompt": IgnoredArg("the engine runs text-only models", str),
     "num_scheduler_steps": IgnoredArg("the scheduler plans one step at a time", int),
@@ -103,6 +103,30 @@ def ignored_cli_values(args: argparse.Namespace,
     command line, by name (for EngineArgs.from_kwargs)."""
     return {name: getattr(args, name) for name in IGNORED_VLLM_ARGS
             if name not in exclude and getattr(args, name, None) is not None}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (--hf-overrides '{"key": value}'), or argparse's error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def check_hf_overrides(value: Any) -> Optional[dict[str, Any]]:
+    """hf_overrides as a dict of config.json keys (None: none), or a ValueError naming the
+    field; vLLM's callable form needs transformers' config object, which is not built here."""
+    if value is None:
+        return None
+    if callable(value):
+        raise ValueError("hf_overrides as a function is not supported: pass a dict of "
+                         "config.json keys")
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys, got {value!r}")
+    return dict(value) or None
 
 
 _SO = StructuredOutputsConfig()  # the defaults of the structured-output limits
@@ -179,6 +203,15 @@ class EngineArgs:
     seed: int = _opt(EngineConfig.seed, "seed of the sampling generators")
     trust_remote_code: bool = _opt(False, "let the tokenizer run code from the model's repo",
                                    action="store_true")
+    # vLLM's: config.json keys merged over the checkpoint's before it is read (Qwen3-Reranker:
+    # architectures, classifier_from_token, is_original_qwen3_reranker); a key nothing reads
+    # for the model is refused by name
+    hf_overrides: Optional[dict[str, Any]] = _opt(
+        None, "a JSON object of config.json keys merged over the checkpoint's, e.g. "
+        "Qwen3-Reranker's '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+        "\"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": "
+        "true}'; a key pagedllm does not read is refused (default: none, config.json as it is)",
+        type=_json_object, metavar="JSON")
     # ranks: the layers split into pipeline_parallel_size stages and every layer of a stage
     # split over tensor_parallel_size ranks (tp x pp ranks in all); one process each ("mp") or
     # one Ray actor each ("ray")
@@ -288,6 +321,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        self.hf_overrides = check_hf_overrides(self.hf_overrides)
         # built (and checked: a ValueError naming the field) once; the engine's config takes them
         self._parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                         self.distributed_executor_backend)

@@ -8,7 +8,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import (CacheConfig, EngineConfig, ModelArchConfig, ParallelConfig,
+                             SchedulerConfig)
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
@@ -379,16 +380,19 @@ def weight_format_costs(ckpt: Checkpoint) -> dict[str, FormatCost]:
     return format_costs(ckpt.arch, weight_layout(ckpt, 1))
 
 
-def _pooling_args(args: EngineArgs, runner: RunnerChoice) -> EngineArgs:
+def _pooling_args(args: EngineArgs, runner: RunnerChoice, arch: ModelArchConfig) -> EngineArgs:
     """A pooling runner's inputs no longer than its files allow (vLLM's max_model_len for a
     sentence-transformers model), with no prefix cache (an encoder's keys depend on the
-    tokens after them)."""
+    tokens after them), and a classification head's weights as stored."""
     if runner.runner != "pooling":
         return args
     max_len = args.max_model_len
     if max_len is None and runner.max_seq_length is not None:
         max_len = runner.max_seq_length
-    return dataclasses.replace(args, max_model_len=max_len, enable_prefix_caching=False)
+    # a classification head reads plain weights (runner_choice refuses the other formats)
+    quantization = "none" if arch.classifier is not None else args.quantization
+    return dataclasses.replace(args, max_model_len=max_len, enable_prefix_caching=False,
+                               quantization=quantization)
 
 
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
@@ -397,7 +401,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     read_nodes: where a cluster's ranks will run, and their memory there (the engine passes
     the executors' pagedllm.executor.read_rank_nodes; None plans on this machine)."""
     runner = choose_runner(args, ckpt)
-    args = _pooling_args(args, runner)
+    args = _pooling_args(args, runner, ckpt.arch)
     choice = resolve_platform(args.device)
     if args.gpu_memory_utilization is not None:
         if isinstance(choice.platform, TorchGpuPlatform):
@@ -438,6 +442,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
-        step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler)
+        step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler,
+        hf_overrides=args.hf_overrides)
 
 

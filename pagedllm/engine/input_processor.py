@@ -109,10 +109,8 @@ class InputProcessor:
             raise ValueError("this model generates and does not embed: use LLM.generate / "
                              "LLM.chat (the server's /v1/completions, /v1/chat/completions)")
         params = check_pooling_params(params).clone()
-        enc = arch.encoder
         params.task = check_pooling_task(params.task, arch)
-        params.verify(arch.hidden_size, enc is not None and enc.is_matryoshka,
-                      None if enc is None else enc.matryoshka_dimensions)
+        params.verify(arch.hidden_size, arch.is_matryoshka, arch.matryoshka_dimensions)
         keep = params.truncate_prompt_tokens
         keep = self.max_model_len if keep == -1 else keep
         if keep is not None and keep > self.max_model_len:

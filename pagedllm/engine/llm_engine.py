@@ -52,13 +52,15 @@ class LLMEngine:
         """Find the checkpoint, size the engine, load the weights."""
         located = locate_model(args.model, args.revision, args.gguf_file, args.model_source)
         # plan memory on metadata before any weight byte is downloaded (fit before fetch)
-        meta = resolve_checkpoint(located.metadata_path)
+        meta = resolve_checkpoint(located.metadata_path, args.hf_overrides)
         config = make_engine_config(args, meta, read_rank_nodes)
-        ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path())
+        ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path(),
+                                                                     args.hf_overrides)
         config = dataclasses.replace(config, model_path=str(ckpt.path))
         tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
                                    trust_remote_code=args.trust_remote_code,
                                    max_tokens=config.arch.vocab_size)
+        config = dataclasses.replace(config, arch=_classifier_token_ids(config.arch, tokenizer))
         return cls(config, tokenizer, generation_config(ckpt))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
@@ -189,6 +191,23 @@ def _eos_ids(arch: ModelArchConfig, gen_cfg: dict, tokenizer, *, gguf: bool) -> 
     if gguf:
         ids.update(end_of_turn_ids(tokenizer))
     return ids
+
+
+def _classifier_token_ids(arch: ModelArchConfig, tokenizer: Any) -> ModelArchConfig:
+    """arch with its classifier's from_tokens (classifier_from_token) as the tokenizer's ids,
+    which the ranks need to build the head from the LM head's rows; a token the vocabulary
+    lacks is a ValueError naming it."""
+    head = arch.classifier
+    if head is None or not head.from_tokens:
+        return arch
+    ids = []
+    for token in head.from_tokens:
+        index = tokenizer.convert_tokens_to_ids(token)
+        if index is None or tokenizer.convert_ids_to_tokens(index) != token:
+            raise ValueError(f"classifier_from_token {token!r} is not a token of the model's "
+                             "vocabulary")
+        ids.append(index)
+    return dataclasses.replace(arch, classifier=dataclasses.replace(head, token_ids=tuple(ids)))
 
 
 def _check_tokenizer_fits(tokenizer: Any, config: EngineConfig) -> None:

@@ -60,12 +60,40 @@ def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
         _check_encoder_options(args, arch.architecture)
         root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         # a classification head reads the [CLS] row, as HF's BertForSequenceClassification
-        pooler = (PoolerConfig("cls", normalize=False) if arch.encoder.num_labels
+        pooler = (PoolerConfig("cls", normalize=False) if arch.num_labels
                   else pooler_config(root))
         return RunnerChoice("pooling", pooler, _max_seq_length(root))
+    if arch.classifier is not None:
+        return _decoder_classifier(args, ckpt, asked)
     if asked == "pooling":
         return _decoder_pooling(args, ckpt)
     return RunnerChoice("generate")
+
+
+def _check_one_rank(args: EngineArgs, arch: str) -> None:
+    """A pooling decoder runs on one rank: tensor and pipeline parallelism are refused."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(f"{name}={getattr(args, name)} with runner='pooling' is not "
+                             f"implemented: a pooling {arch} decoder runs on one rank")
+
+
+def _decoder_classifier(args: EngineArgs, ckpt: Checkpoint, asked: str) -> RunnerChoice:
+    """A decoder with a classification head (Qwen3ForSequenceClassification, Qwen3-Reranker
+    through hf_overrides) pools its last token into the head, as vLLM's pooling runner; its
+    weights run as stored, since the head reads the LM head's rows."""
+    arch = ckpt.arch.architecture
+    if asked == "generate":
+        raise ValueError(f"runner='generate': this {arch} checkpoint has a classification head "
+                         "(its architectures name *ForSequenceClassification); it scores and "
+                         "classifies (LLM.score, /rerank) and does not generate")
+    _check_one_rank(args, arch)
+    if args.quantization not in (None, "none"):
+        raise ValueError(f"quantization={args.quantization!r} with a classifier {arch} "
+                         "decoder is not implemented; its weights run as stored "
+                         "(quantization='none')")
+    root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    return RunnerChoice("pooling", PoolerConfig("last", normalize=False), _max_seq_length(root))
 
 
 def _decoder_pooling(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
@@ -73,10 +101,7 @@ def _decoder_pooling(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
     token's final hidden state, normalised, unless its sentence-transformers files say
     otherwise; its prompt is read in chunks, so only last-token pooling is possible."""
     arch = ckpt.arch.architecture
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name) > 1:
-            raise ValueError(f"{name}={getattr(args, name)} with runner='pooling' is not "
-                             f"implemented: a pooling {arch} decoder runs on one rank")
+    _check_one_rank(args, arch)
     root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
     pooler = pooler_config(root, DECODER_POOLER)
     if pooler.pooling_type != "last":

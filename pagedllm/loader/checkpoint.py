@@ -11,6 +11,7 @@ from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import read_json_object
 from pagedllm.loader.gguf.weights import arch_from_gguf, load_gguf_weights
 from pagedllm.loader.hf.arch import arch_from_hf_config
+from pagedllm.loader.hf.hf_overrides import arch_with_overrides
 from pagedllm.loader.hf.safetensors_loader import load_safetensors_weights
 from pagedllm.shard import Shard
 
@@ -27,20 +28,25 @@ class Checkpoint:
     tokenizer_path: Path  # a directory with tokenizer files, or the .gguf file
 
 
-def _gguf_checkpoint(gguf: Path) -> Checkpoint:
+def _gguf_checkpoint(gguf: Path, overrides: Optional[Mapping[str, Any]] = None) -> Checkpoint:
     """Checkpoint for a GGUF file; tokenizer files beside it win over its own metadata.
+    hf_overrides are refused: a GGUF has no config.json to merge them over.
 
     Converting a GGUF vocabulary with transformers takes ~30 s for Qwen's 152k tokens; the
     files model_store exports next to the GGUF load in under a second.
     """
+    if overrides:
+        raise ValueError(f"hf_overrides {sorted(overrides)} apply to a Hugging Face "
+                         f"checkpoint's config.json; {gguf.name} is a GGUF")
     tokenizer_dir = gguf.parent
     has_tokenizer = any((tokenizer_dir / n).is_file() for n in _TOKENIZER_FILES)
     return Checkpoint(kind="gguf", path=gguf, arch=arch_from_gguf(gguf),
                       tokenizer_path=tokenizer_dir if has_tokenizer else gguf)
 
 
-def _resolve_dir(root: Path) -> Checkpoint:
-    """Checkpoint for a directory: HF safetensors layout, or exactly one .gguf."""
+def _resolve_dir(root: Path, overrides: Optional[Mapping[str, Any]]) -> Checkpoint:
+    """Checkpoint for a directory: HF safetensors layout (its config.json with `overrides`
+    merged over it), or exactly one .gguf."""
     # an index alone (weights not fetched yet) is enough to plan memory before downloading
     safetensors = sorted(root.glob("*.safetensors")) or sorted(root.glob("*.safetensors.index.json"))
     ggufs = sorted(root.glob("*.gguf"))
@@ -48,10 +54,12 @@ def _resolve_dir(root: Path) -> Checkpoint:
         config = root / "config.json"
         if not config.is_file():
             raise FileNotFoundError(f"{root} has *.safetensors but no config.json")
-        arch = arch_from_hf_config(read_json_object(config), config)
+        cfg = read_json_object(config)
+        arch = (arch_from_hf_config(cfg, config) if not overrides
+                else arch_with_overrides(cfg, overrides, config))
         return Checkpoint(kind="safetensors", path=root, arch=arch, tokenizer_path=root)
     if len(ggufs) == 1:
-        return _gguf_checkpoint(ggufs[0])
+        return _gguf_checkpoint(ggufs[0], overrides)
     if len(ggufs) > 1:
         raise ValueError(f"model={str(root)!r} holds {len(ggufs)} .gguf files "
                          f"({', '.join(p.name for p in ggufs)}); pass one file")
@@ -61,15 +69,17 @@ def _resolve_dir(root: Path) -> Checkpoint:
     raise FileNotFoundError(f"model={str(root)!r} has neither *.safetensors weights nor a .gguf file")
 
 
-def resolve_checkpoint(model: str | Path) -> Checkpoint:
-    """Resolve a .gguf file, an HF safetensors directory, or a directory holding one .gguf."""
+def resolve_checkpoint(model: str | Path,
+                       hf_overrides: Optional[Mapping[str, Any]] = None) -> Checkpoint:
+    """Resolve a .gguf file, an HF safetensors directory, or a directory holding one .gguf;
+    hf_overrides (vLLM's): keys merged over an HF checkpoint's config.json."""
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model={str(model)!r} does not exist")
     if path.is_dir():
-        return _resolve_dir(path)
+        return _resolve_dir(path, hf_overrides)
     if path.suffix == ".gguf":
-        return _gguf_checkpoint(path)
+        return _gguf_checkpoint(path, hf_overrides)
     raise ValueError(f"model={str(model)!r} is a file but not a .gguf; "
                      "pass a .gguf file or a Hugging Face checkpoint directory")
 

@@ -2,6 +2,7 @@
 or from a GGUF's `gemma2.*` / `gemma3.*` keys, every value checked by its field name."""
 from __future__ import annotations
 
+from collections import ChainMap
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -40,18 +41,20 @@ def _sliding_layers(cfg: Mapping[str, Any], arch: str, num_layers: int, source: 
     return sliding_from_layer_types(types, num_layers, source)
 
 
-def gemma3_global_rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def gemma3_global_rope(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """cfg with the global layers' RoPE at the top, as loader/hf/arch.py reads a one-table model:
     transformers 5 keys rope_parameters by layer type; older configs hold the global ones in
-    rope_theta / rope_scaling. The base defaults to Gemma 3's 1e6."""
-    out = dict(cfg)
+    rope_theta / rope_scaling. The base defaults to Gemma 3's 1e6. A view over cfg, not a copy:
+    only the keys read are read (hf_overrides refuses the keys nothing reads)."""
+    top: dict[str, Any] = {}
     params = cfg.get("rope_parameters")
     if isinstance(params, Mapping) and "full_attention" in params:
-        out["rope_parameters"] = params["full_attention"]
-    if out.get("rope_theta") is None and (out.get("rope_parameters") or {}).get(
+        top["rope_parameters"] = params["full_attention"]
+    view = ChainMap(top, cfg)
+    if view.get("rope_theta") is None and (view.get("rope_parameters") or {}).get(
             "rope_theta") is None:
-        out["rope_theta"] = _GEMMA3_THETA
-    return out
+        top["rope_theta"] = _GEMMA3_THETA
+    return view
 
 
 def _local_rope_base(cfg: Mapping[str, Any], source: str | Path) -> float:

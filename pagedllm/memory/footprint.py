@@ -39,7 +39,7 @@ class ModelFootprint:
     def max_len_supported(self) -> int:
         """Positions the model was trained for (a sliding window does not cut them: its layers
         attend over the window, and the cache still holds the whole sequence)."""
-        return self.arch.max_position_embeddings
+        return self.arch.max_positions
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:

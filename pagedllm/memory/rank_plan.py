@@ -22,7 +22,7 @@ def plan_rank_memory(config: EngineConfig, stage: PipelineStage, mem: MemoryInfo
     (its stage's, over tp_size tensor parallel ranks; config's planned KV blocks,
     max_model_len and mmap_weights) fits the memory it reads where it runs (its own cgroup or
     machine); InsufficientMemoryError names the rank, with the ways out."""
-    ckpt = resolve_checkpoint(config.model_path)
+    ckpt = resolve_checkpoint(config.model_path, config.hf_overrides)
     itemsize = torch.empty((), dtype=config.dtype).element_size()
     kept = config.platform.block_types() if ckpt.kind == "gguf" else frozenset()
     tensors = gguf_tensors(ckpt)  # read once, handed down

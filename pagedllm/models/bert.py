@@ -1,16 +1,19 @@
-"""BERT-family encoders (BERT, all-MiniLM, bge, e5): learned absolute positions and token
-types, bidirectional attention, post-LayerNorm blocks, a plain GELU MLP.
+"""BERT-family encoders (BERT, all-MiniLM, bge, e5; XLM-RoBERTa: bge-m3, bge-reranker-v2-m3):
+learned absolute positions and token types, bidirectional attention, post-LayerNorm blocks, a
+plain GELU MLP. XLM-RoBERTa is this encoder with its config's departures (positions from
+padding_idx + 1, no token types) and its own classification head.
 
 Parameter names follow Hugging Face's BertModel, except q/k/v, one merged module loading the
 checkpoint's query/key/value by shard. A sequence is embedded with token type 0 (one sentence
 per input, as sentence-transformers embeds) unless the step gives token types (a cross-encoder's
 pair: 0 for the query, 1 for the document). The output is the last layer's hidden states;
 pooling them into one vector is the pooler's job (layers/pooler.py), which for
-BertForSequenceClassification runs its head (`classify`) on the [CLS] row.
+BertForSequenceClassification (and XLMRobertaForSequenceClassification) runs its head
+(`classify`) on the [CLS] (<s>) row.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
@@ -41,11 +44,15 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = _embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.token_type_embeddings = _embedding(enc.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=enc.layer_norm_eps)
+        self.position_offset = enc.position_offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[T] ids at [T] positions (of [T] token types; None: all 0) -> [T, H]."""
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        """[T] ids at [T] positions (of [T] token types; None: all 0) -> [T, H]; position p
+        reads learned row p + position_offset (XLM-RoBERTa's padding_idx + 1)."""
+        offset = self.position_offset
+        x = self.word_embeddings(input_ids) + self.position_embeddings(
+            positions + offset if offset else positions)
         types = (self.token_type_embeddings.weight[0] if token_type_ids is None
                  else self.token_type_embeddings(token_type_ids))
         return self.LayerNorm(x + types)
@@ -128,17 +135,19 @@ class BertEncoder(nn.Module):
 class BertModel(nn.Module):
     """A BERT encoder over whole sequences: hidden states for every token of the step."""
 
-    # tensors of HF's BertModel the encoder does not use: the [CLS] pooler head (trained for
-    # next-sentence prediction; sentence-transformers ignores it) and the position-id buffer
-    unused_checkpoint_prefixes = ("pooler.", "embeddings.position_ids")
+    # tensors of HF's BertModel (XLMRobertaModel) the encoder does not use: the [CLS] pooler
+    # head (trained for next-sentence prediction; sentence-transformers ignores it) and the
+    # position-id and token-type buffers
+    unused_checkpoint_prefixes = ("pooler.", "embeddings.position_ids",
+                                  "embeddings.token_type_ids")
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         if cfg.encoder is None:
             raise ValueError(f"architecture {cfg.architecture!r} is not an encoder")
-        if max_positions > cfg.max_position_embeddings:
+        if max_positions > cfg.max_positions:
             raise ValueError(f"max_model_len={max_positions} is longer than the encoder's "
-                             f"{cfg.max_position_embeddings} learned positions")
+                             f"{cfg.max_positions} learned positions")
         self.config = cfg
         self.embeddings = BertEmbeddings(cfg, cfg.encoder)
         self.encoder = BertEncoder(cfg, cfg.encoder)
@@ -181,29 +190,29 @@ class BertPooler(nn.Module):
         return torch.tanh(self.dense(cls_rows))
 
 
-class BertForSequenceClassification(nn.Module):
-    """A BERT encoder with HF's sequence-classification head (a cross-encoder such as
-    bge-reranker's and ms-marco's, or a classifier): the encoder's hidden states come out of
-    forward as BertModel's do; `classify` turns [CLS] rows into the head's logits."""
+class _SequenceClassifier(nn.Module):
+    """An encoder (BertModel, under the checkpoint's prefix `body`) with a sequence
+    classification head: the hidden states come out of forward as BertModel's do; `classify`
+    turns each sequence's first-token ([CLS], <s>) rows into the head's logits."""
+
+    body: ClassVar[str]  # the encoder's checkpoint prefix ("bert", "roberta")
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
-        if cfg.encoder is None or not cfg.encoder.num_labels:
+        if cfg.encoder is None or cfg.classifier is None:
             raise ValueError(f"architecture {cfg.architecture!r} has no classification labels")
         self.config = cfg
-        self.bert = BertModel(cfg, max_positions)
-        self.bert.pooler = BertPooler(cfg.hidden_size)
-        self.classifier = nn.Linear(cfg.hidden_size, cfg.encoder.num_labels)
+        setattr(self, self.body, BertModel(cfg, max_positions))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: Optional[object] = None,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Hidden states [T, H], as BertModel.forward."""
-        return self.bert(input_ids, positions, intermediate, token_type_ids)
+        return getattr(self, self.body)(input_ids, positions, intermediate, token_type_ids)
 
     def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
-        """[N, H] hidden states of each sequence's first ([CLS]) token -> [N, labels] logits."""
-        return self.classifier(self.bert.pooler(cls_rows))
+        """[N, H] hidden states of each sequence's first token -> [N, labels] logits."""
+        raise NotImplementedError
 
     def tie_weights(self) -> None:
         """Nothing is tied in an encoder."""
@@ -214,5 +223,49 @@ class BertForSequenceClassification(nn.Module):
 
     @classmethod
     def skips_checkpoint_tensor(cls, name: str) -> bool:
-        """The position-id buffer some checkpoints save is not a weight."""
-        return name == "bert.embeddings.position_ids"
+        """The position-id and token-type buffers some checkpoints save are not weights."""
+        return name in (f"{cls.body}.embeddings.position_ids",
+                        f"{cls.body}.embeddings.token_type_ids")
+
+
+class BertForSequenceClassification(_SequenceClassifier):
+    """A BERT encoder with HF's sequence-classification head (a cross-encoder such as
+    bge-reranker's and ms-marco's, or a classifier): dense and tanh over [CLS] (BertPooler),
+    then a linear layer."""
+
+    body = "bert"
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.bert.pooler = BertPooler(cfg.hidden_size)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.classifier.num_labels)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] [CLS] rows -> [N, labels] logits."""
+        return self.classifier(self.bert.pooler(cls_rows))
+
+
+class RobertaClassificationHead(nn.Module):
+    """HF's RobertaClassificationHead: dense and tanh over the <s> row, then out_proj."""
+
+    def __init__(self, hidden: int, labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, labels)
+
+    def forward(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(cls_rows)))
+
+
+class XLMRobertaForSequenceClassification(_SequenceClassifier):
+    """An XLM-RoBERTa encoder with HF's classification head (bge-reranker-v2-m3's shape)."""
+
+    body = "roberta"
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.classifier = RobertaClassificationHead(cfg.hidden_size, cfg.classifier.num_labels)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        """[N, H] <s> rows -> [N, labels] logits."""
+        return self.classifier(cls_rows)

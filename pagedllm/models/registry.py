@@ -11,7 +11,9 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.quantization import QuantPlan, swap_quantized_modules
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.bert import BertForSequenceClassification, BertModel
+from pagedllm.models.bert import (BertForSequenceClassification, BertModel,
+                                  XLMRobertaForSequenceClassification)
+from pagedllm.models.decoder_classifier import with_classifier
 from pagedllm.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedllm.models.llama import (LlamaForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                    Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
@@ -31,6 +33,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "qwen3": Qwen3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "smollm3": SmolLM3ForCausalLM,
+    "xlm_roberta": BertModel,  # the same tensors; its config declares the departures
+    "xlm_roberta_classifier": XLMRobertaForSequenceClassification,
 }
 
 
@@ -48,6 +52,13 @@ def model_class(architecture: str) -> type[nn.Module]:
                          f"architectures: {', '.join(supported_architectures())}") from None
 
 
+def model_class_for(cfg: ModelArchConfig) -> type[nn.Module]:
+    """The model class for cfg: its architecture's, with a last-token classification head for
+    a decoder that has one (Qwen3ForSequenceClassification)."""
+    cls = model_class(cfg.architecture)
+    return with_classifier(cls) if cfg.classifier is not None and not cfg.is_encoder else cls
+
+
 def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
                 device: torch.device, quant_plan: Optional[QuantPlan] = None,
                 stage: Optional[PipelineStage] = None,
@@ -57,7 +68,7 @@ def build_model(cfg: ModelArchConfig, max_positions: int, dtype: torch.dtype,
     pipeline stage, only the modules that stage holds (models/pipeline.py); with a tensor
     parallel rank, its share of every layer, and model.checkpoint_shards says which part of
     each checkpoint tensor it loads (models/tensor_parallel.py)."""
-    cls = model_class(cfg.architecture)
+    cls = model_class_for(cfg)
     with torch.device("meta"):
         model = cls(cfg, max_positions)
         if stage is not None:

@@ -33,7 +33,7 @@ from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.loader.weight_checks import check_finite_vectors
 from pagedllm.memory.weight_layout import quantized_at_load
 from pagedllm.models.pipeline import held_elsewhere
-from pagedllm.models.registry import build_model, model_class
+from pagedllm.models.registry import build_model, model_class_for
 from pagedllm.models.tensor_parallel import add_collectives
 from pagedllm.platforms.interface import fmt_bytes
 from pagedllm.platforms.malloc import trim_freed_memory
@@ -51,8 +51,7 @@ def _block_plan(ckpt: Checkpoint, config: EngineConfig) -> QuantPlan:
         if not quantized_at_load(ckpt, quant):
             return {}
         with torch.device("meta"):
-            shape = model_class(config.arch.architecture)(config.arch,
-                                                          config.scheduler.max_model_len)
+            shape = model_class_for(config.arch)(config.arch, config.scheduler.max_model_len)
         return float_quant_plan(shape, quant)
     if quant == "gguf":
         return gguf_quant_plan(ckpt.path, kernel_types)
@@ -129,7 +128,7 @@ def load_model(config: EngineConfig, stage: Optional[PipelineStage] = None,
     started = time.monotonic()
     platform, quant = config.platform, config.quantization
     device = platform.device()
-    ckpt = resolve_checkpoint(config.model_path)
+    ckpt = resolve_checkpoint(config.model_path, config.hf_overrides)
     plan = _block_plan(ckpt, config)
     with build_context(platform, config.dtype):
         model = build_model(config.arch, config.scheduler.max_model_len, config.dtype, device, plan,

@@ -80,8 +80,9 @@ class ModelRunner:
         """Build and load the model; capture its decode step where the platform can."""
         self.model = load_model(self.config, self.stage, self.tp)
         if self.config.pooler is not None:
-            self.pooler = Pooler(self.config.pooler, getattr(self.model, "classify", None),
-                                 self.config.arch.encoder)
+            head = self.config.arch.classifier
+            self.pooler = Pooler(self.config.pooler, None if head is None else self.model.classify,
+                                 head)
             self.captured_decode, self.decode_path = None, (
                 "none (a pooling model: each request is one whole-sequence step)")
             return
@@ -197,10 +198,11 @@ class ModelRunner:
 
     def _token_types(self, step: StepInputs) -> dict[str, torch.Tensor]:
         """{"token_type_ids": [T]} when a sequence of the step is a text pair (a cross-encoder's
-        query and document: type 1 from where the second text starts), else {}."""
+        query and document: type 1 from where the second text starts) and the model reads token
+        types, else {}."""
         starts = [(seq, seq.state.pooling_params.second_text_start) for seq in step.seqs
                   if seq.state.pooling_params is not None]
-        if all(first is None for _, first in starts):
+        if not self.config.arch.uses_token_types or all(first is None for _, first in starts):
             return {}
         types = torch.zeros(step.input_ids.shape[0], dtype=torch.int64, device=self.device)
         for seq, first in starts:

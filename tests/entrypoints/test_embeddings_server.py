@@ -83,7 +83,7 @@ def test_raw_base64_is_little_endian_float32(embed_server, client):
 
 
 @pytest.mark.parametrize("kwargs,param,text", [
-    (dict(dimensions=16), "dimensions", "does not support Matryoshka"),
+    (dict(dimensions=16), "dimensions", "does not support matryoshka representation"),
     (dict(input=""), "input", "must not be empty"),
     (dict(input=[]), "input", "must not be empty"),
     (dict(input=" ".join(["word"] * 300)), "input", "302 tokens long but max_model_len is 256"),

@@ -114,7 +114,7 @@ def test_normalize_false_gives_the_raw_cls_state(cls_model):
 
 def test_unsupported_requests_are_refused_by_name(cls_model):
     _, llm = cls_model
-    with pytest.raises(ValueError, match="dimensions is 16, but the model does not support Matryoshka"):
+    with pytest.raises(ValueError, match="Model does not support matryoshka representation"):
         llm.embed("hi", PoolingParams(dimensions=16), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be a positive int, -1"):
         PoolingParams(truncate_prompt_tokens=0)
@@ -147,5 +147,6 @@ def test_matryoshka_dimensions_cut_then_normalise(tmp_path, minilm_dir):
     full = reference(path, TEXTS, "mean", False)
     ours = embed(llm, TEXTS, PoolingParams(dimensions=16))
     torch.testing.assert_close(ours, F.normalize(full[:, :16], dim=1), atol=5e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match=r"dimensions 20 is not one the model supports: \[16"):
+    with pytest.raises(ValueError,
+                       match=r"dimensions 20: Model only supports \[16, 32, 64\] matryoshka"):
         llm.embed("hi", PoolingParams(dimensions=20), use_tqdm=False)

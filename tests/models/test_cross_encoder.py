@@ -129,7 +129,7 @@ def test_classify_is_the_softmax_over_the_labels(tmp_path, minilm_dir):
     torch.testing.assert_close(torch.tensor([o.outputs.probs for o in outs]), ref, atol=2e-6,
                                rtol=1e-5)
     assert outs[0].outputs.num_classes == 3
-    assert llm.llm_engine.config.arch.encoder.labels == ("neg", "neu", "pos")
+    assert llm.llm_engine.config.arch.classifier.labels == ("neg", "neu", "pos")
     with pytest.raises(ValueError, match="only a one-label head scores a pair"):
         llm.score("a", "b", use_tqdm=False)
 

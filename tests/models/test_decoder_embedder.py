@@ -86,3 +86,34 @@ def test_mean_pooling_and_parallel_decoders_are_refused(tiny, tmp_path):
         (hf / "modules.json").unlink()
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with runner='pooling'"):
         LLM(model=str(hf), runner="pooling", dtype="float32", tensor_parallel_size=2)
+
+
+def test_matryoshka_cuts_follow_the_config_as_for_bert(tiny):
+    """dimensions only for a Matryoshka model (config.json's keys, here through hf_overrides
+    as vLLM's docs do it): the last token's state cut to n values, then normalised."""
+    full = _last_states(tiny.model, tiny.prompts[:2])
+    prompts = [{"prompt_token_ids": p} for p in tiny.prompts[:2]]
+    plain = LLM(model=str(tiny.hf_dir), runner="pooling", dtype="float32")
+    with pytest.raises(ValueError, match=r"dimensions 16: Model does not support matryoshka "
+                                         r"representation, changing output dimensions .*\(its "
+                                         r"embeddings have 64 values\)"):
+        plain.embed(prompts, PoolingParams(dimensions=16), use_tqdm=False)
+    assert len(plain.embed(prompts[0], PoolingParams(dimensions=64),  # its own size: no cut
+                           use_tqdm=False)[0].outputs.embedding) == 64
+    del plain
+    listed = LLM(model=str(tiny.hf_dir), runner="pooling", dtype="float32",
+                 hf_overrides={"matryoshka_dimensions": [16, 32]})
+    outs = listed.embed(prompts, PoolingParams(dimensions=16), use_tqdm=False)
+    torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in outs]),
+                               F.normalize(full[:, :16], dim=-1), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"dimensions 20: Model only supports \[16, 32\] "
+                                         r"matryoshka dimensions"):
+        listed.embed(prompts, PoolingParams(dimensions=20), use_tqdm=False)
+    del listed
+    free = LLM(model=str(tiny.hf_dir), runner="pooling", dtype="float32",
+               hf_overrides={"is_matryoshka": True})
+    raw = free.embed(prompts[1], PoolingParams(dimensions=20, normalize=False),
+                     use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(raw), full[1, :20], atol=5e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="dimensions 65 is larger than the model's 64"):
+        free.embed(prompts[1], PoolingParams(dimensions=65), use_tqdm=False)

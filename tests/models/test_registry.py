@@ -24,13 +24,30 @@ def test_known_architectures():
     assert model_class("smollm3") is SmolLM3ForCausalLM
     assert model_class("bert") is BertModel
     assert model_class("bert_classifier").__name__ == "BertForSequenceClassification"
+    assert model_class("xlm_roberta") is BertModel  # its config declares the departures
+    assert model_class("xlm_roberta_classifier").__name__ == "XLMRobertaForSequenceClassification"
     assert supported_architectures() == ["bert", "bert_classifier", "gemma2", "gemma3", "llama", "phi3", "qwen2",
-                                         "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"]
+                                         "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "xlm_roberta",
+                                         "xlm_roberta_classifier"]
+
+
+def test_a_decoder_with_a_classifier_gets_the_last_token_head_class():
+    from pagedllm.config import ClassifierConfig
+    from pagedllm.loader.hf.arch import arch_from_hf_config
+    from pagedllm.models.registry import model_class_for
+    cfg = dict(architectures=["Qwen3ForSequenceClassification"], vocab_size=100, hidden_size=32,
+               intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, num_labels=1)
+    arch = arch_from_hf_config(cfg)
+    cls = model_class_for(arch)
+    assert cls.__name__ == "Qwen3ForSequenceClassification" and issubclass(cls, Qwen3ForCausalLM)
+    assert model_class_for(arch) is cls and arch.classifier == ClassifierConfig(
+        ("LABEL_0",), classify_activation="sigmoid")
 
 
 def test_unknown_architecture_lists_supported():
     with pytest.raises(ValueError, match="'gpt2' is not supported.*bert, bert_classifier, gemma2, gemma3, llama, phi3, qwen2, "
-                                         "qwen2_moe, qwen3, qwen3_moe, smollm3"):
+                                         "qwen2_moe, qwen3, qwen3_moe, smollm3, xlm_roberta"):
         model_class("gpt2")
 
 

@@ -90,8 +90,7 @@ class ServerContext:
     @property
     def labels(self) -> int:
         """Outputs of the pooling model's classification head (0: none, or a generator)."""
-        encoder = self.engine.engine.config.arch.encoder
-        return 0 if encoder is None else encoder.num_labels
+        return self.engine.engine.config.arch.num_labels
 
     def endpoints(self) -> list[str]:
         """The endpoints that serve this model."""

@@ -100,7 +100,7 @@ async def create_classify(ctx: ServerContext, req: ClassifyRequest) -> dict[str,
         raise bad_request(err) from None
     inputs = await engine_inputs(ctx, texts, "input", params.truncate_prompt_tokens)
     outs = await pool_all(ctx, [(p, params) for p in inputs], new_id("classify"))
-    names = ctx.engine.engine.config.arch.encoder.labels
+    names = ctx.engine.engine.config.arch.classifier.labels
     data = []
     for i, out in enumerate(outs):
         probs = out.outputs.data.tolist()

@@ -4,9 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from pagedllm.config import ModelArchConfig, MoEConfig
+from pagedllm.config import ClassifierConfig, ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.hf.encoder_arch import encoder_from_hf
+from pagedllm.loader.hf.head_arch import classifier_from_hf, matryoshka
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma3_global_rope, gemma_from_hf, gemma_window
 from pagedllm.loader.window_layers import full_attention_layers
@@ -23,15 +24,22 @@ HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3ForCausalLM": "qwen3",
+    # a decoder with a classification head over its last token (Qwen3-Reranker through vLLM's
+    # hf_overrides, or a checkpoint converted to one: score.weight)
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "SmolLM3ForCausalLM": "smollm3",
+    "XLMRobertaModel": "xlm_roberta",  # bge-m3's shape
+    "XLMRobertaForSequenceClassification": "xlm_roberta_classifier",  # bge-reranker-v2-m3's
 }
 
 # config.json "model_type" -> registry key, used when "architectures" is absent.
 _MODEL_TYPES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3_text": "gemma3", "llama": "llama",
                                 "mistral": "llama", "phi3": "phi3", "qwen2": "qwen2",
                                 "qwen2_moe": "qwen2_moe", "qwen3": "qwen3",
-                                "qwen3_moe": "qwen3_moe", "smollm3": "smollm3"}
+                                "qwen3_moe": "qwen3_moe", "smollm3": "smollm3",
+                                "xlm-roberta": "xlm_roberta"}
 # Multimodal checkpoints (architecture, model_type) whose text decoder alone is supported
 _TEXT_ONLY: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("gemma3", "Gemma3ForCausalLM (model_type gemma3_text)")}
@@ -57,6 +65,16 @@ def architecture_key(cfg: Mapping[str, Any], source: str | Path = "config.json")
         f"architectures={names!r} (model_type={model_type!r}) is not supported; supported: "
         f"{', '.join(sorted(HF_ARCHITECTURES))} (model_type {', '.join(sorted(_MODEL_TYPES))}) "
         f"in {source}")
+
+
+def _classifier(cfg: Mapping[str, Any], arch: str, source: str | Path
+                ) -> Optional[ClassifierConfig]:
+    """The classification head of a *ForSequenceClassification checkpoint, else None."""
+    names = cfg.get("architectures") or []
+    names = names if isinstance(names, list) else [names]
+    if not any(isinstance(n, str) and n.endswith("ForSequenceClassification") for n in names):
+        return None
+    return classifier_from_hf(cfg, arch, source)
 
 
 def _required(cfg: Mapping[str, Any], key: str, source: str | Path) -> Any:
@@ -209,6 +227,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
     window, layers = _sliding_window(cfg, arch, source), dim("num_hidden_layers")
     nope = _nope_layers(cfg, arch, layers, source)
     bos = cfg.get("bos_token_id")
+    matryoshka_dims, is_matryoshka = matryoshka(cfg, source)
     torch_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
     if torch_dtype is not None and not isinstance(torch_dtype, str):
         raise ModelFileError(f"torch_dtype must be a dtype name such as 'bfloat16', got "
@@ -241,4 +260,7 @@ def arch_from_hf_config(cfg: Mapping[str, Any], source: str | Path = "config.jso
         moe=_moe(cfg, arch, dim("num_hidden_layers"), source),
         gemma=gemma,
         encoder=encoder_from_hf(cfg, arch, source),
+        classifier=_classifier(cfg, arch, source),
+        matryoshka_dimensions=matryoshka_dims,
+        is_matryoshka=is_matryoshka,
     )

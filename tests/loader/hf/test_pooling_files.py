@@ -23,7 +23,7 @@ def test_bert_config_reads_the_encoder_fields():
     assert arch.architecture == "bert" and arch.is_encoder
     assert (arch.encoder.type_vocab_size, arch.encoder.layer_norm_eps, arch.encoder.hidden_act) \
         == (2, 1e-12, "gelu")
-    assert arch.head_dim == 8 and not arch.encoder.is_matryoshka
+    assert arch.head_dim == 8 and not arch.is_matryoshka
     # embeddings (word, position, type, LayerNorm) + 2 x (q/k/v/o, MLP, two LayerNorms)
     assert arch.num_params() == (100 + 64 + 2 + 2) * 32 + 2 * (4 * (32 * 32 + 32) + 2 * 32 * 64
                                                                + 64 + 32 + 4 * 32)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from pagedllm.loader.errors import ModelFileError
-from pagedllm.loader.hf.hf_config import arch_from_hf_config
+from pagedllm.loader.hf.arch import arch_from_hf_config
 from pagedllm.loader.hf.hf_overrides import arch_with_overrides
 
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], vocab_size=100, hidden_size=32,

@@ -8,10 +8,11 @@ from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf, gemma_window
+from pagedllm.loader.gguf.gguf_encoder import bert_arch
 from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
+GGUF_ARCHITECTURES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
                                       "phi3": "phi3", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
                                       "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                                       "smollm3": "smollm3"}
@@ -122,6 +123,8 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     if p not in GGUF_ARCHITECTURES:
         raise ModelFileError(f"general.architecture={p!r} is not supported; "
                              f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))} (in {source})")
+    if p == "bert":
+        return bert_arch(fields, tensors, source)
 
     def dim(key: str, default: Optional[int] = None) -> int:
         value = fields.get(f"{p}.{key}")

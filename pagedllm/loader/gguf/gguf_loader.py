@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 from pagedllm.config import ModelArchConfig
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf.gguf_arch import arch_from_header
+from pagedllm.loader.gguf.gguf_encoder import bert_hf_name
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
 from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo, gguf_arrays, gguf_header
@@ -88,6 +89,8 @@ class _GGUFHeader:
 def hf_name(gguf_name: str, architecture: str = "llama") -> Optional[str]:
     """HF parameter name for a GGUF tensor name of a model of `architecture` (registry key), or
     None if it has no counterpart."""
+    if architecture == "bert":
+        return bert_hf_name(gguf_name)
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)

@@ -4,11 +4,11 @@ A byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Qwen2, Llama 3, Smol
 built here directly into a `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp applies for
 `tokenizer.ggml.pre` written the way the model's own tokenizer.json writes it: ~1 s for Qwen2's
 152k tokens. A SentencePiece one ("llama": Gemma, Llama 2) is built by gguf_spm, a WordPiece
-one ("bert": BERT encoders) by gguf_wpm, both without transformers. Anything else (an unknown pre-tokenizer or architecture, an odd vocabulary) goes
-to transformers' GGUF loader, with an INFO line saying why; it is exact but walks every metadata
-string through numpy (~10 s for a 152k vocabulary, ~21 s for Gemma's 262k). transformers is
-imported only when a byte-level or fallback tokenizer is built (the cache of
-gguf_tokenizer_cache keeps what is built here).
+one ("bert": BERT encoders) by gguf_wpm, both without transformers. Anything else (an unknown
+pre-tokenizer or architecture, an odd vocabulary) goes to transformers' GGUF loader, with an
+INFO line saying why; it is exact but walks every metadata string through numpy (~10 s for a
+152k vocabulary, ~21 s for Gemma's 262k). transformers is imported only when a byte-level or
+fallback tokenizer is built (the cache of gguf_tokenizer_cache keeps what is built here).
 """
 from __future__ import annotations
 

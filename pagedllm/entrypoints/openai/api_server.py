@@ -241,9 +241,9 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServerContext) -> None:
-    """A pooling model's endpoints: /v1/embeddings, Cohere's /v2/embed, vLLM's /pooling, /score (and /v1/score),
-    /rerank (and Jina's /v1/rerank, Cohere's /v2/rerank) and /classify; each refuses a model it
-    does not serve, naming those that do."""
+    """A pooling model's endpoints: /v1/embeddings, Cohere's /v2/embed, vLLM's /pooling,
+    /score (and /v1/score), /rerank (and Jina's /v1/rerank, Cohere's /v2/rerank) and /classify;
+    each refuses a model it does not serve, naming those that do."""
     @app.post(EMBEDDINGS)
     async def embeddings(req: EmbeddingRequest, raw: Request):
         ctx.check_serves(EMBEDDINGS)

@@ -12,10 +12,10 @@ from pagedllm.loader.gguf.gguf_encoder import bert_arch
 from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
-                                      "phi3": "phi3", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
-                                      "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                                      "smollm3": "smollm3"}
+GGUF_ARCHITECTURES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3": "gemma3",
+                                      "llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                      "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
+                                      "qwen3moe": "qwen3_moe", "smollm3": "smollm3"}
 # llama.cpp's SmolLM3 leaves every 4th layer without RoPE (n_no_rope_layer_step, fixed: the
 # GGUF has no key for it)
 _SMOLLM3_NOPE_STEP = 4

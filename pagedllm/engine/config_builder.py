@@ -65,6 +65,8 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if wanted in ("int8", "int4", "bf16") and is_gguf:
         raise ValueError(f"quantization={wanted!r} quantizes float checkpoints; this GGUF is "
                          "already quantized (leave quantization unset to keep its blocks)")
+    if wanted is None and is_gguf and ckpt.arch.is_encoder:
+        return "none"  # an encoder's layers have no block modules: dequantized at load
     if wanted is None and not is_gguf:
         wanted = "bf16" if _bf16_by_default(args, ckpt, platform) else "none"
         if wanted == "bf16" and build_kernels and not platform.load_kernels():

@@ -10,6 +10,7 @@ from pagedllm.config import PoolerConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.errors import read_json_object
+from pagedllm.loader.gguf.encoder import gguf_pooler_config
 from pagedllm.loader.hf.pooling_files import pooler_config
 
 # vLLM's default for a decoder run as an embedding model: the last token, normalised
@@ -58,7 +59,9 @@ def choose_runner(args: EngineArgs, ckpt: Checkpoint) -> RunnerChoice:
                              "embeds and does not generate; use runner='pooling' (LLM.embed, "
                              "/v1/embeddings)")
         _check_encoder_options(args, arch.architecture)
-        root = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+        if ckpt.kind == "gguf":  # no sentence-transformers files: its metadata says
+            return RunnerChoice("pooling", gguf_pooler_config(ckpt.path))
+        root = ckpt.path
         # a classification head reads the [CLS] row, as HF's BertForSequenceClassification
         pooler = (PoolerConfig("cls", normalize=False) if arch.num_labels
                   else pooler_config(root))

@@ -93,10 +93,12 @@ def _config_of(spec: TokenizerSpec) -> dict[str, Any]:
     reads it: its TokenizersBackend over tokenizer.json, with these special tokens)."""
     config: dict[str, Any] = {
         **spec.special_tokens, "tokenizer_class": "TokenizersBackend", "backend": "tokenizers",
-        "add_bos_token": bool(spec.add_bos_token), "add_eos_token": bool(spec.add_eos_token),
         "clean_up_tokenization_spaces": spec.clean_up_tokenization_spaces,
         "split_special_tokens": spec.split_special_tokens,
         "model_max_length": spec.model_max_length}
+    for flag in ("add_bos_token", "add_eos_token"):  # unset: tokenizer.json's post-processor
+        if getattr(spec, flag) is not None:
+            config[flag] = getattr(spec, flag)
     if spec.clean_up_bpe:
         config["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
     if spec.extra_special_tokens:

@@ -3,12 +3,12 @@
 A byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Qwen2, Llama 3, SmolLM, GPT-2) is
 built here directly into a `tokenizers.Tokenizer`, with the pre-tokenizer llama.cpp applies for
 `tokenizer.ggml.pre` written the way the model's own tokenizer.json writes it: ~1 s for Qwen2's
-152k tokens. A SentencePiece one ("llama": Gemma, Llama 2) is built by gguf_spm, without
-transformers. Anything else (an unknown pre-tokenizer or architecture, an odd vocabulary) goes
-to transformers' GGUF loader, with an INFO line saying why; it is exact but walks every metadata
-string through numpy (~10 s for a 152k vocabulary, ~21 s for Gemma's 262k). transformers is
-imported only when a byte-level or fallback tokenizer is built (the cache of
-gguf_tokenizer_cache keeps what is built here).
+152k tokens. A SentencePiece one ("llama": Gemma, Llama 2) is built by gguf_spm, a WordPiece
+one ("bert": BERT encoders) by gguf_wpm, both without transformers. Anything else (an unknown
+pre-tokenizer or architecture, an odd vocabulary) goes to transformers' GGUF loader, with an
+INFO line saying why; it is exact but walks every metadata string through numpy (~10 s for a
+152k vocabulary, ~21 s for Gemma's 262k). transformers is imported only when a byte-level or
+fallback tokenizer is built (the cache of gguf_tokenizer_cache keeps what is built here).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pagedllm.loader.gguf.header import gguf_arrays, gguf_header
 from pagedllm.tokenizer.gguf_spm import CONTROL, USER_DEFINED, build_spm_tokenizer
 from pagedllm.loader.gguf.vocab import GGUFVocab, read_gguf_vocab
 from pagedllm.loader.gguf.vocab_checks import check_vocab, check_vocab_header
+from pagedllm.tokenizer.gguf_wpm import build_wpm_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -79,7 +80,7 @@ def adds_bos(vocab: GGUFVocab) -> bool:
         return vocab.add_bos
     if vocab.model == "gpt2":
         return PRE_TOKENIZATIONS.get(vocab.pre or "", PreTokenization()).add_bos
-    return vocab.model == "llama"
+    return vocab.model in ("llama", "bert")  # SentencePiece's <s>, WordPiece's [CLS]
 
 
 def _check_vocab(vocab: GGUFVocab) -> PreTokenization:
@@ -196,10 +197,12 @@ def transformers_tokenizer(path: Path, vocab: GGUFVocab, *,
 
 def _build_from_metadata(vocab: GGUFVocab, architecture: Optional[str], path: Path
                          ) -> FastTokenizer | PreTrainedTokenizerFast:
-    """The tokenizer built here: SentencePiece by gguf_spm (no transformers), byte-level BPE
-    by build_tokenizer; NotBuildable for any other kind."""
+    """The tokenizer built here: SentencePiece by gguf_spm and WordPiece by gguf_wpm (no
+    transformers), byte-level BPE by build_tokenizer; NotBuildable for any other kind."""
     if vocab.model == "llama":
         return build_spm_tokenizer(vocab, architecture, adds_bos(vocab), path)
+    if vocab.model == "bert":
+        return build_wpm_tokenizer(vocab, path)
     return build_tokenizer(vocab, path)
 
 

@@ -30,7 +30,7 @@ from pagedllm.tokenizer.hf_tokenizer import wrap_transformers
 logger = logging.getLogger("pagedllm")
 
 # bump when gguf_tokenizer builds differently, so folders built by older code are not used
-BUILD_VERSION = 2  # 2: SentencePiece vocabularies built by gguf_spm
+BUILD_VERSION = 3  # 2: SentencePiece vocabularies built by gguf_spm; 3: WordPiece, gguf_wpm
 SOURCE_MARKER = ".gguf-source.json"
 
 

@@ -105,13 +105,14 @@ def test_a_pooling_model_refuses_generation_naming_embeddings(client, embed_serv
     with pytest.raises(BadRequestError) as info:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
     assert "/v1/chat/completions does not serve this model" in info.value.body["message"]
-    assert "/v1/embeddings, /pooling, /score, /v1/score, /rerank" in info.value.body["message"]
+    assert "/v1/embeddings, /v2/embed, /pooling, /score, /v1/score, /rerank" in \
+        info.value.body["message"]
     with pytest.raises(BadRequestError, match="/v1/embeddings"):
         client.completions.create(model=NAME, prompt="hi")
     models = httpx.get(f"{embed_server.url}/v1/models").json()["data"]
     assert models[0]["runner"] == "pooling" and models[0]["endpoints"] == [
-        "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
-        "/v2/rerank"]
+        "/v1/embeddings", "/v2/embed", "/pooling", "/score", "/v1/score", "/rerank",
+        "/v1/rerank", "/v2/rerank"]
     assert models[0]["max_model_len"] == 256
 
 

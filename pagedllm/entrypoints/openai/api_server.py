@@ -18,6 +18,7 @@ from pagedllm.entrypoints.anthropic.errors import error_body
 from pagedllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.anthropic.serving_messages import count_tokens, create_message
 from pagedllm.entrypoints.openai.auth import ApiKeyAuth
+from pagedllm.entrypoints.openai.cohere_embed_protocol import CohereEmbedRequest
 from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
 from pagedllm.entrypoints.openai.limits import HttpLimits
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
@@ -25,7 +26,9 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, TokenizeRequest)
 from pagedllm.entrypoints.openai.serving_chat import conversation, create_chat_completion
 from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest, PoolingRequest
-from pagedllm.entrypoints.openai.serving_common import (CHAT, CLASSIFY, COMPLETIONS, EMBEDDINGS,
+from pagedllm.entrypoints.openai.serving_cohere_embed import create_cohere_embedding
+from pagedllm.entrypoints.openai.serving_common import (CHAT, CLASSIFY, COHERE_EMBED,
+                                                        COMPLETIONS, EMBEDDINGS,
                                                         MESSAGES, POOLING, RERANK, RERANK_PATHS,
                                                         RESPONSES, SCORE, SCORE_PATHS,
                                                         OpenAIError, ServerContext,
@@ -39,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_completion import create_completion
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import (cancel_response, create_response,
                                                            get_response)
+from pagedllm.loader.hf.pooling_files import input_type_prompts
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm")
@@ -237,13 +241,23 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServerContext) -> None:
-    """A pooling model's endpoints: /v1/embeddings, vLLM's /pooling, /score (and /v1/score),
-    /rerank (and Jina's /v1/rerank, Cohere's /v2/rerank) and /classify; each refuses a model it
-    does not serve, naming those that do."""
+    """A pooling model's endpoints: /v1/embeddings, Cohere's /v2/embed, vLLM's /pooling,
+    /score (and /v1/score), /rerank (and Jina's /v1/rerank, Cohere's /v2/rerank) and /classify;
+    each refuses a model it does not serve, naming those that do."""
     @app.post(EMBEDDINGS)
     async def embeddings(req: EmbeddingRequest, raw: Request):
         ctx.check_serves(EMBEDDINGS)
         return _respond(await _unless_disconnected(raw, create_embedding(ctx, req, _client(raw))))
+
+    # read once, at start: a checkpoint's files do not change under a running server
+    prompts = (input_type_prompts(ctx.engine.engine.config.model_path)
+               if ctx.runner == "pooling" else {})
+
+    @app.post(COHERE_EMBED)
+    async def cohere_embed(req: CohereEmbedRequest, raw: Request):
+        ctx.check_serves(COHERE_EMBED)
+        return _respond(await _unless_disconnected(raw, create_cohere_embedding(ctx, req,
+                                                                                prompts)))
 
     @app.post(POOLING)
     async def pooling(req: PoolingRequest, raw: Request):

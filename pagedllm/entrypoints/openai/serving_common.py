@@ -53,6 +53,7 @@ class OpenAIError(Exception):
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 EMBEDDINGS = "/v1/embeddings"
+COHERE_EMBED = "/v2/embed"  # Cohere's embed API (vLLM's): input_type picks the model's prompt
 # pooling models' other endpoints (vLLM's): a pair's relevance, a query's documents ranked
 # (also at Jina's /v1/rerank and Cohere's /v2/rerank), a head's class probabilities
 SCORE, RERANK, CLASSIFY, POOLING = "/score", "/rerank", "/classify", "/pooling"
@@ -97,7 +98,7 @@ class ServerContext:
         if self.runner != "pooling":
             return [COMPLETIONS, CHAT, RESPONSES, MESSAGES]
         tasks = model_tasks(self.labels)
-        out = [EMBEDDINGS, POOLING] if "embed" in tasks else [CLASSIFY, POOLING]
+        out = [EMBEDDINGS, COHERE_EMBED, POOLING] if "embed" in tasks else [CLASSIFY, POOLING]
         if "embed" in tasks or "score" in tasks:  # an embedder scores by cosine
             out += [*SCORE_PATHS, *RERANK_PATHS]
         return out

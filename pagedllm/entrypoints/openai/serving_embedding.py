@@ -18,12 +18,13 @@ from pagedllm.pooling_params import PoolingParams
 
 
 async def engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]],
-                        field: str = "input", keep: Optional[int] = None) -> list[dict]:
+                        field: str = "input", keep: Optional[int] = None,
+                        how_to_cut: str = "set truncate_prompt_tokens") -> list[dict]:
     """Each input as the engine's {"prompt", "prompt_token_ids"}, texts tokenized off the event
     loop (a 400 naming input[i] for an empty one). keep (truncate_prompt_tokens, -1:
     max_model_len): a longer text is cut by the tokenizer from the right, its special tokens
     kept, and the engine keeps the last `keep` of longer token ids (vLLM's rules); without it a
-    longer input is refused."""
+    longer input is refused (how_to_cut: what its message advises)."""
     fields = [field] if len(inputs) == 1 else [f"{field}[{i}]" for i in range(len(inputs))]
     keep = ctx.max_model_len if keep == -1 else keep
     if keep is not None and keep > ctx.max_model_len:
@@ -49,8 +50,7 @@ async def engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]],
             raise ValueError(f"{f} must be token ids in [0, {ctx.engine.vocab_size}), got {bad}")
         if keep is None and len(ids) > ctx.max_model_len:
             raise ValueError(f"{f} is {len(ids)} tokens long but max_model_len is "
-                             f"{ctx.max_model_len}: shorten the input or set "
-                             "truncate_prompt_tokens")
+                             f"{ctx.max_model_len}: shorten the input or {how_to_cut}")
         out.append({"prompt_token_ids": ids, **({"prompt": p} if isinstance(p, str) else {})})
     return out
 

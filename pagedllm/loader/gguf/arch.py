@@ -8,13 +8,14 @@ from pagedllm.config import ModelArchConfig, MoEConfig
 from pagedllm.loader.arch_values import dimension, make_arch, positive_float, token_id
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gemma_arch import gemma_from_gguf, gemma_window
+from pagedllm.loader.gguf.encoder import bert_arch
 from pagedllm.loader.gguf.header import GGUFTensorInfo
 
 # GGUF general.architecture -> registry key (llama.cpp stores Mistral as "llama").
-GGUF_ARCHITECTURES: dict[str, str] = {"gemma2": "gemma2", "gemma3": "gemma3", "llama": "llama",
-                                      "phi3": "phi3", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
-                                      "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-                                      "smollm3": "smollm3"}
+GGUF_ARCHITECTURES: dict[str, str] = {"bert": "bert", "gemma2": "gemma2", "gemma3": "gemma3",
+                                      "llama": "llama", "phi3": "phi3", "qwen2": "qwen2",
+                                      "qwen2moe": "qwen2_moe", "qwen3": "qwen3",
+                                      "qwen3moe": "qwen3_moe", "smollm3": "smollm3"}
 # llama.cpp's SmolLM3 leaves every 4th layer without RoPE (n_no_rope_layer_step, fixed: the
 # GGUF has no key for it)
 _SMOLLM3_NOPE_STEP = 4
@@ -122,6 +123,8 @@ def arch_from_header(fields: Mapping[str, Any], tensors: tuple[GGUFTensorInfo, .
     if p not in GGUF_ARCHITECTURES:
         raise ModelFileError(f"general.architecture={p!r} is not supported; "
                              f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))} (in {source})")
+    if p == "bert":
+        return bert_arch(fields, tensors, source)
 
     def dim(key: str, default: Optional[int] = None) -> int:
         value = fields.get(f"{p}.{key}")

@@ -41,6 +41,9 @@ class GGUFVocab:
     chat_template: Optional[str]
     scores: Optional[tuple[float, ...]] = None  # SentencePiece: each token's log probability
     add_space_prefix: Optional[bool] = None  # SentencePiece: "\u2581" before the text; None: unsaid
+    sep_id: Optional[int] = None  # WordPiece ("bert"): the token that ends each sequence
+    mask_id: Optional[int] = None
+    lowercase: Optional[bool] = None  # WordPiece: tokenizer.ggml.normalizer.lowercase
 
 
 class _Walker:
@@ -229,4 +232,7 @@ def read_gguf_vocab(path: str | Path) -> GGUFVocab:
         add_eos=_optional_bool(fields, "tokenizer.ggml.add_eos_token"),
         chat_template=_text(fields, "tokenizer.chat_template", path),
         scores=_scores(fields, path),
-        add_space_prefix=_optional_bool(fields, "tokenizer.ggml.add_space_prefix"))
+        add_space_prefix=_optional_bool(fields, "tokenizer.ggml.add_space_prefix"),
+        sep_id=_token_id(fields, "seperator_token_id", n, path),  # llama.cpp's spelling
+        mask_id=_token_id(fields, "mask_token_id", n, path),
+        lowercase=_optional_bool(fields, "tokenizer.ggml.normalizer.lowercase"))

@@ -28,8 +28,12 @@ _INTEGER_TYPES = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
 # per-token arrays: key -> (element types allowed, what they are called)
 _PER_TOKEN = {_T + "scores": (frozenset({_FLOAT32, _INT32}), "float32 (or int32)"),
               _T + "token_type": (_INTEGER_TYPES, "integers")}
-# llama.cpp's defaults for a SentencePiece ('llama') vocabulary without the keys
-_SPM_DEFAULTS = {"bos_id": (1, "<s>"), "eos_id": (2, "</s>")}
+# llama.cpp's defaults for a vocabulary without the keys: SentencePiece ('llama') and
+# WordPiece ('bert'), taken where the id holds the token they mean
+_DEFAULT_IDS = {"llama": {"bos_id": (1, "<s>"), "eos_id": (2, "</s>")},
+                "bert": {"bos_id": (101, "[CLS]"), "sep_id": (102, "[SEP]"),
+                         "unk_id": (100, "[UNK]"), "pad_id": (0, "[PAD]"),
+                         "mask_id": (103, "[MASK]")}}
 
 
 def _refuse(source: str | Path, problem: str) -> ModelFileError:
@@ -119,11 +123,11 @@ def _check_merges(vocab: GGUFVocab, source: str | Path) -> None:
 
 
 def _with_defaults(vocab: GGUFVocab) -> GGUFVocab:
-    """A SentencePiece vocabulary without bos/eos keys gets llama.cpp's ids 1 and 2 where
-    those tokens are <s> and </s> (what the defaults mean); otherwise unchanged."""
-    if vocab.model != "llama":
-        return vocab
-    found = {attr: token_id for attr, (token_id, text) in _SPM_DEFAULTS.items()
+    """A SentencePiece or WordPiece vocabulary without its special-token keys gets llama.cpp's
+    default ids (SentencePiece's <s> 1 and </s> 2; BERT's [CLS] 101, [SEP] 102, ...) where
+    those ids hold the tokens the defaults mean; otherwise unchanged."""
+    defaults = _DEFAULT_IDS.get(vocab.model, {})
+    found = {attr: token_id for attr, (token_id, text) in defaults.items()
              if getattr(vocab, attr) is None and token_id < len(vocab.tokens)
              and vocab.tokens[token_id] == text}
     return dataclasses.replace(vocab, **found) if found else vocab
@@ -141,7 +145,8 @@ def _check_special_tokens(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: 
                           source: str | Path) -> None:
     """Refuse a vocabulary the engine could not use rightly: no token that ends generation,
     or a prompt that must start with a bos token it does not name."""
-    if vocab.eos_id is None and all(fields.get(f"{_T}{k}") is None
+    # a WordPiece vocabulary is an encoder's: it ends each input with [SEP] and generates nothing
+    if vocab.model != "bert" and vocab.eos_id is None and all(fields.get(f"{_T}{k}") is None
                                     for k in ("eot_token_id", "eom_token_id")):
         raise _refuse(source, f"{_T}eos_token_id is missing (and no {_T}eot_token_id or "
                               f"eom_token_id): generation could never stop at an end token "
@@ -150,7 +155,9 @@ def _check_special_tokens(vocab: GGUFVocab, fields: Mapping[str, Any], add_bos: 
     if add_bos and vocab.bos_id is None:
         why = (f"{_T}add_bos_token is true" if vocab.add_bos else
                f"llama.cpp's default for {_T}pre={vocab.pre!r}" if vocab.model == "gpt2" else
-               f"llama.cpp's default for {_T}model={vocab.model!r}, whose id 1 is not <s>")
+               f"llama.cpp's default for {_T}model={vocab.model!r}, whose id "
+               f"{_DEFAULT_IDS[vocab.model]['bos_id'][0]} is not "
+               f"{_DEFAULT_IDS[vocab.model]['bos_id'][1]}")
         raise _refuse(source, f"{_T}bos_token_id is missing, but prompts must start with it "
                               f"({why}): every prompt would be built wrong")
 

@@ -20,6 +20,7 @@ from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.fused import (RowSlice, shard_modules, split_fused, split_stacked,
                                    stacked_modules)
 from pagedllm.loader.gguf.arch import arch_from_header
+from pagedllm.loader.gguf.encoder import bert_hf_name
 from pagedllm.loader.gguf.header import GGUFTensorInfo, gguf_arrays, gguf_header
 from pagedllm.loader.gguf.rope import ROPE_FACTOR_TENSORS, with_rope_factors
 from pagedllm.loader.gguf.shards import Columns, shard_piece
@@ -88,6 +89,8 @@ class _GGUFHeader:
 def hf_name(gguf_name: str, architecture: str = "llama") -> Optional[str]:
     """HF parameter name for a GGUF tensor name of a model of `architecture` (registry key), or
     None if it has no counterpart."""
+    if architecture == "bert":
+        return bert_hf_name(gguf_name)
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)

@@ -83,3 +83,22 @@ def pooler_config(root: Path, default: PoolerConfig = DEFAULT_POOLER) -> PoolerC
     if pooling is None:
         raise ModelFileError(f"{source} lists no {_POOLING} module")
     return PoolerConfig(pooling, normalize)
+
+
+def input_type_prompts(model_path: str | Path) -> dict[str, str]:
+    """The prompts an embedding request's input_type names (Cohere's /v2/embed, as vLLM
+    serves it): config.json's task_instructions, else config_sentence_transformers.json's
+    prompts, each a prefix put before the text; their string entries only. {} when the
+    checkpoint (or the folder of a GGUF) names none. default_prompt_name is not read: vLLM
+    applies no prompt by default."""
+    path = Path(model_path)
+    root = path if path.is_dir() else path.parent
+    for file, key in (("config.json", "task_instructions"),
+                      ("config_sentence_transformers.json", "prompts")):
+        if (root / file).is_file():
+            found = read_json_object(root / file).get(key)
+            prompts = ({k: v for k, v in found.items() if isinstance(v, str)}
+                       if isinstance(found, dict) else {})
+            if prompts:
+                return prompts
+    return {}

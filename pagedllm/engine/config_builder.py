@@ -380,6 +380,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
+    lora = args.lora_config()
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:
         batched = max(batched, mem_plan.max_model_len)  # an encoder reads a whole input a step
@@ -390,11 +391,12 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len,
-                                  chunked_pooling=chunked_pooling),
+                                  chunked_pooling=chunked_pooling,
+                                  max_loras=None if lora is None else lora.max_loras),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
         structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
-        step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler)
+        step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler, lora=lora)
 
 

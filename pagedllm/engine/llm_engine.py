@@ -14,6 +14,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_outputs import PoolingOutputs
 from pagedllm.executor import read_rank_nodes
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
+from pagedllm.lora.registry import AdapterRegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.known_templates import end_of_turn_ids
 from pagedllm.hub.sources import locate_model
 from pagedllm.tokenizer.tokenizer import load_tokenizer
@@ -45,6 +47,7 @@ class LLMEngine:
                                               config.structured_outputs,
                                               config.arch if config.is_pooling else None)
         self.output_processor = OutputProcessor(tokenizer)
+        self.adapters = AdapterRegistry(config.arch, config.lora)
         self.pooling_outputs = PoolingOutputs()
 
     @classmethod
@@ -61,9 +64,13 @@ class LLMEngine:
                                    max_tokens=config.arch.vocab_size)
         return cls(config, tokenizer, generation_config(ckpt))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validate, tokenize and queue a request (n samples become n sequences)."""
-        self.add_processed(request_id, self.input_processor.process(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        """Validate, tokenize and queue a request (n samples become n sequences), run with a
+        LoRA adapter when lora_request names one (enable_lora)."""
+        lora_request = self.adapters.check(lora_request)
+        self.add_processed(request_id, self.input_processor.process(
+            request_id, prompt, params, lora_request=lora_request))
 
     def add_pooling_request(self, request_id: str, prompt: PromptType,
                             params: Optional[PoolingParams] = None) -> None:

@@ -131,6 +131,10 @@ def _add_slot_flags(p: argparse.ArgumentParser) -> None:
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """EngineArgs from the parsed flags; ignored vLLM options warn as LLM() does."""
+    if getattr(args, "enable_lora", False):
+        raise ValueError("--enable-lora: the server does not serve LoRA adapters yet (no "
+                         "--lora-modules); the offline LLM(enable_lora=True) does "
+                         "(docs/lora.md)")
     return EngineArgs.from_cli_args(args, args.model or DEFAULT_MODEL, honored=HONORED_VLLM_ARGS,
                                     usage_context="api_server",
                                     reasoning_parser=_reasoning_parser(args))

@@ -132,6 +132,33 @@ def smollm_hf_dir(hf_dir_factory: Callable[[str], Path]) -> Path:
     return hf_dir_factory(SMOLLM)
 
 
+@pytest.fixture(scope="session")
+def smollm_lora_adapters(smollm_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list:
+    """Two PEFT LoRA adapters on SmolLM2, saved as peft saves them, with random A and B
+    (init_lora_weights=False: B is not zero): r=8 on all seven projections (id 1), and r=4
+    rsLoRA on q, v and down (id 2); LoRARequests named adapter1 and adapter2."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.lora.request import LoRARequest
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    out = []
+    for i, (r, targets, rs) in enumerate([(8, every, False),
+                                          (4, ["q_proj", "v_proj", "down_proj"], True)], start=1):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(str(smollm_hf_dir), dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=16, target_modules=targets,
+                                                use_rslora=rs, init_lora_weights=False))
+        path = tmp_path_factory.mktemp("lora") / f"adapter{i}"
+        model.save_pretrained(str(path))
+        out.append(LoRARequest(f"adapter{i}", i, str(path)))
+        del model, base
+    gc.collect()
+    return out
+
+
 MINILM = "all-minilm-l6-v2"
 
 

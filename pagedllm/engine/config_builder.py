@@ -16,7 +16,7 @@ from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.gguf.gguf_header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
-from pagedllm.memory.footprint import footprint, regrouped_bytes
+from pagedllm.memory.footprint import footprint, lora_bytes, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories
@@ -197,6 +197,7 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
     keeps_blocks = _keeps_gguf_blocks(ckpt, platform, quantization, tensors)
+    lora = args.lora_config()
 
     def plan(c: Candidate) -> MemoryPlan:
         itemsize = torch.empty((), dtype=c.dtype).element_size()
@@ -211,6 +212,11 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
         fp = footprint(ckpt.arch, num_params, itemsize, name, source, weights, mapped_bytes,
                        layout)
+        if lora is not None:  # the adapters' slots and cache sit beside the weights
+            extra = lora_bytes(ckpt.arch, lora)
+            fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, dtype_name=(
+                f"{fp.dtype_name} + LoRA {lora.max_loras} slots and {lora.cpu_loras} read "
+                f"adapters of rank {lora.max_lora_rank} ({fmt_bytes(extra)})"))
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
@@ -375,12 +381,16 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
         args, ckpt, choice.platform, quantization, planned, planned != dtype))
     logger.info("%s", mem_plan.summary())
+    lora = args.lora_config()
+    if lora is not None:
+        logger.info("LoRA adapters: %d slots and %d read adapters of rank %d at most, %s of the "
+                    "planned weights", lora.max_loras, lora.cpu_loras, lora.max_lora_rank,
+                    fmt_bytes(lora_bytes(ckpt.arch, lora)))
     chosen = format_of(_dtype_name(planned), quantization)
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
-    lora = args.lora_config()
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:
         batched = max(batched, mem_plan.max_model_len)  # an encoder reads a whole input a step

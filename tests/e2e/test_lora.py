@@ -19,30 +19,12 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 
 PROMPTS = ["The capital of France is Paris, and the capital of Germany is", "def fibonacci(n):",
            "Once upon a time"]
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def adapters(smollm_hf_dir, tmp_path_factory) -> list[LoRARequest]:
-    """Two PEFT adapters saved as peft saves them: r=8 on every projection, and r=4 rsLoRA on
-    q, v and down."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    out = []
-    for i, (r, targets, rs) in enumerate([(8, ALL, False), (4, ["q_proj", "v_proj", "down_proj"],
-                                                             True)], start=1):
-        torch.manual_seed(i)
-        base = AutoModelForCausalLM.from_pretrained(str(smollm_hf_dir), dtype=torch.float32)
-        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=16, target_modules=targets,
-                                                use_rslora=rs, init_lora_weights=False))
-        path = tmp_path_factory.mktemp("lora") / f"adapter{i}"
-        model.save_pretrained(str(path))
-        out.append(LoRARequest(f"adapter{i}", i, str(path)))
-        del model, base
-    gc.collect()
-    return out
+def adapters(smollm_lora_adapters) -> list[LoRARequest]:
+    return smollm_lora_adapters
 
 
 def _peft_model(hf_dir, adapter: LoRARequest):

@@ -96,10 +96,3 @@ def test_lora_options_are_fields_checked_by_name():
         with pytest.raises(ValueError, match=match):
             EngineArgs(model="m", enable_lora=True, **kwargs)
 
-
-def test_serve_refuses_enable_lora_by_name():
-    from pagedllm.entrypoints.serve import engine_args
-
-    args = build_parser().parse_args(["serve", "m", "--enable-lora"])
-    with pytest.raises(ValueError, match="--enable-lora: the server does not serve LoRA"):
-        engine_args(args)

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.anthropic.serving_messages import count_tokens, create
 from pagedllm.entrypoints.openai.auth import ApiKeyAuth
 from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
 from pagedllm.entrypoints.openai.limits import HttpLimits
+from pagedllm.entrypoints.openai.lora_modules import model_cards
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
@@ -155,12 +156,14 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        # what the model serves (vLLM's runner) and where; then its LoRA adapters
+        card = {"object": "model", "created": now(), "owned_by": "pagedllm",
+                "max_model_len": ctx.max_model_len, "runner": ctx.runner,
+                "endpoints": ctx.endpoints()}
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm",
-             "root": name, "max_model_len": ctx.max_model_len,
-             # what the model serves (vLLM's runner) and where
-             "runner": ctx.runner, "endpoints": ctx.endpoints()}
-            for name in ctx.served_model_names]}
+            c for name in ctx.served_model_names
+            for c in model_cards(name, ctx.lora_modules if name == ctx.served_model_names[0]
+                                 else {}, card)]}
 
     @app.post(COMPLETIONS)
     async def completions(req: CompletionRequest, raw: Request):

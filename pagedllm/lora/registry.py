@@ -39,3 +39,8 @@ class AdapterRegistry:
         check_adapter(request, self.arch, self.config.max_lora_rank)
         self.known[request.lora_int_id] = request
         return request
+
+    def next_id(self) -> int:
+        """An id no adapter has had: ids are never reused, so that a slot, a read copy or a
+        prefix-cache block of an unloaded adapter can never serve another."""
+        return max(self.known, default=0) + 1

@@ -1,14 +1,16 @@
 """`serve --enable-lora --lora-modules`: an adapter is chosen by its name in `model`, answers as
-the offline LLM does with the same adapter, and /v1/models lists it with parent and root."""
+the offline LLM does with the same adapter, and /v1/models lists it with parent and root; with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, adapters are loaded and unloaded while it runs."""
 from __future__ import annotations
 
 import gc
 import json
+import os
 
 import httpx
 import pytest
 
-from conftest import MODEL, Server
+from conftest import API_KEY, MODEL, Server
 from pagedllm import LLM, SamplingParams
 
 PROMPT = "The capital of France is"
@@ -17,10 +19,15 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def lora_server(smollm_lora_adapters):
     one, two = smollm_lora_adapters
-    srv = Server("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-                 "--max-model-len", "256", "--lora-modules", f"{one.lora_name}={one.lora_path}",
-                 json.dumps({"name": two.lora_name, "path": two.lora_path,
-                             "base_model_name": "smollm-base"}))
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # the server process inherits it
+    try:
+        srv = Server("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                     "--max-model-len", "256", "--lora-modules",
+                     f"{one.lora_name}={one.lora_path}",
+                     json.dumps({"name": two.lora_name, "path": two.lora_path,
+                                 "base_model_name": "smollm-base"}))
+    finally:
+        del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     yield srv
     srv.stop()
 
@@ -65,3 +72,37 @@ def test_an_unknown_model_is_a_404_naming_the_adapters(lora_server):
     r = _complete(lora_server, "adapter3")
     assert r.status_code == 404
     assert "this server serves smollm2-135m-instruct, adapter1, adapter2" in r.text
+
+
+def _post(srv: Server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body, timeout=120)
+
+
+def test_adapters_load_and_unload_at_run_time_without_stale_weights(lora_server,
+                                                                     smollm_lora_adapters):
+    one, two = smollm_lora_adapters
+    texts = {a.lora_name: _complete(lora_server, a.lora_name).json()["choices"][0]["text"]
+             for a in smollm_lora_adapters}
+    r = _post(lora_server, "/v1/load_lora_adapter",
+              {"lora_name": "late", "lora_path": two.lora_path})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'late' added successfully."
+    assert _complete(lora_server, "late").json()["choices"][0]["text"] == texts["adapter2"]
+    assert "late" in [c["id"] for c in httpx.get(f"{lora_server.url}/v1/models").json()["data"]]
+    again = _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": "/x"})
+    assert again.status_code == 400 and "has already been loaded" in again.text
+    r = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 200 and "removed successfully" in r.text
+    assert _complete(lora_server, "late").status_code == 404
+    assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+    # the same name for another adapter: a new id, so nothing of the old one is served
+    assert _post(lora_server, "/v1/load_lora_adapter",
+                 {"lora_name": "late", "lora_path": one.lora_path}).status_code == 200
+    assert _complete(lora_server, "late").json()["choices"][0]["text"] == texts["adapter1"]
+    bad = _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/nope"})
+    assert bad.status_code == 400 and "lora_path '/nope' is not a local directory" in bad.text
+
+
+def test_runtime_loading_is_off_without_the_environment_variable(server):
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/"},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404

@@ -38,7 +38,8 @@ def write_adapter(path: Path, r: int = 4, config: dict | None = None,
     cfg.update(config or {})
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     if tensors is None:
-        tensors = {_key(1, "q_proj", "A"): torch.randn(r, 32), _key(1, "q_proj", "B"): torch.randn(32, r),
+        tensors = {_key(1, "q_proj", "A"): torch.randn(r, 32),
+                   _key(1, "q_proj", "B"): torch.randn(32, r),
                    _key(1, "down_proj", "A"): torch.randn(r, 48),
                    _key(1, "down_proj", "B"): torch.randn(32, r)}
     save_file(tensors, str(path / "adapter_model.safetensors"))

@@ -88,6 +88,8 @@ class EngineStats:
     num_running: int  # sequences being computed
     num_waiting: int  # sequences queued or preempted
     kv_cache_usage: float  # fraction of KV-cache blocks in use (0-1)
+    running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
+    waiting_loras: tuple[str, ...] = ()  # and of waiting ones
 
 
 @dataclass
@@ -169,8 +171,9 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """Running and waiting sequences and KV-cache usage, read now."""
+        running, waiting = self.engine.lora_names()
         return EngineStats(self.engine.num_running, self.engine.num_waiting,
-                           self.engine.kv_cache_usage)
+                           self.engine.kv_cache_usage, running, waiting)
 
     async def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
         """The request's constraint compiled on a grammar worker while the event loop goes on

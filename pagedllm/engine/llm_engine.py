@@ -110,6 +110,16 @@ class LLMEngine:
         """Sequences queued or preempted."""
         return self.engine_core.scheduler.num_waiting
 
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters (names, sorted) of the running and of the waiting requests; read
+        from any thread (copies of the queues, taken at once)."""
+        scheduler = self.engine_core.scheduler
+
+        def names(requests: list) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests
+                                 if r.lora_request is not None}))
+        return names(list(scheduler.running)), names(list(scheduler.waiting))
+
     def has_unfinished_requests(self) -> bool:
         """Any request still producing."""
         return (self.engine_core.has_unfinished_requests() or self.output_processor.has_unfinished()

@@ -106,3 +106,19 @@ def test_runtime_loading_is_off_without_the_environment_variable(server):
     r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/"},
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 404
+
+
+def test_metrics_name_the_adapters_in_use(lora_server):
+    def info() -> str:
+        page = httpx.get(f"{lora_server.url}/metrics").text
+        return next(line for line in page.splitlines()
+                    if line.startswith("vllm:lora_requests_info{"))
+
+    lora_server.wait_idle()
+    assert 'max_lora="2"' in info() and 'running_lora_adapters=""' in info()
+    body = {"model": "adapter1", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{lora_server.url}/v1/completions", json=body,
+                      timeout=120) as r:
+        next(r.iter_lines())  # the first chunk: the request is running
+        assert 'running_lora_adapters="adapter1"' in info()

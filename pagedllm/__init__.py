@@ -14,6 +14,7 @@ from pagedllm.outputs import (ClassificationOutput, ClassificationRequestOutput,
                               CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
                               PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                               ScoringRequestOutput)
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.version import __version__
@@ -21,7 +22,7 @@ from pagedllm.version import __version__
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "model_path",
            "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
            "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput",
-           "ScoringOutput", "ScoringRequestOutput", "__version__"]
+           "ScoringOutput", "ScoringRequestOutput", "LoRARequest", "__version__"]
 
 
 def model_path(model: str = "qwen2.5-coder-0.5b-instruct") -> str:

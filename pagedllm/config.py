@@ -348,10 +348,37 @@ class SchedulerConfig:
     # a pooling request may be read in chunks over several steps (a decoder's last-token
     # pooling: causal attention keeps each chunk's keys and values); an encoder's may not
     chunked_pooling: bool = False
+    # distinct LoRA adapters the running requests may use at once (the runner's slots); None:
+    # LoRA is off
+    max_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             check_positive_int(name, getattr(self, name))
+        check_positive_int("max_loras", self.max_loras, optional=True)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (enable_lora, vLLM's names): max_loras slots on the model, adapters of
+    rank max_lora_rank at most, max_cpu_loras adapters kept read in memory (None: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("max_cpu_loras", self.max_cpu_loras, optional=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters kept read in memory."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
@@ -508,6 +535,7 @@ class EngineConfig:
     # vLLM's hf_overrides: config.json keys merged over the checkpoint's (arch is read with
     # them; every rank re-reads the checkpoint with them)
     hf_overrides: Optional[dict[str, Any]] = None
+    lora: Optional[LoRAConfig] = None  # None: LoRA adapters are off (enable_lora=False)
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)
@@ -516,6 +544,9 @@ class EngineConfig:
         if (self.runner == "pooling") != (self.pooler is not None):
             raise ValueError(f"runner={self.runner!r} with pooler={self.pooler!r}: a pooling "
                              "runner needs a pooler, a generate runner has none")
+        if self.lora is not None and self.runner == "pooling":
+            raise ValueError("enable_lora is not supported with a pooling runner: LoRA "
+                             "adapters apply to generation only")
 
     @property
     def is_pooling(self) -> bool:

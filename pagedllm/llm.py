@@ -15,6 +15,7 @@ from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.tokenizer.hf_tokenizer import to_transformers
 from pagedllm.logger import configure_logging
+from pagedllm.lora.request import LoRARequest
 from pagedllm.engine.scoring import as_texts, cosine, pair_requests, pair_up
 from pagedllm.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                               PoolingRequestOutput, RequestOutput, ScoringOutput,
@@ -69,20 +70,27 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete each prompt; outputs come back in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None
+                 ) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in input order. lora_request: one LoRA
+        adapter for every prompt, or one (or None) per prompt (enable_lora)."""
         prompt_list = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params, use_tqdm)
+        loras = _per_prompt(lora_request, len(prompt_list), LoRARequest, "lora_request", None)
+        return self._run(prompt_list, params, use_tqdm, loras)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             use_tqdm: bool = True,
+             lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+             chat_template: Optional[str] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: Optional[dict[str, Any]] = None,
              tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (rendering `tools`, OpenAI
-        function tools, as the template does), then generate; the text is not parsed for calls."""
+        function tools, as the template does), then generate; the text is not parsed for calls.
+        lora_request as generate() takes it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
@@ -93,7 +101,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs)
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]],
                pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
@@ -184,7 +192,7 @@ class LLM:
         return _per_prompt(sampling_params, n, SamplingParams, "sampling_params", default)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[Optional[LoRARequest]]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = [str(next(self._counter)) for _ in prompts]
         added: list[str] = []
@@ -194,8 +202,8 @@ class LLM:
         distinct = {id(p): p for p in params if isinstance(p, SamplingParams)}
         final_only = {key: _final_only(p) for key, p in distinct.items()}
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, final_only.get(id(p), p))
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                engine.add_request(request_id, prompt, final_only.get(id(p), p), lora)
                 added.append(request_id)
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
                 speed = _Speed(bar)

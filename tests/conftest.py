@@ -132,6 +132,55 @@ def smollm_hf_dir(hf_dir_factory: Callable[[str], Path]) -> Path:
     return hf_dir_factory(SMOLLM)
 
 
+LORA_B_SCALE = 0.2
+
+
+def peft_adapters(hf_dir: Path, root: Path) -> list:
+    """Two PEFT LoRA adapters on an HF checkpoint, saved as peft saves them, with random A and
+    B (init_lora_weights=False: B is not zero): r=8 on all seven projections (id 1), and r=4
+    rsLoRA on q, v and down (id 2); LoRARequests named adapter1 and adapter2.
+
+    B is scaled by LORA_B_SCALE, to a trained adapter's size: peft's random B moves Qwen's
+    logits by ~20, which amplifies float32 rounding to 2-3e-3 in transformers and pagedllm
+    alike (both measured against float64: 3.3e-3 and 1.8e-3)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.lora.request import LoRARequest
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    out = []
+    for i, (r, targets, rs) in enumerate([(8, every, False),
+                                          (4, ["q_proj", "v_proj", "down_proj"], True)], start=1):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=r, lora_alpha=16, target_modules=targets,
+                                                use_rslora=rs, init_lora_weights=False))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(LORA_B_SCALE)
+        path = root / f"adapter{i}"
+        model.save_pretrained(str(path))
+        out.append(LoRARequest(f"adapter{i}", i, str(path)))
+        del model, base
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm_lora_adapters(smollm_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list:
+    """peft_adapters on SmolLM2."""
+    return peft_adapters(smollm_hf_dir, tmp_path_factory.mktemp("lora-smollm"))
+
+
+@pytest.fixture(scope="session")
+def qwen_lora_adapters(qwen_hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list:
+    """peft_adapters on the default model (Qwen2.5-Coder-0.5B: q/k/v biases)."""
+    return peft_adapters(qwen_hf_dir, tmp_path_factory.mktemp("lora-qwen"))
+
+
 MINILM = "all-minilm-l6-v2"
 
 

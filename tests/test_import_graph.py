@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.platforms",),
     ("pagedllm.distributed",),
     ("pagedllm.structured_output",),
+    ("pagedllm.lora",),  # LoRARequest (core's requests carry it) and reading PEFT adapters
     ("pagedllm.core",),
     ("pagedllm.loader",),
     ("pagedllm.tokenizer",),  # tokenizers and chat templates: read GGUF metadata

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pagedllm.core.block_hash import BlockHash, hash_block_tokens
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class Request:
     # a pooling request: its whole prompt runs in one step, is pooled and finishes; its
     # sampling_params are the defaults and nothing reads them
     pooling_params: Optional[PoolingParams] = None
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base)
 
     def __post_init__(self) -> None:
         self._update_block_hashes()
@@ -99,4 +101,9 @@ class Request:
             start = len(self.block_hashes) * bs
             parent = self.block_hashes[-1] if self.block_hashes else None
             tokens = [self.token_id(i) for i in range(start, start + bs)]
-            self.block_hashes.append(hash_block_tokens(parent, tokens))
+            self.block_hashes.append(hash_block_tokens(parent, tokens, self.lora_int_id))
+
+    @property
+    def lora_int_id(self) -> Optional[int]:
+        """The id of the request's LoRA adapter, or None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -19,6 +20,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, not sampled
+    lora_request: Optional[LoRARequest] = None  # its adapter (None: the base model)
 
 
 @dataclass(frozen=True)

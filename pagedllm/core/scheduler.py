@@ -117,12 +117,17 @@ class Scheduler:
                                                      self._unsent_tokens(request)))
                 i += 1
 
+        loras = {r.lora_int_id for r in self.running} - {None}
+        skipped: list[Request] = []  # waiting for an adapter slot; they keep their place
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs
                and len(num_scheduled) < max_seqs):
             request = self.waiting[0]
             if request.request_id in self._in_flight:
                 break  # an id reused while the aborted request of that id is still in flight
+            if not self._lora_fits(request, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if (request.pooling_params is not None and num_new < request.num_tokens
@@ -141,8 +146,11 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, request.all_token_ids, request.num_prompt_tokens,
                 request.sampling_params, self.kv.block_ids(request.request_id),
-                request.num_computed_tokens, request.pooling_params))
+                request.num_computed_tokens, request.pooling_params, request.lora_request))
             self._runner_tokens[request.request_id] = request.num_tokens
+            loras.add(request.lora_int_id)
+            loras.discard(None)
+        self.waiting.extendleft(reversed(skipped))
 
         for req_id in num_scheduled:
             self._in_flight[req_id] = self.requests[req_id]
@@ -152,6 +160,13 @@ class Scheduler:
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
                                self._grammar_bitmask(num_scheduled))
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """Whether the request's adapter (if any) fits beside the running ones: at most
+        config.max_loras distinct adapters run at once (the runner's slots)."""
+        lora = request.lora_int_id
+        return (lora is None or lora in loras or self.config.max_loras is None
+                or len(loras) < self.config.max_loras)
 
     def _unsent_tokens(self, request: Request) -> list[int]:
         """The request's token ids the runner does not hold yet (from now on it does)."""

@@ -8,7 +8,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, CacheConfig,
-                             EngineConfig, ParallelConfig, SchedulerConfig,
+                             EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
                              StructuredOutputsConfig, check_positive_int, check_quantization)
 from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, check_parser_name
 
@@ -103,6 +103,10 @@ def ignored_cli_values(args: argparse.Namespace,
     command line, by name (for EngineArgs.from_kwargs)."""
     return {name: getattr(args, name) for name in IGNORED_VLLM_ARGS
             if name not in exclude and getattr(args, name, None) is not None}
+
+
+_LORA = LoRAConfig()  # vLLM's defaults of the LoRA options
+_LORA_GROUP = ("LoRA adapters", "PEFT adapters over the base model (docs/lora.md)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -266,6 +270,16 @@ class EngineArgs:
         "it cannot slow the others' steps")
     grammar_cache_bytes: int = _so("grammar_cache_bytes", "estimated bytes of compiled "
                                    "grammars kept for reuse")
+    # LoRA adapters: requests name one with lora_request (docs/lora.md)
+    enable_lora: bool = _opt(False, "serve LoRA adapters over the base model: requests may "
+                             "name a PEFT adapter (lora_request)", action="store_true",
+                             group=_LORA_GROUP)
+    max_loras: int = _opt(_LORA.max_loras, "most adapters in one batch (slots on the model; "
+                          "the least recently used is evicted)", group=_LORA_GROUP)
+    max_lora_rank: int = _opt(_LORA.max_lora_rank, "largest adapter rank (r) accepted",
+                              group=_LORA_GROUP)
+    max_cpu_loras: Optional[int] = _opt(None, "adapters kept read in memory (default: "
+                                        "max_loras)", type=int, group=_LORA_GROUP)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, *,
@@ -328,6 +342,7 @@ class EngineArgs:
         self._structured_outputs = StructuredOutputsConfig(
             **{f.name: getattr(self, f.name) for f in fields(StructuredOutputsConfig)})
         check_parser_name(self.reasoning_parser)
+        self._lora = self._lora_config()
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
@@ -370,6 +385,25 @@ class EngineArgs:
             raise ValueError(f"task={self.task!r} means runner={implied!r}, but runner="
                              f"{self.runner!r} was given")
         return self.runner if implied == "auto" else implied
+
+    def _lora_config(self) -> Optional[LoRAConfig]:
+        """The LoRA options checked (a ValueError naming the field), or None without
+        enable_lora."""
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        if not self.enable_lora:
+            return None
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"enable_lora with {name}={getattr(self, name)} is not "
+                                 "supported yet: LoRA adapters run on one rank")
+        return config
+
+    def lora_config(self) -> Optional[LoRAConfig]:
+        """The LoRA options asked for (None: enable_lora is off), as checked when these
+        arguments were built."""
+        return self._lora
 
     def parallel_config(self) -> ParallelConfig:
         """The ranks asked for, as checked when these arguments were built."""

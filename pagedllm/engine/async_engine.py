@@ -28,6 +28,7 @@ from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.step_watchdog import StepWatchdog
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -87,6 +88,8 @@ class EngineStats:
     num_running: int  # sequences being computed
     num_waiting: int  # sequences queued or preempted
     kv_cache_usage: float  # fraction of KV-cache blocks in use (0-1)
+    running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
+    waiting_loras: tuple[str, ...] = ()  # and of waiting ones
 
 
 @dataclass
@@ -168,8 +171,9 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         """Running and waiting sequences and KV-cache usage, read now."""
+        running, waiting = self.engine.lora_names()
         return EngineStats(self.engine.num_running, self.engine.num_waiting,
-                           self.engine.kv_cache_usage)
+                           self.engine.kv_cache_usage, running, waiting)
 
     async def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
         """The request's constraint compiled on a grammar worker while the event loop goes on
@@ -182,7 +186,8 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     max_tokens_must_fit: bool = False,
                     on_close: Optional[Callable[[], None]] = None,
-                    grammar: Optional[CompiledGrammar] = None) -> AsyncIterator[RequestOutput]:
+                    grammar: Optional[CompiledGrammar] = None,
+                    lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """Validate and queue now (ValueError, EngineOverloadedError); return the output stream.
 
         Iterate the stream to the end or close it: closing it early aborts the request. The
@@ -191,11 +196,11 @@ class AsyncLLM:
         refuse a max_tokens the context cannot hold (the server's rule) instead of capping it.
         on_close: called once, on the event loop, when the stream ends, closes or is aborted.
         grammar: from compile_grammar (without it a constrained request waits here for its
-        compile).
+        compile). lora_request: the LoRA adapter it runs with (enable_lora).
         """
         stream = self._admit(request_id, on_close, lambda: self.engine.input_processor.process(
             request_id, prompt, params, max_tokens_must_fit=max_tokens_must_fit,
-            grammar=grammar))
+            grammar=grammar, lora_request=self.engine.adapters.check(lora_request)))
         delta = params.output_kind == RequestOutputKind.DELTA
         return self._outputs(request_id, stream, time.monotonic(), delta)
 

@@ -17,7 +17,7 @@ from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
-from pagedllm.memory.footprint import ModelFootprint, footprint, regrouped_bytes
+from pagedllm.memory.footprint import ModelFootprint, footprint, lora_bytes, regrouped_bytes
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories
@@ -258,6 +258,12 @@ class CandidatePlanner:
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
         fp = footprint(ckpt.arch, self.num_params, itemsize, name, self.params_source, weights,
                        layout.mapped_total if c.mapped else 0, layout)
+        lora = self.args.lora_config()
+        if lora is not None:  # the adapters' slots and cache sit beside the weights
+            extra = lora_bytes(ckpt.arch, lora)
+            fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, dtype_name=(
+                f"{fp.dtype_name} + LoRA {lora.max_loras} slots and {lora.cpu_loras} read "
+                f"adapters of rank {lora.max_lora_rank} ({fmt_bytes(extra)})"))
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
@@ -424,6 +430,11 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     logger.info("dtype %s: %s", _dtype_name(planned), _dtype_reason(
         args, ckpt, choice.platform, quantization, planned, planned != dtype))
     logger.info("%s", mem_plan.summary())
+    lora = args.lora_config()
+    if lora is not None:
+        logger.info("LoRA adapters: %d slots and %d read adapters of rank %d at most, %s of the "
+                    "planned weights", lora.max_loras, lora.cpu_loras, lora.max_lora_rank,
+                    fmt_bytes(lora_bytes(ckpt.arch, lora)))
     chosen = format_of(_dtype_name(planned), quantization)
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
@@ -439,12 +450,13 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len,
-                                  chunked_pooling=chunked_pooling),
+                                  chunked_pooling=chunked_pooling,
+                                  max_loras=None if lora is None else lora.max_loras),
         parallel=args.parallel_config(), seed=args.seed, max_logprobs=args.max_logprobs,
         structured_outputs=args.structured_outputs_config(),
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
         step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler,
-        hf_overrides=args.hf_overrides)
+        hf_overrides=args.hf_overrides, lora=lora)
 
 

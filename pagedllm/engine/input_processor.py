@@ -7,6 +7,7 @@ from typing import Any, Iterable, Optional, Union
 
 from pagedllm.config import ModelArchConfig, StructuredOutputsConfig
 from pagedllm.core.request import Request
+from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.chat_messages import render_chat
 from pagedllm.pooling_params import PoolingParams, check_pooling_params, check_pooling_task
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
@@ -49,13 +50,15 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                 max_tokens_must_fit: bool = False,
-                grammar: Optional[CompiledGrammar] = None) -> ProcessedPrompt:
+                grammar: Optional[CompiledGrammar] = None,
+                lora_request: Optional[LoRARequest] = None) -> ProcessedPrompt:
         """Validate and tokenize; n > 1 becomes n child requests with distinct seeds.
 
         max_tokens is capped at what the context leaves after the prompt; with
         max_tokens_must_fit (the server's rule, as vLLM's) a larger one is refused instead.
         grammar: params.structured_outputs compiled already (the server awaits
-        grammars.compile_async); None compiles it here, waiting on a grammar worker."""
+        grammars.compile_async); None compiles it here, waiting on a grammar worker.
+        lora_request: the adapter every sample runs with, checked already (AdapterRegistry)."""
         if self.pooling_arch is not None:
             raise ValueError("this model embeds and does not generate: use LLM.embed / "
                              "LLM.encode (the server's /v1/embeddings)")
@@ -95,7 +98,8 @@ class InputProcessor:
                 child_params = replace(params, seed=_child_seed(params.seed, i))
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(child_id, list(ids), child_params, max_tokens,
-                              self.eos_token_ids, self.block_size, now)
+                              self.eos_token_ids, self.block_size, now,
+                              lora_request=lora_request)
             request.grammar = None if grammar is None else self._grammar_state(grammar,
                                                                                 budget, ids)
             requests.append(request)

@@ -14,6 +14,8 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_outputs import PoolingOutputs
 from pagedllm.executor import read_rank_nodes
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
+from pagedllm.lora.registry import AdapterRegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.known_templates import end_of_turn_ids
 from pagedllm.hub.sources import locate_model
 from pagedllm.tokenizer.tokenizer import load_tokenizer
@@ -45,6 +47,7 @@ class LLMEngine:
                                               config.structured_outputs,
                                               config.arch if config.is_pooling else None)
         self.output_processor = OutputProcessor(tokenizer)
+        self.adapters = AdapterRegistry(config.arch, config.lora)
         self.pooling_outputs = PoolingOutputs()
 
     @classmethod
@@ -63,9 +66,13 @@ class LLMEngine:
         config = dataclasses.replace(config, arch=_classifier_token_ids(config.arch, tokenizer))
         return cls(config, tokenizer, generation_config(ckpt))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validate, tokenize and queue a request (n samples become n sequences)."""
-        self.add_processed(request_id, self.input_processor.process(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    lora_request: Optional[LoRARequest] = None) -> None:
+        """Validate, tokenize and queue a request (n samples become n sequences), run with a
+        LoRA adapter when lora_request names one (enable_lora)."""
+        lora_request = self.adapters.check(lora_request)
+        self.add_processed(request_id, self.input_processor.process(
+            request_id, prompt, params, lora_request=lora_request))
 
     def add_pooling_request(self, request_id: str, prompt: PromptType,
                             params: Optional[PoolingParams] = None) -> None:
@@ -104,6 +111,16 @@ class LLMEngine:
     def num_waiting(self) -> int:
         """Sequences queued or preempted."""
         return self.engine_core.scheduler.num_waiting
+
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters (names, sorted) of the running and of the waiting requests; read
+        from any thread (copies of the queues, taken at once)."""
+        scheduler = self.engine_core.scheduler
+
+        def names(requests: list) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests
+                                 if r.lora_request is not None}))
+        return names(list(scheduler.running)), names(list(scheduler.waiting))
 
     def has_unfinished_requests(self) -> bool:
         """Any request still producing."""

@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_READ_TIMEOUT_S, DEFAULT_SEND_BUFFER_BYTES,
                                                 DEFAULT_SEND_STALL_TIMEOUT_S, HttpLimits,
                                                 SlotLimits)
+from pagedllm.entrypoints.openai.lora_modules import lora_modules
 from pagedllm.entrypoints.openai.response_store import (DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRIES,
                                                         ResponseStore)
 from pagedllm.hub.model_store import DEFAULT_MODEL
@@ -64,6 +65,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients send as `model` "
                    "(default: the model argument)")
     EngineArgs.add_cli_args(p)
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=None,
+                   metavar="NAME=PATH", help="LoRA adapters served by name as a request's "
+                   "model: name=path, or JSON {\"name\": ..., \"path\": ..., "
+                   "\"base_model_name\": ...} (needs --enable-lora; docs/lora.md)")
     _add_slot_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
                    "endpoint but /health, /metrics, /version and the API docs (default: "
@@ -263,8 +268,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
 
     chat_template = load_chat_template(args.chat_template)
     store = ResponseStore(args.responses_store_max_entries, args.responses_store_max_bytes)
-    engine = LLMEngine.from_engine_args(eargs)
     name = args.served_model_name or args.model or DEFAULT_MODEL
+    adapters = lora_modules(args.lora_modules, eargs.enable_lora, name)
+    engine = LLMEngine.from_engine_args(eargs)
+    for adapter in adapters.values():  # refused (exit 1, naming the tensor) before serving
+        engine.adapters.check(adapter)
     parser = _tool_parser(args, chat_template or getattr(engine.tokenizer, "chat_template", None))
     ctx = ServerContext(AsyncLLM(engine, max_waiting=args.max_waiting,
                                  max_stream_backlog=slots.max_stream_backlog), [name],
@@ -272,7 +280,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, interval: float,
                         _auto_tool_choice(args, parser), args.exclude_tools_when_tool_choice_none,
                         ClientShares(slots.max_client_share,
                                      engine.config.scheduler.max_num_seqs, args.max_waiting),
-                        engine.input_processor.reasoning, store)
+                        engine.input_processor.reasoning, store, adapters)
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY")
     app = build_app(ctx, api_key, limits)
     request_log = RequestLog(log_requests=not args.disable_log_requests)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from pagedllm.config import ModelArchConfig
+from pagedllm.config import LoRAConfig, ModelArchConfig
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.memory.weight_layout import WeightLayout
 
@@ -57,6 +57,19 @@ def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name:
     return ModelFootprint(arch, num_params, resident - mapped_bytes,
                           kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes,
                           layout)
+
+
+def lora_bytes(arch: ModelArchConfig, lora: LoRAConfig) -> int:
+    """Float32 bytes of the LoRA adapters at most: max_loras slots on the model plus
+    max_cpu_loras adapters kept read, each max_lora_rank x (in + out) values per projection
+    (q/k/v/o, and gate/up/down where a layer's feed-forward is dense)."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    attention, mlp = 2 * (h + q) + 2 * (h + kv), 3 * (h + i)
+    dense = sum(not (arch.moe is not None and arch.is_sparse_layer(n))
+                for n in range(arch.num_hidden_layers))
+    per_adapter = lora.max_lora_rank * (attention * arch.num_hidden_layers + mlp * dense) * 4
+    return (lora.max_loras + lora.cpu_loras) * per_adapter
 
 
 def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_seqs: int,

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.metadata import CommonAttentionInputs, DecodeBatch, PrefillSeq
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     num_computed_tokens: int
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were already returned
     pooling_params: Optional[PoolingParams] = None  # a pooling request: pooled, not sampled
+    lora_request: Optional[LoRARequest] = None  # its adapter (None: the base model)
 
     @property
     def prompt_token_ids(self) -> list[int]:

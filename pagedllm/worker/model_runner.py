@@ -19,6 +19,7 @@ TP rank 0 samples.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -32,6 +33,7 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for
+from pagedllm.layers.lora import LoRAGroup, set_lora_groups
 from pagedllm.layers.pooler import Pooler
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
@@ -40,8 +42,11 @@ from pagedllm.worker.captured_decode import CapturedDecode, decide
 from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
                                          build_step_inputs)
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
+from pagedllm.worker.lora_slots import LoRASlots
 from pagedllm.worker.model_loader import load_model
 from pagedllm.worker.stage_comm import recv_from_prev, send_to_next
+
+logger = logging.getLogger("pagedllm")
 
 PROMPT_LOGPROBS_ROWS = 32  # prompt positions whose logits exist at once (19 MB for 152k ids)
 
@@ -75,6 +80,8 @@ class ModelRunner:
         # a pooling runner pools each whole sequence and never samples (made at load_model:
         # a classification head is the model's)
         self.pooler: Optional[Pooler] = None
+        self.lora: Optional[LoRASlots] = None  # enable_lora: the adapters' slots (load_model)
+        self._told_lora_decode = False  # the log said once that LoRA steps skip the C++ stack
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
@@ -92,6 +99,8 @@ class ModelRunner:
                 f"{self.tp.world_size}: the C++ decode stack has no all-reduce between layers)")
             return
         self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
+        if self.config.lora is not None:  # after the capture: it takes the base modules
+            self.lora = LoRASlots(self.model, self.config.arch, self.config.lora, self.device)
 
     @property
     def samples(self) -> bool:
@@ -147,8 +156,9 @@ class ModelRunner:
         step = build_step_inputs(states, list(sched.num_scheduled_tokens.values()),
                                  self.block_size, self.buffers)
         meta = self.attn_builder.build(step.attn)
-        with set_forward_context(meta):
-            hidden = self._forward(step, meta)
+        groups = () if self.lora is None else self.lora.groups(step.seqs)
+        with set_forward_context(meta), set_lora_groups(groups):
+            hidden = self._forward(step, meta, groups)
         out = ModelRunnerOutput(sampled={})
         if hidden is not None and self.pooler is not None:
             self._pool(step, hidden, out)
@@ -159,14 +169,21 @@ class ModelRunner:
             seq.state.num_computed_tokens += seq.num_tokens
         return out
 
-    def _forward(self, step: StepInputs, meta: AttentionMetadata) -> Optional[torch.Tensor]:
-        """The model (or its captured decode step) over the step: hidden states [T, H], or None
-        on a pipeline stage before the last, which sends its stream on instead."""
+    def _forward(self, step: StepInputs, meta: AttentionMetadata,
+                 groups: tuple[LoRAGroup, ...]) -> Optional[torch.Tensor]:
+        """The model (or its captured decode step, unless a request has a LoRA adapter) over
+        the step: hidden states [T, H], or None on a pipeline stage before the last, which
+        sends its stream on instead."""
         stage = self.stage
         incoming = None if stage is None or stage.is_first else recv_from_prev(
             stage, step.input_ids.shape[0], self.config.arch.hidden_size, self.config.dtype,
             self.device, self.tp)
-        if self.captured_decode is not None and meta.decode_only:
+        captured = self.captured_decode is not None and meta.decode_only
+        if captured and groups and not self._told_lora_decode:
+            self._told_lora_decode = True
+            logger.info("decode steps with a LoRA adapter run the model's layer loop: the C++ "
+                        "decode stack cannot apply LoRA")
+        if captured and not groups:
             result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
                                           incoming)
         elif self.pooler is not None:
@@ -189,7 +206,7 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 generator, list(new.block_ids), new.num_computed_tokens,
-                old.num_prompt_logprobs if old else 0, new.pooling_params)
+                old.num_prompt_logprobs if old else 0, new.pooling_params, new.lora_request)
         for cached in sched.cached_reqs:
             st = self.requests[cached.req_id]
             st.token_ids.extend(cached.new_token_ids)  # sampled here or on another rank

@@ -123,3 +123,36 @@ def test_abort_frees_blocks():
     run_step(s)
     s.abort_requests(["a"])
     assert kv.pool.num_free_blocks == 16 and not s.has_unfinished_requests()
+
+
+def test_at_most_max_loras_adapters_run_at_once_and_the_others_keep_their_place():
+    from pagedllm.lora.request import LoRARequest
+    kv = KVCacheManager(32, 4, True)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                          max_loras=1)
+    s = Scheduler(cfg, kv)
+    one, two = LoRARequest("one", 1, "/a/1"), LoRARequest("two", 2, "/a/2")
+    for rid, lora in [("a", one), ("b", two), ("c", None), ("d", one), ("e", two)]:
+        r = req(rid, 3, max_tokens=2)
+        r.lora_request = lora
+        s.add_request(r)
+    sched, _ = run_step(s)
+    assert list(sched.num_scheduled_tokens) == ["a", "c", "d"]  # adapter two waits for a slot
+    assert [r.lora_request for r in sched.new_reqs] == [one, None, one]
+    assert [r.request_id for r in s.waiting] == ["b", "e"]
+    run_step(s)  # a, c, d finish
+    sched, _ = run_step(s)
+    assert list(sched.num_scheduled_tokens) == ["b", "e"]
+
+
+def test_the_prefix_cache_keys_blocks_by_adapter():
+    from pagedllm.lora.request import LoRARequest
+    base, same, other = req("x", 8), req("y", 8), req("z", 8)
+    with_one = Request("w", list(range(1, 9)), SamplingParams(), 4, frozenset({EOS}), 4,
+                       lora_request=LoRARequest("one", 1, "/a/1"))
+    with_two = Request("v", list(range(1, 9)), SamplingParams(), 4, frozenset({EOS}), 4,
+                       lora_request=LoRARequest("two", 2, "/a/2"))
+    assert base.block_hashes == same.block_hashes == other.block_hashes
+    hashes = [base.block_hashes, with_one.block_hashes, with_two.block_hashes]
+    assert all(len(h) == 2 for h in hashes)
+    assert len({h for hs in hashes for h in hs}) == 6  # no block shared across adapters

@@ -77,3 +77,22 @@ def test_llm_signature_is_engine_args_fields():
 def test_unknown_keyword_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_seq'; supported: "):
         EngineArgs.from_kwargs("m", max_num_seq=4)
+
+
+def test_lora_options_are_fields_checked_by_name():
+    args = build_parser().parse_args(["bench", "latency", "--enable-lora", "--max-loras", "3",
+                                      "--max-lora-rank", "8", "--max-cpu-loras", "4"])
+    built = EngineArgs.from_cli_args(args, "m")
+    assert built.lora_config() is not None
+    assert (built.lora_config().max_loras, built.lora_config().max_lora_rank,
+            built.lora_config().cpu_loras) == (3, 8, 4)
+    assert EngineArgs(model="m").lora_config() is None  # enable_lora off by default
+    for kwargs, match in [({"max_loras": 0}, "max_loras must be a positive int"),
+                          ({"max_lora_rank": -1}, "max_lora_rank must be a positive int"),
+                          ({"max_loras": 2, "max_cpu_loras": 1},
+                           "max_cpu_loras \\(1\\) must be >= max_loras \\(2\\)"),
+                          ({"tensor_parallel_size": 2},
+                           "enable_lora with tensor_parallel_size=2 is not supported yet")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(model="m", enable_lora=True, **kwargs)
+

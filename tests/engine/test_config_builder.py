@@ -117,3 +117,25 @@ def test_int8_at_load_is_planned_as_its_blocks(cpu, smollm_hf_dir, monkeypatch):
         _config(smollm_hf_dir, dtype="float32")
     config = _config(smollm_hf_dir, dtype="float32", quantization="int8")
     assert config.quantization == "int8" and config.cache.num_blocks > 0
+
+
+def test_lora_slots_are_planned_beside_the_weights(smollm_gguf, caplog):
+    """The adapters' slots and read copies count in the plan's weights: max_loras=2 and
+    max_cpu_loras=4 of rank 64 on SmolLM2 (30 layers, 576 wide, 1536 in its MLP) are
+    6 x 64 x 30 x (2 x (576 + 576) + 2 x (576 + 192) + 3 x (576 + 1536)) x 4 bytes."""
+    from pagedllm.memory.footprint import lora_bytes
+
+    ckpt = resolve_checkpoint(smollm_gguf)
+    args = EngineArgs(model=str(smollm_gguf), max_model_len=512)
+    with_lora = dataclasses.replace(args, enable_lora=True, max_loras=2, max_lora_rank=64,
+                                    max_cpu_loras=4)
+    base, _ = config_builder.plan_engine_memory(args, ckpt, config_builder.resolve_platform(
+        "cpu").platform, torch.float32)
+    with caplog.at_level("INFO", logger="pagedllm"):
+        planned = config_builder.make_engine_config(with_lora, ckpt)
+    expected = 6 * 64 * 30 * (2 * 1152 + 2 * 768 + 3 * 2112) * 4
+    assert lora_bytes(ckpt.arch, planned.lora) == expected
+    lora_plan, _ = config_builder.plan_engine_memory(with_lora, ckpt, planned.platform,
+                                                     torch.float32)
+    assert lora_plan.weight_bytes - base.weight_bytes == expected
+    assert "LoRA adapters: 2 slots and 4 read adapters of rank 64 at most" in caplog.text

@@ -21,6 +21,11 @@ from pagedllm.entrypoints.openai.auth import ApiKeyAuth
 from pagedllm.entrypoints.openai.cohere_embed_protocol import CohereEmbedRequest
 from pagedllm.entrypoints.openai.bounded_http import BoundedBodies
 from pagedllm.entrypoints.openai.limits import HttpLimits
+from pagedllm.entrypoints.openai.lora_modules import model_cards
+from pagedllm.entrypoints.openai.serving_lora import (RUNTIME_ENV, LoadLoRAAdapterRequest,
+                                                      UnloadLoRAAdapterRequest, load_lora_adapter,
+                                                      runtime_updates_allowed,
+                                                      unload_lora_adapter)
 from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest)
@@ -159,12 +164,14 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        # what the model serves (vLLM's runner) and where; then its LoRA adapters
+        card = {"object": "model", "created": now(), "owned_by": "pagedllm",
+                "max_model_len": ctx.max_model_len, "runner": ctx.runner,
+                "endpoints": ctx.endpoints()}
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "pagedllm",
-             "root": name, "max_model_len": ctx.max_model_len,
-             # what the model serves (vLLM's runner) and where
-             "runner": ctx.runner, "endpoints": ctx.endpoints()}
-            for name in ctx.served_model_names]}
+            c for name in ctx.served_model_names
+            for c in model_cards(name, ctx.lora_modules if name == ctx.served_model_names[0]
+                                 else {}, card)]}
 
     @app.post(COMPLETIONS)
     async def completions(req: CompletionRequest, raw: Request):
@@ -185,6 +192,8 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
             raw, create_response(ctx, req, _client(raw))))
 
     _add_pooling_routes(app, ctx)
+    if runtime_updates_allowed():
+        _add_lora_routes(app, ctx)
 
     @app.get("/v1/responses/{response_id}")
     async def response(response_id: str) -> dict[str, Any]:
@@ -238,6 +247,20 @@ def build_app(ctx: ServerContext, api_key: Optional[str] = None,
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BoundedBodies, limits=limits)  # added last: the outermost
     return app
+
+
+def _add_lora_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """vLLM's runtime adapter endpoints (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    logger.warning("%s is set: /v1/load_lora_adapter and /v1/unload_lora_adapter let API "
+                   "callers load adapters from this machine's paths", RUNTIME_ENV)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        return Response(await load_lora_adapter(ctx, req), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        return Response(unload_lora_adapter(ctx, req), media_type="text/plain")
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServerContext) -> None:

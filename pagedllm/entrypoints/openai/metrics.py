@@ -1,6 +1,8 @@
 """GET /metrics: Prometheus text with vLLM's metric names."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedllm.engine.async_engine import AsyncLLM
@@ -13,6 +15,7 @@ class ServerMetrics:
     fed by AsyncLLM as outputs reach the clients."""
 
     def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -39,6 +42,13 @@ class ServerMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the "
                               "last output.", list(labels), buckets=_LATENCY_BUCKETS,
                               registry=self.registry).labels(**labels)
+        lora = engine.engine.config.lora
+        self._max_lora = None if lora is None else str(lora.max_loras)
+        # vLLM's: one series, its labels the adapters in use, its value when it was read
+        self._lora_info = None if lora is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on LoRA requests.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=self.registry)
 
     def first_token(self, prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """A request's first output tokens reached its client, `seconds` after it arrived."""
@@ -58,4 +68,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text page."""
+        if self._lora_info is not None:
+            stats = self.engine.stats()
+            self._lora_info.clear()
+            self._lora_info.labels(",".join(stats.running_loras), ",".join(stats.waiting_loras),
+                                   self._max_lora).set(time.time())
         return generate_latest(self.registry)

@@ -164,7 +164,8 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, client: Opt
     ids = await ctx.tokens.run(chat_prompt_ids, ctx, req, plan.tools if plan else None)
     grammar = await compile_grammar(ctx.engine, params)
     rid = new_id(prefix)
-    (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client, grammar)
+    (gen,) = await start_prompts(ctx, [{"prompt_token_ids": ids}], params, rid, client, grammar,
+                                 ctx.lora_for(model))
     return ChatRun(model, rid, ids, plan, request_reasoning(ctx, ids), gen)
 
 

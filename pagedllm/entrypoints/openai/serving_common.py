@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.client_share import ClientShares, ShareRefused
 from pagedllm.entrypoints.openai.prompt_tokens import PromptTokens
 from pagedllm.entrypoints.openai.protocol import MAX_N
 from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import model_tasks
 from pagedllm.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class ServerContext:
     reasoning: Optional[ReasoningTokens] = None
     # /v1/responses: stored responses (store=true) and the running ones (cancel)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # --lora-modules: adapter name (a request's `model`) -> the adapter, checked at start
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     tokens: PromptTokens = field(init=False)  # tokenizing off the event loop, length-bounded
 
     def __post_init__(self) -> None:
@@ -115,13 +118,19 @@ class ServerContext:
                           f"{', '.join(self.endpoints())} serve it", 400, "model")
 
     def check_model(self, model: Optional[str]) -> str:
-        """The served name for a request's `model`; 404 for an unknown one."""
+        """The served name for a request's `model` (the base model's or a LoRA adapter's);
+        404 for an unknown one."""
         if model is None:
             return self.served_model_names[0]
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.lora_modules:
+            served = [*self.served_model_names, *self.lora_modules]
             raise OpenAIError(f"The model `{model}` does not exist; this server serves "
-                              f"{', '.join(self.served_model_names)}", 404, "model")
+                              f"{', '.join(served)}", 404, "model")
         return model
+
+    def lora_for(self, model: str) -> Optional[LoRARequest]:
+        """The LoRA adapter a served name runs (None: the base model)."""
+        return self.lora_modules.get(model)
 
 
 def bad_request(err: ValueError) -> OpenAIError:
@@ -189,12 +198,14 @@ async def compile_grammar(engine: AsyncLLM, params: SamplingParams) -> Optional[
 
 async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: SamplingParams,
                         request_id: str, client: Optional[str] = None,
-                        grammar: Optional[CompiledGrammar] = None
+                        grammar: Optional[CompiledGrammar] = None,
+                        lora: Optional[LoRARequest] = None
                         ) -> list[AsyncIterator[RequestOutput]]:
     """Queue every prompt (sub-request ids request_id-0, -1, ...) or none: a bad prompt is a
     400 and the ones already queued are aborted. The sequences count against client's share
     (ClientShares: past it the request waits for the client's own; 429 when too many wait)
-    until each sub-request's stream ends. grammar: from compile_grammar."""
+    until each sub-request's stream ends. grammar: from compile_grammar; lora: the adapter the
+    request's model names."""
     engine, shares = ctx.engine, ctx.client_shares if client is not None else None
     if shares is not None:
         try:
@@ -209,7 +220,7 @@ async def start_prompts(ctx: ServerContext, prompts: list[PromptType], params: S
         for i, prompt in enumerate(prompts):
             streams.append(engine.add_request(f"{request_id}-{i}", prompt, params,
                                               max_tokens_must_fit=True, on_close=release,
-                                              grammar=grammar))
+                                              grammar=grammar, lora_request=lora))
     except BaseException as err:
         if shares is not None:  # the queued ones give theirs back as they are aborted
             shares.give_back(client, (len(prompts) - len(streams)) * params.n)

@@ -130,7 +130,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     prompts = await _engine_prompts(ctx, prompts)
     grammar = await compile_grammar(ctx.engine, params)
     rid = new_id("cmpl")
-    gens = await start_prompts(ctx, prompts, params, rid, client, grammar)
+    gens = await start_prompts(ctx, prompts, params, rid, client, grammar, ctx.lora_for(model))
     if req.stream:
         return _stream(ctx, req, model, rid, gens)
     finals = await asyncio.gather(*(_last(g) for g in gens))

@@ -1,0 +1,55 @@
+"""LoRALinear over a dense and a merged linear: each token group gets its slot's delta, tokens
+in no group get the base output, and a cleared slot adds nothing."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.linear import MergedLinear
+from pagedllm.layers.lora import LoRAGroup, LoRALinear, set_lora_groups
+
+CPU = torch.device("cpu")
+
+
+def _delta(x, a, b, scale):
+    return scale * (x @ a.t()) @ b.t()
+
+
+def test_each_group_gets_its_slots_delta_on_a_dense_linear():
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5, bias=True)
+    wrapped = LoRALinear(base, 6, (5,), max_loras=2, max_rank=4, device=CPU)
+    a0, b0, a1, b1 = torch.randn(3, 6), torch.randn(5, 3), torch.randn(2, 6), torch.randn(5, 2)
+    wrapped.set_slot(0, 0, a0, b0, 0.5)
+    wrapped.set_slot(1, 0, a1, b1, 2.0)
+    x = torch.randn(5, 6)
+    groups = (LoRAGroup(1, torch.tensor([0, 3])), LoRAGroup(0, torch.tensor([2])))
+    with torch.no_grad():
+        plain = wrapped(x)  # outside set_lora_groups: the base alone
+        with set_lora_groups(groups):
+            y = wrapped(x)
+    torch.testing.assert_close(plain, base(x))
+    want = base(x).detach().clone()
+    want[[0, 3]] += _delta(x[[0, 3]], a1, b1, 2.0)
+    want[2] += _delta(x[2:3], a0, b0, 0.5)[0]
+    torch.testing.assert_close(y, want)
+    assert torch.equal(y[[1, 4]], base(x)[[1, 4]])  # rows of no adapter: untouched
+
+
+def test_a_merged_linear_gets_each_shards_delta_and_a_cleared_slot_none():
+    torch.manual_seed(1)
+    base = MergedLinear(4, (6, 2), ("q_proj", "k_proj"), bias=False)
+    nn.init.normal_(base.weight)
+    wrapped = LoRALinear(base, 4, base.output_sizes, max_loras=1, max_rank=2, device=CPU)
+    a, b = torch.randn(2, 4), torch.randn(2, 2)  # k_proj only
+    wrapped.set_slot(0, 1, a, b, 1.0)
+    x = torch.randn(3, 4)
+    groups = (LoRAGroup(0, torch.arange(3)),)
+    with torch.no_grad(), set_lora_groups(groups):
+        q, k = wrapped(x)
+        q0, k0 = base(x)
+        torch.testing.assert_close(q, q0)
+        torch.testing.assert_close(k, k0 + _delta(x, a, b, 1.0))
+        wrapped.clear_slot(0)
+        q, k = wrapped(x)
+        assert torch.equal(k, base(x)[1])

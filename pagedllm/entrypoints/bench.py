@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import platform
+import random
 import resource
 import statistics
 import time
@@ -37,6 +38,25 @@ _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
 
 
+def _range_ratio(text: str) -> float:
+    """--random-range-ratio: a float in [0, 1), as vLLM's bench takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def _lengths(n: int, length: int, ratio: float, seed: int) -> list[int]:
+    """n lengths drawn uniformly from [length (1 - ratio), length (1 + ratio)] (all `length`
+    at ratio 0), at least 1, the same for every run with this seed."""
+    lo, hi = max(1, round(length * (1 - ratio))), max(1, round(length * (1 + ratio)))
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def add_bench_parser(sub) -> None:
     """`bench` with its three modes."""
     bench = sub.add_parser("bench", help="measure latency, offline throughput, or a server")
@@ -55,6 +75,11 @@ def add_bench_parser(sub) -> None:
                        help="requests")
         p.add_argument("--output-json", default=None, metavar="PATH",
                        help="also write the results as JSON here (default: stdout only)")
+        if name == "throughput":
+            p.add_argument("--random-range-ratio", type=_range_ratio, default=0.0,
+                           help="vLLM's random dataset: each request's prompt (and output) "
+                                "length drawn uniformly from [L (1 - r), L (1 + r)] around "
+                                "--input-len (--output-len), seeded; 0: all alike")
         if name == "latency":
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")
@@ -82,10 +107,10 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version(), "os": platform.platform()}
 
 
-def _token_prompts(tokenizer, n: int, length: int) -> list[dict]:
+def _token_prompts(tokenizer, n: int, length: int, ratio: float = 0.0) -> list[dict]:
     vocab = tokenizer.vocab_size
-    return [{"prompt_token_ids": [(1000 + 37 * i + 13 * j) % vocab for j in range(length)]}
-            for i in range(n)]
+    return [{"prompt_token_ids": [(1000 + 37 * i + 13 * j) % vocab for j in range(lens)]}
+            for i, lens in enumerate(_lengths(n, length, ratio, seed=0))]
 
 
 def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float, float]:
@@ -214,13 +239,20 @@ def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """N prompts through LLM.generate (a pooling model's through LLM.encode)."""
     llm = _llm(args)
-    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len)
+    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len,
+                             args.random_range_ratio)
     if llm.llm_engine.config.is_pooling:
         if args.structured_output != "none":
             raise SystemExit("--structured-output applies to generation; this model pools")
         return _pool_throughput(llm, prompts, args)
     params = _params(args)
-    if params.structured_outputs is not None:
+    if args.random_range_ratio:  # each request its own output length, as its prompt's
+        if params.structured_outputs is not None:
+            raise SystemExit("--random-range-ratio varies --output-len, which "
+                             "--structured-output json's arrays are sized by: use one of them")
+        params = [dataclasses.replace(params, max_tokens=n) for n in _lengths(
+            len(prompts), args.output_len, args.random_range_ratio, seed=1)]
+    if not isinstance(params, list) and params.structured_outputs is not None:
         # once per engine, untimed: the grammar engine's view of the vocabulary (~1 s for 152k
         # tokens) and this schema's compilation
         llm.generate(prompts[:1], _params(args).clone(), use_tqdm=False)
@@ -234,7 +266,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     # time in the kernel (page faults, zeroing fresh pages) shows what the allocator costs
     return {"elapsed_s": elapsed, "output_tokens": out_tokens,
             "output_tok_per_s": out_tokens / elapsed,
-            "total_tok_per_s": (out_tokens + args.num_prompts * args.input_len) / elapsed,
+            "total_tok_per_s": (out_tokens + sum(len(p["prompt_token_ids"]) for p in prompts))
+            / elapsed,
             "system_cpu_s": after.ru_stime - before.ru_stime,
             "minor_page_faults": after.ru_minflt - before.ru_minflt,
             # pipeline stages: how many batches were in flight at once (1: one step at a time)

@@ -49,6 +49,26 @@ def test_throughput_of_a_pooling_model(tmp_path, minilm_dir):
     assert result["vector_size"] == 384
 
 
+def test_random_range_ratio_varies_each_request(tmp_path, minilm_dir, smollm_gguf):
+    """vLLM's random dataset: prompt lengths (and output lengths) drawn from [L/2, 3L/2] at
+    ratio 0.5, the same draw every run; a ratio outside [0, 1) is refused by name."""
+    from pagedllm.entrypoints.bench import _lengths
+
+    lens = _lengths(1000, 40, 0.5, seed=0)
+    assert min(lens) == 20 and max(lens) == 60 and lens == _lengths(1000, 40, 0.5, seed=0)
+    result = _run(["throughput", "--model", str(minilm_dir), "--dtype", "float32",
+                   "--input-len", "40", "--random-range-ratio", "0.5", "--num-prompts", "16"],
+                  tmp_path / "r.json")
+    assert result["input_tokens"] == sum(_lengths(16, 40, 0.5, seed=0))
+    result = _run(["throughput", "--model", MODEL, "--dtype", "float32", "--input-len", "8",
+                   "--output-len", "8", "--random-range-ratio", "0.5", "--num-prompts", "4"],
+                  tmp_path / "g.json")
+    assert result["output_tokens"] == sum(_lengths(4, 8, 0.5, seed=1))
+    proc = subprocess.run(CLI + ["throughput", "--random-range-ratio", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--random-range-ratio: must be in [0, 1), got 1.0" in proc.stderr
+
+
 def test_latency_at_the_smallest_counts_reports_no_decode_rate(tmp_path, smollm_gguf):
     result = _run(["latency", "--model", MODEL, "--dtype", "float32", "--input-len", "1",
                    "--output-len", "1", "--num-iters", "1", "--num-iters-warmup", "0"],

@@ -68,7 +68,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--lora-modules", action="extend", nargs="+", default=None,
                    metavar="NAME=PATH", help="LoRA adapters served by name as a request's "
                    "model: name=path, or JSON {\"name\": ..., \"path\": ..., "
-                   "\"base_model_name\": ...} (needs --enable-lora; docs/lora.md)")
+                   "\"base_model_name\": ...} (needs --enable-lora; docs/lora.md; "
+                   "default: none)")
     _add_slot_flags(p)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every "
                    "endpoint but /health, /metrics, /version and the API docs (default: "

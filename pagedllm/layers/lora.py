@@ -40,24 +40,46 @@ def set_lora_groups(groups: tuple[LoRAGroup, ...]) -> Iterator[None]:
         _step_groups.reset(token)
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The deltas' small ops on this thread alone: split over threads, each op waits at a
+    barrier for the others, which costs a scheduler time slice (milliseconds) whenever the
+    machine is busy; alone they take microseconds."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class LoRALinear(nn.Module):
-    """base(x) plus each token group's LoRA delta, per output shard."""
+    """base(x) plus each token group's LoRA delta, per output shard: one shrink matmul for
+    every shard (their A stacked), then one expand matmul and one scatter-add per shard."""
 
     def __init__(self, base: nn.Module, in_features: int, shard_sizes: Sequence[int],
                  max_loras: int, max_rank: int, device: torch.device) -> None:
         super().__init__()
         self.base = base
         self.in_features = in_features
+        self.max_rank = max_rank
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
-        self.a = [zeros(max_loras, max_rank, in_features) for _ in shard_sizes]  # A per slot
+        # every shard's A per slot, stacked by rank: shard i is rows [i R, i R + R), zero past
+        # the adapter's r (so the extra rows add exact zeros)
+        self.a = zeros(max_loras, len(shard_sizes) * max_rank, in_features)
         self.bt = [zeros(max_loras, max_rank, n) for n in shard_sizes]  # scale * B^T per slot
         self.ranks = [[0] * max_loras for _ in shard_sizes]  # 0: the slot leaves the shard alone
 
     def set_slot(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor,
                  scale: float) -> None:
         """Load one adapter's A [r, in] and B [out, r] for a shard into a slot."""
-        r = a.shape[0]
-        self.a[shard][slot, :r].copy_(a)
+        r, first = a.shape[0], shard * self.max_rank
+        self.a[slot, first:first + self.max_rank].zero_()
+        self.a[slot, first:first + r].copy_(a)
+        self.bt[shard][slot].zero_()
         self.bt[shard][slot, :r].copy_(b.t() * scale)
         self.ranks[shard][slot] = r
 
@@ -73,17 +95,19 @@ class LoRALinear(nn.Module):
         if not groups:
             return y
         outs = y if isinstance(y, tuple) else (y,)
-        for g in groups:
-            xg = None
-            for shard, out in enumerate(outs):
-                r = self.ranks[shard][g.slot]
-                if r == 0:
+        with _one_thread():
+            for g in groups:
+                shards = [i for i, ranks in enumerate(self.ranks) if ranks[g.slot]]
+                if not shards:
                     continue
-                if xg is None:
-                    xg = x.index_select(0, g.rows).float()  # [n, in]
-                delta = (xg @ self.a[shard][g.slot, :r].t()) @ self.bt[shard][g.slot, :r]
-                out.index_add_(0, g.rows, delta.to(out.dtype))  # [n, out] into its rows
+                xg = x.index_select(0, g.rows).float()  # [n, in]
+                h = xg @ self.a[g.slot].t()  # [n, shards x R]
+                for i in shards:
+                    r = self.ranks[i][g.slot]
+                    first = i * self.max_rank
+                    delta = h[:, first:first + r] @ self.bt[i][g.slot, :r]  # [n, out]
+                    outs[i].index_add_(0, g.rows, delta.to(outs[i].dtype))
         return y
 
     def extra_repr(self) -> str:
-        return f"slots={len(self.ranks[0])}, max_rank={self.a[0].shape[1]}"
+        return f"slots={len(self.ranks[0])}, max_rank={self.max_rank}"

@@ -80,6 +80,10 @@ def add_bench_parser(sub) -> None:
                            help="vLLM's random dataset: each request's prompt (and output) "
                                 "length drawn uniformly from [L (1 - r), L (1 + r)] around "
                                 "--input-len (--output-len), seeded; 0: all alike")
+            p.add_argument("--lora-modules", action="extend", nargs="+", default=None,
+                           metavar="NAME=PATH", help="LoRA adapters the requests are spread "
+                           "over, round-robin (name=path, or JSON as `serve` takes it; implies "
+                           "--enable-lora; give --max-loras for them to share a batch)")
         if name == "latency":
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")
@@ -141,6 +145,8 @@ def _params(args: argparse.Namespace):
 
 def _llm(args: argparse.Namespace):
     """The LLM the offline modes measure (a bad engine flag is refused before torch loads)."""
+    if getattr(args, "lora_modules", None):
+        args.enable_lora = True
     engine_args = EngineArgs.from_cli_args(args, args.model)
     from pagedllm.llm import LLM
 
@@ -236,8 +242,24 @@ def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict
             "vector_size": int(outs[0].outputs.data.numel())}
 
 
+def _spread_loras(modules: Optional[list[str]], n: int, model: str) -> Optional[list]:
+    """--lora-modules' adapters, one per request round-robin (None: every request on the base
+    model); a bad value exits naming it, before the model loads."""
+    if not modules:
+        return None
+    from pagedllm.entrypoints.openai.lora_modules import lora_modules
+
+    try:
+        adapters = list(lora_modules(modules, True, model).values())
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return [adapters[i % len(adapters)] for i in range(n)]
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """N prompts through LLM.generate (a pooling model's through LLM.encode)."""
+    """N prompts through LLM.generate (a pooling model's through LLM.encode), spread over
+    --lora-modules' adapters if given."""
+    loras = _spread_loras(args.lora_modules, args.num_prompts, args.model)
     llm = _llm(args)
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len,
                              args.random_range_ratio)
@@ -246,6 +268,11 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("--structured-output applies to generation; this model pools")
         return _pool_throughput(llm, prompts, args)
     params = _params(args)
+    for adapter in set(loras or ()):  # a bad adapter exits naming its tensor, before timing
+        try:
+            llm.llm_engine.adapters.check(adapter)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     if args.random_range_ratio:  # each request its own output length, as its prompt's
         if params.structured_outputs is not None:
             raise SystemExit("--random-range-ratio varies --output-len, which "
@@ -259,7 +286,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     _comm_stats(llm, reset=True)
     before = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_SELF)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -272,6 +299,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             "minor_page_faults": after.ru_minflt - before.ru_minflt,
             # pipeline stages: how many batches were in flight at once (1: one step at a time)
             "max_batches_in_flight": llm.llm_engine.max_batches_in_flight,
+            **({} if loras is None else {"lora_adapters": len(set(loras)),
+                                         "max_loras": llm.llm_engine.config.lora.max_loras}),
             **_comm_report(_comm_stats(llm))}
 
 

@@ -221,3 +221,23 @@ def test_serve_mode_retries_a_connection_the_server_closed(tmp_path):
     assert result["output_tokens"] == 8 * 4
     assert result["retried_requests"] >= 1 and result["retried_requests"] == srv.dropped
     assert "retried_requests" in proc.stdout
+
+
+def test_throughput_spreads_the_requests_over_lora_adapters(tmp_path, smollm_gguf,
+                                                           smollm_lora_adapters):
+    """--lora-modules (enable_lora implied): the requests round-robin over the adapters, which
+    share each batch with --max-loras 2; a value without a path is refused naming the flag."""
+    from pagedllm.entrypoints.bench import _spread_loras
+
+    modules = [f"{a.lora_name}={a.lora_path}" for a in smollm_lora_adapters]
+    spread = _spread_loras(modules, 5, MODEL)
+    assert [a.lora_name for a in spread] == ["adapter1", "adapter2"] * 2 + ["adapter1"]
+    assert _spread_loras(None, 5, MODEL) is None
+    result = _run(["throughput", "--model", MODEL, "--input-len", "16", "--output-len", "8",
+                   "--num-prompts", "4", "--max-loras", "2", "--max-lora-rank", "8",
+                   "--lora-modules", *modules], tmp_path / "r.json")
+    assert result["output_tokens"] == 4 * 8 and result["output_tok_per_s"] > 0
+    assert result["lora_adapters"] == 2 and result["max_loras"] == 2
+    proc = subprocess.run(CLI + ["throughput", "--model", MODEL, "--lora-modules", "broken"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--lora-modules 'broken'" in proc.stderr

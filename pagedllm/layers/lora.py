@@ -72,6 +72,9 @@ class LoRALinear(nn.Module):
         self.a = zeros(max_loras, len(shard_sizes) * max_rank, in_features)
         self.bt = [zeros(max_loras, max_rank, n) for n in shard_sizes]  # scale * B^T per slot
         self.ranks = [[0] * max_loras for _ in shard_sizes]  # 0: the slot leaves the shard alone
+        self._at = [self.a[slot].t() for slot in range(max_loras)]  # [in, shards x R] views
+        # per slot, what forward reads: (shard, its first column of x A^T, scale B^T [:r])
+        self._shards: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(max_loras)]
 
     def set_slot(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor,
                  scale: float) -> None:
@@ -82,11 +85,17 @@ class LoRALinear(nn.Module):
         self.bt[shard][slot].zero_()
         self.bt[shard][slot, :r].copy_(b.t() * scale)
         self.ranks[shard][slot] = r
+        self._plan(slot)
 
     def clear_slot(self, slot: int) -> None:
         """The slot adds nothing to any shard until set again."""
         for ranks in self.ranks:
             ranks[slot] = 0
+        self._plan(slot)
+
+    def _plan(self, slot: int) -> None:
+        self._shards[slot] = [(i, i * self.max_rank, self.bt[i][slot, :ranks[slot]])
+                              for i, ranks in enumerate(self.ranks) if ranks[slot]]
 
     def forward(self, x: torch.Tensor):
         """x [T, in] -> the base's output (a tensor, or a tuple of shard views), deltas added."""
@@ -97,16 +106,13 @@ class LoRALinear(nn.Module):
         outs = y if isinstance(y, tuple) else (y,)
         with _one_thread():
             for g in groups:
-                shards = [i for i, ranks in enumerate(self.ranks) if ranks[g.slot]]
+                shards = self._shards[g.slot]
                 if not shards:
                     continue
-                xg = x.index_select(0, g.rows).float()  # [n, in]
-                h = xg @ self.a[g.slot].t()  # [n, shards x R]
-                for i in shards:
-                    r = self.ranks[i][g.slot]
-                    first = i * self.max_rank
-                    delta = h[:, first:first + r] @ self.bt[i][g.slot, :r]  # [n, out]
-                    outs[i].index_add_(0, g.rows, delta.to(outs[i].dtype))
+                h = x.index_select(0, g.rows).float() @ self._at[g.slot]  # [n, shards x R]
+                for i, first, bt in shards:
+                    delta = h[:, first:first + bt.shape[0]] @ bt  # [n, out]
+                    outs[i].index_put_((g.rows,), delta.to(outs[i].dtype), accumulate=True)
         return y
 
     def extra_repr(self) -> str:

@@ -3,17 +3,21 @@ the model code knows nothing of it.
 
 A LoRALinear holds its base module (dense, GGUF blocks, or merged q/k/v or gate/up shards:
 the base stays as it was loaded, quantized or not) and, per shard, max_loras slots of float32
-matrices. A step's tokens come in groups, one per adapter slot (vLLM's punica idea: gather the
-group's rows, two small matmuls, scatter-add the delta); tokens of no adapter are in no group:
+matrices. A step's tokens come in groups, one per adapter slot (vLLM's punica idea: two small
+matmuls per group, on top of the base output); tokens of no adapter are in no group:
 
     y_shard[rows] += (x[rows] @ A[slot, :r]^T) @ Bt[slot, :r]      Bt = scale * B^T  [r, out]
+
+The step's adapter rows are gathered once per layer, group after group (each group a range
+there), and each shard's deltas scatter-added once; every group's matmuls have the shapes they
+would have with the group alone in the step, so a mixed batch changes no request's bits.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,17 +31,30 @@ class LoRAGroup:
     rows: torch.Tensor  # [n] int64, rows of the step's flattened tokens
 
 
-_step_groups: ContextVar[tuple[LoRAGroup, ...]] = ContextVar("lora_groups", default=())
+@dataclass(frozen=True)
+class _StepRows:
+    """Every group's rows, group after group, and each group's (slot, first, count) there."""
+
+    rows: torch.Tensor  # [n] int64
+    ranges: tuple[tuple[int, int, int], ...]
+
+
+_step_rows: ContextVar[Optional[_StepRows]] = ContextVar("lora_rows", default=None)
 
 
 @contextmanager
 def set_lora_groups(groups: tuple[LoRAGroup, ...]) -> Iterator[None]:
     """LoRALinear layers called inside add the deltas of these groups."""
-    token = _step_groups.set(groups)
+    ranges, first = [], 0
+    for g in groups:
+        ranges.append((g.slot, first, g.rows.shape[0]))
+        first += g.rows.shape[0]
+    token = _step_rows.set(_StepRows(torch.cat([g.rows for g in groups]), tuple(ranges))
+                           if groups else None)
     try:
         yield
     finally:
-        _step_groups.reset(token)
+        _step_rows.reset(token)
 
 
 @contextmanager
@@ -57,8 +74,8 @@ def _one_thread() -> Iterator[None]:
 
 
 class LoRALinear(nn.Module):
-    """base(x) plus each token group's LoRA delta, per output shard: one shrink matmul for
-    every shard (their A stacked), then one expand matmul and one scatter-add per shard."""
+    """base(x) plus each token group's LoRA delta, per output shard: per group one shrink
+    matmul for every shard (their A stacked) and one expand matmul per shard."""
 
     def __init__(self, base: nn.Module, in_features: int, shard_sizes: Sequence[int],
                  max_loras: int, max_rank: int, device: torch.device) -> None:
@@ -73,8 +90,9 @@ class LoRALinear(nn.Module):
         self.bt = [zeros(max_loras, max_rank, n) for n in shard_sizes]  # scale * B^T per slot
         self.ranks = [[0] * max_loras for _ in shard_sizes]  # 0: the slot leaves the shard alone
         self._at = [self.a[slot].t() for slot in range(max_loras)]  # [in, shards x R] views
-        # per slot, what forward reads: (shard, its first column of x A^T, scale B^T [:r])
-        self._shards: list[list[tuple[int, int, torch.Tensor]]] = [[] for _ in range(max_loras)]
+        # per slot and shard, what forward reads: scale B^T [:r] (None: the shard is left alone)
+        self._bt: list[list[Optional[torch.Tensor]]] = [[None] * len(shard_sizes)
+                                                        for _ in range(max_loras)]
 
     def set_slot(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor,
                  scale: float) -> None:
@@ -94,25 +112,34 @@ class LoRALinear(nn.Module):
         self._plan(slot)
 
     def _plan(self, slot: int) -> None:
-        self._shards[slot] = [(i, i * self.max_rank, self.bt[i][slot, :ranks[slot]])
-                              for i, ranks in enumerate(self.ranks) if ranks[slot]]
+        self._bt[slot] = [self.bt[i][slot, :ranks[slot]] if ranks[slot] else None
+                          for i, ranks in enumerate(self.ranks)]
 
     def forward(self, x: torch.Tensor):
         """x [T, in] -> the base's output (a tensor, or a tuple of shard views), deltas added."""
         y = self.base(x)
-        groups = _step_groups.get()
-        if not groups:
+        step = _step_rows.get()
+        if step is None:
             return y
         outs = y if isinstance(y, tuple) else (y,)
         with _one_thread():
-            for g in groups:
-                shards = self._shards[g.slot]
-                if not shards:
+            xs = x.index_select(0, step.rows).float()  # [n, in], group after group
+            h = xs.new_empty(xs.shape[0], self.a.shape[1])  # [n, shards x R]
+            for slot, first, count in step.ranges:
+                torch.mm(xs[first:first + count], self._at[slot], out=h[first:first + count])
+            for i, out in enumerate(outs):
+                parts = [(first, count, self._bt[slot][i]) for slot, first, count in step.ranges
+                         if self._bt[slot][i] is not None]
+                if not parts:
                     continue
-                h = x.index_select(0, g.rows).float() @ self._at[g.slot]  # [n, shards x R]
-                for i, first, bt in shards:
-                    delta = h[:, first:first + bt.shape[0]] @ bt  # [n, out]
-                    outs[i].index_put_((g.rows,), delta.to(outs[i].dtype), accumulate=True)
+                # rows of a group that leaves this shard alone add zeros
+                new = xs.new_empty if len(parts) == len(step.ranges) else xs.new_zeros
+                delta = new(xs.shape[0], out.shape[1])
+                col = i * self.max_rank
+                for first, count, bt in parts:
+                    torch.mm(h[first:first + count, col:col + bt.shape[0]], bt,
+                             out=delta[first:first + count])
+                out.index_put_((step.rows,), delta.to(out.dtype), accumulate=True)
         return y
 
     def extra_repr(self) -> str:

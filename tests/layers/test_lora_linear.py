@@ -53,3 +53,24 @@ def test_a_merged_linear_gets_each_shards_delta_and_a_cleared_slot_none():
         wrapped.clear_slot(0)
         q, k = wrapped(x)
         assert torch.equal(k, base(x)[1])
+
+
+def test_groups_whose_slots_target_different_shards_share_a_step():
+    """Slot 0 adapts k only, slot 1 q only: each group's rows get their own shard's delta and
+    nothing on the other shard; a row of no adapter keeps the base output."""
+    torch.manual_seed(2)
+    base = MergedLinear(4, (6, 2), ("q_proj", "k_proj"), bias=False)
+    nn.init.normal_(base.weight)
+    wrapped = LoRALinear(base, 4, base.output_sizes, max_loras=2, max_rank=3, device=CPU)
+    ak, bk, aq, bq = torch.randn(2, 4), torch.randn(2, 2), torch.randn(3, 4), torch.randn(6, 3)
+    wrapped.set_slot(0, 1, ak, bk, 0.5)
+    wrapped.set_slot(1, 0, aq, bq, 2.0)
+    x = torch.randn(4, 4)
+    groups = (LoRAGroup(0, torch.tensor([0, 2])), LoRAGroup(1, torch.tensor([1])))
+    with torch.no_grad(), set_lora_groups(groups):
+        q, k = wrapped(x)
+        q0, k0 = base(x)
+    torch.testing.assert_close(k[[0, 2]], k0[[0, 2]] + _delta(x[[0, 2]], ak, bk, 0.5))
+    torch.testing.assert_close(q[1], q0[1] + _delta(x[1:2], aq, bq, 2.0)[0])
+    assert torch.equal(q[[0, 2]], q0[[0, 2]]) and torch.equal(k[1], k0[1])
+    assert torch.equal(q[3], q0[3]) and torch.equal(k[3], k0[3])

@@ -83,7 +83,8 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--lora-modules", action="extend", nargs="+", default=None,
                            metavar="NAME=PATH", help="LoRA adapters the requests are spread "
                            "over, round-robin (name=path, or JSON as `serve` takes it; implies "
-                           "--enable-lora; give --max-loras for them to share a batch)")
+                           "--enable-lora; give --max-loras for them to share a batch; default: none, "
+                           "every request on the base model)")
         if name == "latency":
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")

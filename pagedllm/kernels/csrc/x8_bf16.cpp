@@ -98,31 +98,11 @@ inline void store_pairs(const float* lanes, float* out) {  // 16 lanes (r, j) ->
 }
 
 // --- AVX-512 BF16 ------------------------------------------------------------------------
-template <int C>
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_cols(const uint8_t* rec, int64_t nq,
-                                                                              const uint16_t* xb, int64_t k,
-                                                                              float* out, int64_t ldo) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < nq; ++q) {
-    const __m512i w = _mm512_loadu_si512(rec + 64 * q);
-    for (int c = 0; c < C; ++c) {
-      int64_t xq;
-      std::memcpy(&xq, xb + c * k + 4 * q, 8);
-      acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)w, (__m512bh)_mm512_set1_epi64(xq));
-    }
-  }
-  alignas(64) float lanes[16];
-  for (int c = 0; c < C; ++c) {
-    _mm512_store_ps(lanes, acc[c]);
-    store_pairs(lanes, out + c * ldo);
-  }
-}
-
-// The same sums over a block of G groups (8 G weight rows) and C x rows at once: G C
-// independent accumulators hide vdpbf16ps's latency (a lone chain waits ~6 cycles a step), each
-// weight record loaded once serves C rows and each x broadcast G groups. Every lane still adds
-// its quads in order, so a row's bits are those of dp_cols (and of scalar_dp), in any block.
+// Blocks of G groups (8 G weight rows) by C x rows: lane (r, j) of each (group, row) adds its
+// quads in order by vdpbf16ps, then lane 0 + lane 1 is row r (as store_pairs adds), so a row's
+// bits are scalar_dp's whatever block or batch it is in. G C independent accumulators hide
+// vdpbf16ps's latency (a lone chain waits ~6 cycles a step); each weight record loaded serves C
+// rows and each x broadcast G groups.
 constexpr int kBlockGroups = 4, kBlockCols = 6;  // 24 accumulators + 4 weights + 1 x of 32 zmm
 
 // A prefetch span: lines [first, first + count) from base, `per` of them each quad (into L2)
@@ -280,12 +260,6 @@ void by_cols(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t 
   }
 }
 
-template <int C>
-struct Dp {
-  static void run(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, float* out, int64_t ldo) {
-    dp_cols<C>(rec, nq, x.bf.data() + c0 * k, k, out + c0 * ldo, ldo);
-  }
-};
 template <int C>
 struct Fma512 {
   static void run(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, float* out, int64_t ldo) {
@@ -452,10 +426,9 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
 }
 
 struct Variant {
-  GroupFn fn;
+  GroupFn fn;  // one group by up to kMaxCols rows; nullptr: dp_blocked at every row count
   bool bf16_x;  // x rounded to bf16 (else permuted float32)
   bool amx = false;  // from kAmxMinRows x rows on, the AMX tiles
-  bool blocked = false;  // dp_blocked (kBlockGroups groups by kBlockCols rows) at every row count
 };
 
 // what a variant needs, as /proc/cpuinfo spells it ("" when it can run here)
@@ -487,8 +460,8 @@ const char* const kChoices[] = {"amx", "avx512bf16", "avx512f", "avx2", "scalar"
 Variant variant_of(const std::string& name) {
   const std::string lacks = missing_feature(name);
   TORCH_CHECK(lacks.empty(), "variant '", name, "': this CPU lacks ", lacks);
-  if (name == "amx") return {by_cols<Dp>, true, true, true};
-  if (name == "avx512bf16") return {by_cols<Dp>, true, false, true};
+  if (name == "amx") return {nullptr, true, true};
+  if (name == "avx512bf16") return {nullptr, true};
   if (name == "avx512f") return {by_cols<Fma512>, false};
   if (name == "avx2") return {by_cols<Fma256>, false};
   if (name == "scalar_dp") return {group_scalar<true>, true};
@@ -649,7 +622,7 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
     for (int64_t i = 0; i < m * k; i += 4)
       for (int e = 0; e < 4; ++e) prep.perm[i + e] = xp[i + kPerm[e]];
   }
-  if (v.blocked) {
+  if (v.fn == nullptr) {
     blocked_linear(prep.bf.data(), m, ws, k, outs);
     return outs;
   }

@@ -2,7 +2,8 @@
 pagedllm's LLM.embed, sentence-transformers' encode, or a llama.cpp embedding server.
 
     .venv/bin/python benchmarks/embed_vs_peers.py pagedllm auto        # or float32: the dtype
-    MINILM_DIR=DIR ST_PY benchmarks/embed_vs_peers.py st   # ST_PY: a venv with sentence-transformers;
+    MINILM_DIR=DIR ST_PY benchmarks/embed_vs_peers.py st
+        # ST_PY: a venv with sentence-transformers;
         # DIR: python -c "import pagedllm; print(pagedllm.model_path('all-minilm-l6-v2'))"
     .venv/bin/python benchmarks/embed_vs_peers.py llama http://127.0.0.1:8091
         # llama-server -m minilm-f32.gguf --embedding -t 2 -tb 2 -np 8 -c 4096 -ub 2048 --port 8091
@@ -29,7 +30,8 @@ def _model_dir() -> str:
 
 
 def sentences(vocab_file: str, n: int = N, seed: int = 0) -> list[str]:
-    words = [w for w in open(vocab_file).read().split("\n") if w.isalpha() and w.islower() and len(w) >= 3]
+    words = [w for w in open(vocab_file).read().split("\n")
+             if w.isalpha() and w.islower() and len(w) >= 3]
     rng = random.Random(seed)
     return [" ".join(rng.choice(words) for _ in range(rng.randint(16, 50))).capitalize() + "."
             for _ in range(n)]

@@ -1,6 +1,8 @@
 // Paged decode attention over a float32 KV cache: one query token per sequence, each sequence's
-// K/V rows read where they lie in the cache (no gathered copy), one task per (sequence, K/V
-// head) so that the `group` query heads sharing a K/V head share every row read.
+// K/V rows read where they lie in the cache (no gathered copy). The `group` query heads sharing a
+// K/V head share every row read; one task takes a sequence's K/V heads together (their rows are
+// adjacent, so it reads each cache block as one stream) where the batch fills the threads, one
+// K/V head of it where it does not (one stream).
 //
 // The AVX-512 path computes the same numbers as the AVX2 one, bit for bit: each dot product is
 // reduced in the AVX2 path's order (lanes j + j+8 of two 8-lane halves, then j + j+4, j + j+2,
@@ -36,9 +38,21 @@ using pagedllm_simd::hsum;
 void softmax_(float* s, int64_t len, float cap) {
   if (cap > 0.f)
     for (int64_t p = 0; p < len; ++p) s[p] = std::tanh(s[p] / cap) * cap;
-  const float mx = *std::max_element(s, s + len);
-  float sum = 0.f;
+  float mx = s[0];
   int64_t p = 0;
+#ifdef PAGEDLLM_AVX2
+  // the maximum 8 lanes at a time (the same value in any order)
+  if (len >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (p = 8; p + 8 <= len; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + p));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  for (; p < len; ++p) mx = std::max(mx, s[p]);
+  float sum = 0.f;
+  p = 0;
 #ifdef PAGEDLLM_AVX2
   __m256 acc = _mm256_setzero_ps();
   for (; p + 8 <= len; p += 8) {
@@ -137,38 +151,69 @@ void weigh_values_avx512(const float* vc, RowOffset row_offset, int64_t len, con
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + (h * NV + v) * 16, acc[h][v]);
 }
 
-// attend_group for head_dim = 16 * NV: the scores of 16 keys for one head are reduced together
-// (the 16 key rows stay in L1 across the group's heads); the value rows are read once per
-// 16 / NV heads instead of once per head
+// the V rows weighed for NH heads at once, NH chosen at run time (1..kMax): a group of 7 heads
+// takes two passes over the rows (4 + 3) instead of 4 + 1 + 1 + 1
+template <int NV, int kMax, class RowOffset>
+void weigh_values_n(int nh, const float* vc, RowOffset row_offset, int64_t len, const float* scores, float* out) {
+  if constexpr (kMax > 1) {
+    if (nh == kMax) return weigh_values_avx512<NV, kMax>(vc, row_offset, len, scores, out);
+    return weigh_values_n<NV, kMax - 1>(nh, vc, row_offset, len, scores, out);
+  } else {
+    return weigh_values_avx512<NV, 1>(vc, row_offset, len, scores, out);
+  }
+}
+
+// attend_heads for head_dim = 16 * NV: per 16 keys, the scores of every query head of the nkv
+// K/V heads (their rows lie side by side in the cache, so the task reads each cache block as one
+// stream, and the 16 key rows stay in L1 across the heads); then the value rows of each K/V head
+// weighed for up to 16 / NV of its query heads a pass, in as few passes as there can be
 template <int NV, class RowOffset>
-void attend_group_avx512(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                         int64_t group, float scale, float cap, float* scores, float* out) {
+void attend_heads_avx512(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+                         int64_t nkv, int64_t group, float scale, float cap, float* scores, float* out) {
   constexpr int64_t d = 16 * NV;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
     const float* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = kc + row_offset(p0 + std::min(j, n - 1));
-    for (int64_t p = p0 + 16; p < std::min(p0 + 32, len); ++p) prefetch_row<NV>(kc + row_offset(p));
-    for (int64_t h = 0; h < group; ++h) {
-      __m512 qh[NV];
-      for (int v = 0; v < NV; ++v) qh[v] = _mm512_loadu_ps(q + h * d + 16 * v);
-      __m512 acc[16];
+    for (int64_t p = p0 + 16; p < std::min(p0 + 32, len); ++p) {
+      const float* next = kc + row_offset(p);
+      for (int64_t g = 0; g < nkv; ++g) prefetch_row<NV>(next + g * d);
+    }
+    // this block's value rows into L2 while the scores are computed: the value passes that
+    // follow read them from there, not from memory
+    for (int j = 0; j < n; ++j) {
+      const char* vr = reinterpret_cast<const char*>(vc + row_offset(p0 + j));
+      for (int64_t c = 0; c < nkv * d * 4; c += 64) _mm_prefetch(vr + c, _MM_HINT_T1);
+    }
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        __m512 qh[NV];
+        for (int v = 0; v < NV; ++v) qh[v] = _mm512_loadu_ps(q + h * d + 16 * v);
+        __m512 acc[16];
 #pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_mul_ps(qh[0], _mm512_loadu_ps(rows[j]));
-        for (int v = 1; v < NV; ++v) acc[j] = _mm512_fmadd_ps(qh[v], _mm512_loadu_ps(rows[j] + 16 * v), acc[j]);
+        for (int j = 0; j < 16; ++j) {
+          const float* kr = rows[j] + g * d;
+          acc[j] = _mm512_mul_ps(qh[0], _mm512_loadu_ps(kr));
+          for (int v = 1; v < NV; ++v) acc[j] = _mm512_fmadd_ps(qh[v], _mm512_loadu_ps(kr + 16 * v), acc[j]);
+        }
+        _mm512_mask_storeu_ps(scores + h * len + p0, static_cast<__mmask16>((1u << n) - 1),
+                              _mm512_mul_ps(reduce16(acc), vscale));
       }
-      _mm512_mask_storeu_ps(scores + h * len + p0, static_cast<__mmask16>((1u << n) - 1),
-                            _mm512_mul_ps(reduce16(acc), vscale));
     }
   }
-  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
-  constexpr int kHeads = std::max(1, 16 / NV);  // accumulators in 16 of the 32 registers
-  int64_t h = 0;
-  for (; h + kHeads <= group; h += kHeads)
-    weigh_values_avx512<NV, kHeads>(vc, row_offset, len, scores + h * len, out + h * d);
-  for (; h < group; ++h) weigh_values_avx512<NV, 1>(vc, row_offset, len, scores + h * len, out + h * d);
+  for (int64_t h = 0; h < nkv * group; ++h) softmax_(scores + h * len, len, cap);
+  constexpr int kMax = std::max(1, 16 / NV);  // accumulators in 16 of the 32 registers
+  const int64_t passes = (group + kMax - 1) / kMax;
+  for (int64_t g = 0; g < nkv; ++g) {
+    const auto v_offset = [&](int64_t p) { return row_offset(p) + g * d; };
+    for (int64_t k = 0, h = g * group; k < passes; ++k) {
+      // the group's heads split as evenly as the passes allow: 7 = 4 + 3
+      const int64_t nh = (group - (h - g * group) + (passes - k) - 1) / (passes - k);
+      weigh_values_n<NV, kMax>(static_cast<int>(nh), vc, v_offset, len, scores + h * len, out + h * d);
+      h += nh;
+    }
+  }
 }
 #endif
 
@@ -192,36 +237,45 @@ std::string paged_attention_path() {
 #endif
 }
 
-// One sequence and one K/V head: the `group` query heads at q (each d values) over the len
-// cached rows (row p at kc/vc + row_offset(p)); out gets group * d values.
+// One sequence's K/V heads g0 .. g0 + nkv - 1: their nkv * group query heads at q (each d
+// values) over the len cached rows (head g0's row p at kc/vc + row_offset(p), the next heads' d
+// values after it); out gets nkv * group * d values.
 template <class RowOffset>
-void attend_group(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
-                  int64_t group, int64_t d, float scale, float cap, float* scores, float* out, bool avx512) {
+void attend_heads(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+                  int64_t nkv, int64_t group, int64_t d, float scale, float cap, float* scores, float* out,
+                  bool avx512) {
 #ifdef __AVX512F__
-  if (avx512 && d == 64) return attend_group_avx512<4>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
-  if (avx512 && d == 128) return attend_group_avx512<8>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
-  // Gemma 3's heads
-  if (avx512 && d == 256) return attend_group_avx512<16>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+  if (avx512 && d == 64)
+    return attend_heads_avx512<4>(q, kc, vc, row_offset, len, nkv, group, scale, cap, scores, out);
+  if (avx512 && d == 128)
+    return attend_heads_avx512<8>(q, kc, vc, row_offset, len, nkv, group, scale, cap, scores, out);
+  if (avx512 && d == 256)  // Gemma 3's heads
+    return attend_heads_avx512<16>(q, kc, vc, row_offset, len, nkv, group, scale, cap, scores, out);
 #endif
+  for (int64_t g = 0; g < nkv; ++g) {
+    const auto head_offset = [&](int64_t p) { return row_offset(p) + g * d; };
+    const float* qg = q + g * group * d;
+    float* og = out + g * group * d;
 #ifdef PAGEDLLM_AVX2
-  if (d == 64) return attend_group_avx2<8>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
-  if (d == 128) return attend_group_avx2<16>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
-  if (d == 256) return attend_group_avx2<32>(q, kc, vc, row_offset, len, group, scale, cap, scores, out);
+    if (d == 64) { attend_group_avx2<8>(qg, kc, vc, head_offset, len, group, scale, cap, scores, og); continue; }
+    if (d == 128) { attend_group_avx2<16>(qg, kc, vc, head_offset, len, group, scale, cap, scores, og); continue; }
+    if (d == 256) { attend_group_avx2<32>(qg, kc, vc, head_offset, len, group, scale, cap, scores, og); continue; }
 #endif
-  for (int64_t p = 0; p < len; ++p) {
-    const float* kr = kc + row_offset(p);
-    for (int64_t h = 0; h < group; ++h) {
-      float s = 0.f;
-      for (int64_t e = 0; e < d; ++e) s += q[h * d + e] * kr[e];
-      scores[h * len + p] = s * scale;
+    for (int64_t p = 0; p < len; ++p) {
+      const float* kr = kc + head_offset(p);
+      for (int64_t h = 0; h < group; ++h) {
+        float s = 0.f;
+        for (int64_t e = 0; e < d; ++e) s += qg[h * d + e] * kr[e];
+        scores[h * len + p] = s * scale;
+      }
     }
-  }
-  for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
-  std::fill(out, out + group * d, 0.f);
-  for (int64_t p = 0; p < len; ++p) {
-    const float* vr = vc + row_offset(p);
-    for (int64_t h = 0; h < group; ++h)
-      for (int64_t e = 0; e < d; ++e) out[h * d + e] += scores[h * len + p] * vr[e];
+    for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
+    std::fill(og, og + group * d, 0.f);
+    for (int64_t p = 0; p < len; ++p) {
+      const float* vr = vc + head_offset(p);
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t e = 0; e < d; ++e) og[h * d + e] += scores[h * len + p] * vr[e];
+    }
   }
 }
 
@@ -259,21 +313,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool avx512 = attention_avx512();
-  // one task per (sequence, kv head): its `group` query heads share every K/V row read
-  at::parallel_for(0, b * hk, 1, [&](int64_t t0, int64_t t1) {
+  // one task per sequence, its K/V heads together (their rows are adjacent in the cache), when the
+  // batch alone keeps the threads busy; else one per (sequence, K/V head), as one stream needs
+  const bool pow2 = (bs & (bs - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
+  const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hk, nkv = hk / split;
+  at::parallel_for(0, b * split, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / hk, g = task % hk;
+      const int64_t i = task / split, g0 = task % split * nkv;
       // the query at position lens[i] - 1 sees keys first..lens[i] - 1
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;
       const int64_t* blocks = table + i * max_blocks;
-      scores.resize(group * len);
+      scores.resize(nkv * group * len);
       const auto row_offset = [&](int64_t p) {
-        const int64_t pos = first + p;
-        return ((blocks[pos / bs] * bs + pos % bs) * hk + g) * d;
+        const int64_t pos = first + p;  // a shift, not a division, for the usual block sizes
+        const int64_t blk = pow2 ? pos >> shift : pos / bs, off = pow2 ? pos & (bs - 1) : pos % bs;
+        return ((blocks[blk] * bs + off) * hk + g0) * d;
       };
-      attend_group(qp + (i * hq + g * group) * d, kc, vc, row_offset, len, group, d, sc,
-                   cap, scores.data(), op + (i * hq + g * group) * d, avx512);
+      attend_heads(qp + (i * hq + g0 * group) * d, kc, vc, row_offset, len, nkv, group, d, sc,
+                   cap, scores.data(), op + (i * hq + g0 * group) * d, avx512);
     }
   });
   return out;

@@ -148,10 +148,12 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(co
 template <int G>
 void dp_block_rows(const uint8_t* rec, int64_t gstride, int64_t nq, const uint16_t* xb, int64_t k, int64_t m,
                    float* out, int64_t ldo, const uint8_t* next, int64_t next_lines) {
+  // the rows split as evenly as the chunks allow (32 = 5 + 6 + 5 + 5 + 6 + 5, not 5 x 6 + 2):
+  // a chunk of 2 rows keeps only 2 G dot chains in flight, too few to fill the pipes
   const int64_t chunks = (m + kBlockCols - 1) / kBlockCols;
   const bool fetch = next != nullptr && chunks > 1;
-  int64_t c = 0;
-  for (int64_t i = 0; c < m; ++i, c += kBlockCols) {
+  for (int64_t i = 0, c = 0; i < chunks; ++i) {
+    const int64_t rows = m * (i + 1) / chunks - c;
     Ahead ahead;
     if (fetch) {
       ahead.base = next;
@@ -161,7 +163,8 @@ void dp_block_rows(const uint8_t* rec, int64_t gstride, int64_t nq, const uint16
     }
     const uint16_t* xc = xb + c * k;
     float* oc = out + c * ldo;
-    switch (std::min<int64_t>(kBlockCols, m - c)) {
+    c += rows;
+    switch (rows) {
       case 6: dp_block<G, 6>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
       case 5: dp_block<G, 5>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
       case 4: dp_block<G, 4>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;

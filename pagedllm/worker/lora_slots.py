@@ -21,7 +21,8 @@ from pagedllm.config import LoRAConfig, ModelArchConfig
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.lora import LoRAGroup, LoRALinear
-from pagedllm.lora.peft import SUPPORTED_MODULES, LoRAAdapter, load_adapter
+from pagedllm.loader.lora_adapter import load_adapter
+from pagedllm.lora.peft import SUPPORTED_MODULES, LoRAAdapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.worker.input_batch import ScheduledSeq
 

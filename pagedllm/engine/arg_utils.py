@@ -392,13 +392,7 @@ class EngineArgs:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if not self.enable_lora:
-            return None
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"enable_lora with {name}={getattr(self, name)} is not "
-                                 "supported yet: LoRA adapters run on one rank")
-        return config
+        return config if self.enable_lora else None
 
     def lora_config(self) -> Optional[LoRAConfig]:
         """The LoRA options asked for (None: enable_lora is off), as checked when these

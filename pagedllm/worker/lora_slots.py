@@ -2,7 +2,15 @@
 evicted, over an LRU cache of max_cpu_loras adapters read from disk.
 
 The projections are wrapped at load (after the captured decode step took the base modules):
-each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard. A step's
+each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard. Under tensor
+parallelism A and B are split as their base is (models/tensor_parallel.py's shards):
+
+    column-parallel (q/k/v, gate/up): B's rows of the rank's output rows, A whole
+    row-parallel (o_proj, down_proj): A's columns of the rank's input columns, B whole; the
+        wrapper sits inside the all-reduce (ReducedOutput.inner), so the ranks' partial
+        deltas are summed with the base's partial outputs in the one all-reduce
+
+A pipeline stage wraps, and loads the adapters' matrices of, the layers it holds. A step's
 requests map to slots; their token rows, grouped by slot, are what LoRALinear adds deltas to.
 The scheduler admits at most max_loras distinct adapters at once, so a slot to evict (one
 this step does not use) always exists.
@@ -12,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import OrderedDict
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,13 +30,15 @@ from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.lora import LoRAGroup, LoRALinear
 from pagedllm.loader.lora_adapter import load_adapter
-from pagedllm.lora.peft import SUPPORTED_MODULES, LoRAAdapter
+from pagedllm.lora.peft import ATTENTION_MODULES, SUPPORTED_MODULES, LoRAAdapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.shard import Shard
 from pagedllm.worker.input_batch import ScheduledSeq
 
 logger = logging.getLogger("pagedllm")
 
-_PATH = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+# a projection, or (tensor parallel) the row-parallel one inside its all-reduce wrapper
+_PATH = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)(?:\.inner)?")
 Target = tuple[int, str]  # (layer index, projection name), as the adapter's tensors name them
 
 
@@ -66,9 +76,12 @@ class LoRASlots:
     """Which adapter sits in which slot, and the step's token groups."""
 
     def __init__(self, model: nn.Module, arch: ModelArchConfig, config: LoRAConfig,
-                 device: torch.device) -> None:
-        self.arch, self.config, self.device = arch, config, device
+                 device: torch.device, shards: Mapping[str, Shard]) -> None:
+        """shards: the part of each checkpoint tensor this tensor-parallel rank holds (empty:
+        every tensor whole)."""
+        self.arch, self.config, self.device, self.shards = arch, config, device, shards
         self.targets = wrap_projections(model, config, device)
+        self.layers = {layer for layer, _ in self.targets}  # a pipeline stage's: not all
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.read: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, LRU
@@ -125,8 +138,23 @@ class LoRASlots:
         for wrapper in self.wrappers:
             wrapper.clear_slot(slot)
         for target, (a, b) in adapter.weights.items():
+            if target[0] not in self.layers:
+                continue  # another pipeline stage's layer
             if target not in self.targets:
                 raise RuntimeError(f"LoRA adapter {adapter.request.lora_name!r}: layer "
                                    f"{target[0]}'s {target[1]} is not a projection of this model")
             wrapper, shard = self.targets[target]
-            wrapper.set_slot(slot, shard, a, b, adapter.config.scale)
+            wrapper.set_slot(slot, shard, *self._rank_part(target, a, b), adapter.config.scale)
+
+    def _rank_part(self, target: Target, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tensor-parallel rank's part of A [r, in] and B [out, r]: B's rows where the
+        base's output rows are split, A's columns where its input columns are."""
+        layer, module = target
+        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        part = self.shards.get(f"model.layers.{layer}.{block}.{module}.weight")
+        if part is None:
+            return a, b
+        if part.axis == 0:
+            return a, b[part.start:part.stop]
+        return a[:, part.start:part.stop], b

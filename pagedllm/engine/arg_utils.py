@@ -106,7 +106,7 @@ def ignored_cli_values(args: argparse.Namespace,
 
 
 _LORA = LoRAConfig()  # vLLM's defaults of the LoRA options
-_LORA_GROUP = ("LoRA adapters", "PEFT adapters over the base model (docs/lora.md)")
+_LORA_GROUP = ("LoRA adapters", "PEFT (or llama.cpp GGUF) LoRA adapters over the base model (docs/lora.md)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -272,7 +272,7 @@ class EngineArgs:
                                    "grammars kept for reuse")
     # LoRA adapters: requests name one with lora_request (docs/lora.md)
     enable_lora: bool = _opt(False, "serve LoRA adapters over the base model: requests may "
-                             "name a PEFT adapter (lora_request)", action="store_true",
+                             "name a PEFT or GGUF LoRA adapter (lora_request)", action="store_true",
                              group=_LORA_GROUP)
     max_loras: int = _opt(_LORA.max_loras, "most adapters in one batch (slots on the model; "
                           "the least recently used is evicted)", group=_LORA_GROUP)

@@ -92,6 +92,9 @@ Q = {"blk.1.attn_q.weight.lora_a": np.zeros((4, 32), np.float32),
     (LORA, {"blk.1.attn_q.weight.lora_a": np.zeros((16, 32), np.float32),
             "blk.1.attn_q.weight.lora_b": np.zeros((32, 16), np.float32)}, "llama",
      "r=16 is over max_lora_rank=8"),
+    (LORA, {**Q, "blk.1.ffn_up.weight.lora_a": np.zeros((2, 32), np.float32),
+            "blk.1.ffn_up.weight.lora_b": np.zeros((48, 2), np.float32)}, "llama",
+     "tensor 'blk.1.ffn_up.weight.lora_a' has rank 2, others 4: every module must share"),
 ])
 def test_what_is_not_a_lora_adapter_for_this_base_is_refused_by_name(tmp_path, fields, tensors,
                                                                      arch, message):

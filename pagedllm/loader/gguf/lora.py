@@ -111,6 +111,10 @@ def _pairs(tensors: tuple[GGUFTensorInfo, ...], arch: ModelArchConfig, max_rank:
             raise ValueError(f"{where}: layer {layer}'s {module} has no {missing} tensor")
         rank = halves["A"].shape[0] if rank is None else rank
         check_rank(rank, max_rank, where)
+        if halves["A"].shape[0] != rank:
+            raise ValueError(f"{where}: tensor {halves['A'].name!r} has rank "
+                             f"{halves['A'].shape[0]}, others {rank}: every module must share "
+                             "the adapter's r (its scale is alpha / r)")
         for half, info in halves.items():
             check_shape(info.name, info.shape, half, module, rank, arch, where)
     assert rank is not None

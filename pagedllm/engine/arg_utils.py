@@ -106,7 +106,8 @@ def ignored_cli_values(args: argparse.Namespace,
 
 
 _LORA = LoRAConfig()  # vLLM's defaults of the LoRA options
-_LORA_GROUP = ("LoRA adapters", "PEFT (or llama.cpp GGUF) LoRA adapters over the base model (docs/lora.md)")
+_LORA_GROUP = ("LoRA adapters",
+               "PEFT (or llama.cpp GGUF) LoRA adapters over the base model (docs/lora.md)")
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter by name, a unique id > 0, and a local PEFT directory (adapter_config.json
-    and adapter_model.safetensors) or llama.cpp GGUF LoRA file (.gguf). The id keys everything the engine keeps for it: its slot,
-    its cached weights and its prefix-cache blocks, so one id is one adapter for the engine's
-    life."""
+    and adapter_model.safetensors) or llama.cpp GGUF LoRA file (.gguf). The id keys everything
+    the engine keeps for it: its slot, its cached weights and its prefix-cache blocks, so one id
+    is one adapter for the engine's life."""
 
     lora_name: str
     lora_int_id: int

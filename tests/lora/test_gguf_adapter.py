@@ -4,6 +4,8 @@ LoRA adapter for this base, or is of a type not read, refused by name (a toy arc
 tests/e2e/test_lora.py runs one against its PEFT original on SmolLM2)."""
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -43,6 +45,21 @@ def test_the_same_matrices_as_the_peft_original(tmp_path, lora_gguf_writer, outt
                 step = w.reshape(w.shape[0], -1, 32).abs().amax(-1) / 127
                 err = (g - w).reshape(w.shape[0], -1, 32).abs().amax(-1)
                 assert (err <= 0.6 * step).all() and not torch.equal(g, w)
+
+
+def test_only_the_llama_architecture_has_its_q_rows_put_back(tmp_path, lora_gguf_writer):
+    """convert_hf_to_gguf permutes Q/K for llama (and SmolLM3) only: a qwen2 adapter's rows
+    are HF's already."""
+    peft = write_adapter(tmp_path / "peft")
+    qwen = dataclasses.replace(ARCH, architecture="qwen2")
+    out = lora_gguf_writer(tmp_path / "peft", tmp_path / "q.gguf", "qwen2", ARCH.head_dim)
+    want, got = load_adapter(peft, qwen, 8), load_adapter(LoRARequest("g", 2, str(out)), qwen, 8)
+    assert all(torch.equal(w, g) for t in want.weights
+               for w, g in zip(want.weights[t], got.weights[t]))
+    as_llama = lora_gguf_writer(tmp_path / "peft", tmp_path / "l.gguf", "llama", ARCH.head_dim)
+    with pytest.raises(ValueError, match="general.architecture='llama': the adapter is for "
+                                         "another architecture .*'qwen2'"):
+        check_adapter(LoRARequest("l", 3, str(as_llama)), qwen, 8)
 
 
 def test_a_zero_alpha_means_a_scale_of_one_as_in_llama_cpp(tmp_path, lora_gguf_writer):

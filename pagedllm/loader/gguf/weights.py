@@ -203,7 +203,8 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
         if columns is not None and dest.dtype != torch.uint8:
             chunk = chunk[:, columns.values]
         if head_dim is not None:
-            chunk = unpermute_qk_rows(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk, head_dim)
+            chunk = unpermute_qk_rows(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk,
+                                      head_dim)
             chunk = chunk.reshape(n, cols)
         flat[r0:r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 

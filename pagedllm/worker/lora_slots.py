@@ -17,6 +17,7 @@ this step does not use) always exists.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import OrderedDict
@@ -127,7 +128,7 @@ class LoRASlots:
         if lora_id in self.read:
             self.read.move_to_end(lora_id)
             return self.read[lora_id]
-        adapter = load_adapter(request, self.arch, self.config.max_lora_rank)
+        adapter = self._rank_part(load_adapter(request, self.arch, self.config.max_lora_rank))
         self.read[lora_id] = adapter
         while len(self.read) > self.config.cpu_loras:
             self.read.popitem(last=False)
@@ -138,23 +139,25 @@ class LoRASlots:
         for wrapper in self.wrappers:
             wrapper.clear_slot(slot)
         for target, (a, b) in adapter.weights.items():
-            if target[0] not in self.layers:
-                continue  # another pipeline stage's layer
             if target not in self.targets:
                 raise RuntimeError(f"LoRA adapter {adapter.request.lora_name!r}: layer "
                                    f"{target[0]}'s {target[1]} is not a projection of this model")
             wrapper, shard = self.targets[target]
-            wrapper.set_slot(slot, shard, *self._rank_part(target, a, b), adapter.config.scale)
+            wrapper.set_slot(slot, shard, a, b, adapter.config.scale)
 
-    def _rank_part(self, target: Target, a: torch.Tensor, b: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This tensor-parallel rank's part of A [r, in] and B [out, r]: B's rows where the
+    def _rank_part(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """The part of an adapter this rank keeps (the memory plan counts no more): the layers
+        its pipeline stage holds, and of each, under tensor parallelism, B's rows where the
         base's output rows are split, A's columns where its input columns are."""
-        layer, module = target
-        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-        part = self.shards.get(f"model.layers.{layer}.{block}.{module}.weight")
-        if part is None:
-            return a, b
-        if part.axis == 0:
-            return a, b[part.start:part.stop]
-        return a[:, part.start:part.stop], b
+        weights = {}
+        for (layer, module), (a, b) in adapter.weights.items():
+            if layer not in self.layers:
+                continue  # another pipeline stage's layer
+            block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+            part = self.shards.get(f"model.layers.{layer}.{block}.{module}.weight")
+            if part is not None and part.axis == 0:
+                b = b[part.start:part.stop].clone()
+            elif part is not None:
+                a = a[:, part.start:part.stop].clone()
+            weights[(layer, module)] = (a, b)
+        return dataclasses.replace(adapter, weights=weights)

@@ -5,16 +5,20 @@ and B split as their base layer: q/k/v and gate/up by B's rows, o_proj and down_
 columns, the deltas summed in the base's all-reduce) and with pipeline_parallel_size=2 (each
 stage its layers' matrices), greedy tokens equal one process's and the first position's
 log-probabilities agree within 1e-3 (float32; Q8_0 blocks kept: within their 8-bit activations'
-tolerance, as the base model's TP test)."""
+tolerance, as the base model's TP test). A rank holds, in its slots and its read copy, the
+bytes the memory plan counts for it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.config import LoRAConfig
+from pagedllm.memory.footprint import lora_bytes
+from pagedllm.worker.lora_slots import LoRASlots
 from test_llama3 import llama3  # noqa: F401  (the module's fixtures: the tiny checkpoints)
 from test_tensor_parallel_families import (BLOCKS_LOGPROB_TOL, LOGPROB_TOL,
-                                           _check_tp_against_single)
+                                           _check_tp_against_single, _load_rank)
 from tiny_models import CHUNKED, NUM_TOKENS
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -76,3 +80,20 @@ def test_pp2_with_an_adapter_equals_one_process(llama3, adapter):  # noqa: F811
     want, got = _single_and_parallel(engine, adapter, llama3.prompts, pipeline_parallel_size=2)
     assert [g[0] for g in got] == [w[0] for w in want]
     _check_tp_against_single(got, want, LOGPROB_TOL)
+
+
+def test_a_rank_holds_the_adapter_bytes_its_plan_counts(llama3, adapter):  # noqa: F811
+    """Rank 1 of 2: one slot and one read adapter of rank 8, its part of each matrix (B's
+    rows of q/k/v and gate/up, A's columns of o_proj and down_proj): lora_bytes' share."""
+    model = _load_rank(llama3.q8_0_gguf, 1)
+    config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    slots = LoRASlots(model, model.config, config, torch.device("cpu"), model.checkpoint_shards)
+    read = slots._adapter(adapter)
+    slots._load(0, read)
+    held = sum(w.a.nbytes + sum(bt.nbytes for bt in w.bt) for w in slots.wrappers)
+    held += sum(a.nbytes + b.nbytes for a, b in read.weights.values())
+    a, b = read.weights[(0, "o_proj")]
+    assert a.shape == (8, 32) and b.shape == (64, 8)  # o_proj's input columns split
+    a, b = read.weights[(0, "q_proj")]
+    assert a.shape == (8, 64) and b.shape == (32, 8)  # q_proj's output rows split
+    assert held == lora_bytes(model.config, config, tp_size=2) // 2

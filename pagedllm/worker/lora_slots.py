@@ -2,18 +2,20 @@
 evicted, over an LRU cache of max_cpu_loras adapters read from disk.
 
 The projections are wrapped at load (after the captured decode step took the base modules):
-each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard. Under tensor
-parallelism A and B are split as their base is (models/tensor_parallel.py's shards):
+each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard. A step's
+requests map to slots; their token rows, grouped by slot, are what LoRALinear adds deltas to.
+The scheduler admits at most max_loras distinct adapters at once, so a slot to evict (one
+this step does not use) always exists.
+
+Under tensor parallelism A and B are split as their base is (the model's checkpoint_shards,
+models/tensor_parallel.py), in the slots and in the read copies alike:
 
     column-parallel (q/k/v, gate/up): B's rows of the rank's output rows, A whole
     row-parallel (o_proj, down_proj): A's columns of the rank's input columns, B whole; the
         wrapper sits inside the all-reduce (ReducedOutput.inner), so the ranks' partial
         deltas are summed with the base's partial outputs in the one all-reduce
 
-A pipeline stage wraps, and loads the adapters' matrices of, the layers it holds. A step's
-requests map to slots; their token rows, grouped by slot, are what LoRALinear adds deltas to.
-The scheduler admits at most max_loras distinct adapters at once, so a slot to evict (one
-this step does not use) always exists.
+A pipeline stage wraps, and keeps the adapters' matrices of, the layers it holds.
 """
 from __future__ import annotations
 
@@ -77,10 +79,10 @@ class LoRASlots:
     """Which adapter sits in which slot, and the step's token groups."""
 
     def __init__(self, model: nn.Module, arch: ModelArchConfig, config: LoRAConfig,
-                 device: torch.device, shards: Mapping[str, Shard]) -> None:
-        """shards: the part of each checkpoint tensor this tensor-parallel rank holds (empty:
-        every tensor whole)."""
-        self.arch, self.config, self.device, self.shards = arch, config, device, shards
+                 device: torch.device) -> None:
+        self.arch, self.config, self.device = arch, config, device
+        # the part of each checkpoint tensor this tensor-parallel rank holds (none: all whole)
+        self.shards: Mapping[str, Shard] = getattr(model, "checkpoint_shards", {})
         self.targets = wrap_projections(model, config, device)
         self.layers = {layer for layer, _ in self.targets}  # a pipeline stage's: not all
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())

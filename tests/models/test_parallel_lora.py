@@ -87,7 +87,7 @@ def test_a_rank_holds_the_adapter_bytes_its_plan_counts(llama3, adapter):  # noq
     rows of q/k/v and gate/up, A's columns of o_proj and down_proj): lora_bytes' share."""
     model = _load_rank(llama3.q8_0_gguf, 1)
     config = LoRAConfig(max_loras=1, max_lora_rank=8, max_cpu_loras=1)
-    slots = LoRASlots(model, model.config, config, torch.device("cpu"), model.checkpoint_shards)
+    slots = LoRASlots(model, model.config, config, torch.device("cpu"))
     read = slots._adapter(adapter)
     slots._load(0, read)
     held = sum(w.a.nbytes + sum(bt.nbytes for bt in w.bt) for w in slots.wrappers)

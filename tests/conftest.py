@@ -181,6 +181,62 @@ def qwen_lora_adapters(qwen_hf_dir: Path, tmp_path_factory: pytest.TempPathFacto
     return peft_adapters(qwen_hf_dir, tmp_path_factory.mktemp("lora-qwen"))
 
 
+# PEFT module -> llama.cpp's tensor name (convert_hf_to_gguf's tensor map)
+_GGUF_PROJ = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+              "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+              "down_proj": "ffn_down"}
+
+
+def write_lora_gguf(peft_dir: Path, out: Path, architecture: str, head_dim: int,
+                    outtype: str = "f32", alpha: float | None = None) -> Path:
+    """A PEFT adapter written as llama.cpp's convert_lora_to_gguf.py writes it, with the gguf
+    package: general.type "adapter", adapter.type "lora", adapter.lora.alpha, and per module
+    blk.N.<proj>.weight.lora_a [r, in] / .lora_b [out, r] (torch order); for the llama
+    architecture lora_b of attn_q / attn_k has its rows permuted as the converter permutes the
+    base's (interleaved rope); outtype: f32, f16, bf16, or q8_0 (F16 where a row is not whole
+    Q8_0 blocks, as the converter falls back)."""
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), architecture)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA,
+                       float(config["lora_alpha"] if alpha is None else alpha))
+    types = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+    key = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight")
+    for name, data in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        layer, module, half = key.fullmatch(name).groups()
+        data = data.astype(np.float32)
+        if architecture == "llama" and half == "B" and module in ("q_proj", "k_proj"):
+            rows = data.shape[0]
+            data = data.reshape(rows // head_dim, 2, head_dim // 2, -1).swapaxes(1, 2)
+            data = data.reshape(rows, -1)
+        qtype = types[outtype]
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32:
+            qtype = gguf.GGMLQuantizationType.F16
+        raw = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_PROJ[module]}.weight.lora_{half.lower()}", raw,
+                          raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_gguf_writer() -> Callable[..., Path]:
+    """write_lora_gguf."""
+    return write_lora_gguf
+
+
 MINILM = "all-minilm-l6-v2"
 
 

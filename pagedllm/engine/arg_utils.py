@@ -106,7 +106,8 @@ def ignored_cli_values(args: argparse.Namespace,
 
 
 _LORA = LoRAConfig()  # vLLM's defaults of the LoRA options
-_LORA_GROUP = ("LoRA adapters", "PEFT adapters over the base model (docs/lora.md)")
+_LORA_GROUP = ("LoRA adapters",
+               "PEFT (or llama.cpp GGUF) LoRA adapters over the base model (docs/lora.md)")
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -272,7 +273,7 @@ class EngineArgs:
                                    "grammars kept for reuse")
     # LoRA adapters: requests name one with lora_request (docs/lora.md)
     enable_lora: bool = _opt(False, "serve LoRA adapters over the base model: requests may "
-                             "name a PEFT adapter (lora_request)", action="store_true",
+                             "name a PEFT or GGUF LoRA adapter (lora_request)", action="store_true",
                              group=_LORA_GROUP)
     max_loras: int = _opt(_LORA.max_loras, "most adapters in one batch (slots on the model; "
                           "the least recently used is evicted)", group=_LORA_GROUP)
@@ -392,13 +393,7 @@ class EngineArgs:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if not self.enable_lora:
-            return None
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"enable_lora with {name}={getattr(self, name)} is not "
-                                 "supported yet: LoRA adapters run on one rank")
-        return config
+        return config if self.enable_lora else None
 
     def lora_config(self) -> Optional[LoRAConfig]:
         """The LoRA options asked for (None: enable_lora is off), as checked when these

@@ -260,10 +260,11 @@ class CandidatePlanner:
                        layout.mapped_total if c.mapped else 0, layout)
         lora = self.args.lora_config()
         if lora is not None:  # the adapters' slots and cache sit beside the weights
-            extra = lora_bytes(ckpt.arch, lora)
-            fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, dtype_name=(
-                f"{fp.dtype_name} + LoRA {lora.max_loras} slots and {lora.cpu_loras} read "
-                f"adapters of rank {lora.max_lora_rank} ({fmt_bytes(extra)})"))
+            extra = lora_bytes(ckpt.arch, lora, self.args.tensor_parallel_size)
+            described = (f"{fp.dtype_name} + LoRA {lora.max_loras} slots and {lora.cpu_loras} "
+                         f"read adapters of rank {lora.max_lora_rank} ({fmt_bytes(extra)})")
+            fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, lora_bytes=extra,
+                                     dtype_name=described)
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
@@ -434,7 +435,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     if lora is not None:
         logger.info("LoRA adapters: %d slots and %d read adapters of rank %d at most, %s of the "
                     "planned weights", lora.max_loras, lora.cpu_loras, lora.max_lora_rank,
-                    fmt_bytes(lora_bytes(ckpt.arch, lora)))
+                    fmt_bytes(lora_bytes(ckpt.arch, lora, args.tensor_parallel_size)))
     chosen = format_of(_dtype_name(planned), quantization)
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))

@@ -14,6 +14,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_outputs import PoolingOutputs
 from pagedllm.executor import read_rank_nodes
 from pagedllm.loader.checkpoint import generation_config, resolve_checkpoint
+from pagedllm.loader.lora_adapter import check_adapter
 from pagedllm.lora.registry import AdapterRegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.known_templates import end_of_turn_ids
@@ -47,7 +48,7 @@ class LLMEngine:
                                               config.structured_outputs,
                                               config.arch if config.is_pooling else None)
         self.output_processor = OutputProcessor(tokenizer)
-        self.adapters = AdapterRegistry(config.arch, config.lora)
+        self.adapters = AdapterRegistry(config.arch, config.lora, check_adapter)
         self.pooling_outputs = PoolingOutputs()
 
     @classmethod

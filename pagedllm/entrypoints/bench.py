@@ -57,6 +57,9 @@ def _lengths(n: int, length: int, ratio: float, seed: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
+_ASSIGNMENTS = ("random", "round-robin")  # vLLM's --lora-assignment
+
+
 def add_bench_parser(sub) -> None:
     """`bench` with its three modes."""
     bench = sub.add_parser("bench", help="measure latency, offline throughput, or a server")
@@ -85,6 +88,14 @@ def add_bench_parser(sub) -> None:
                            "over, round-robin (name=path, or JSON as `serve` takes it; implies "
                            "--enable-lora; give --max-loras for them to share a batch; default: none, "
                            "every request on the base model)")
+            p.add_argument("--lora-path", default=None, metavar="PATH",
+                           help="vLLM's: one adapter (a PEFT directory or a llama.cpp GGUF LoRA "
+                                "file) under --max-loras ids, named '1' to 'N', spread over the "
+                                "requests by --lora-assignment (implies --enable-lora)")
+            p.add_argument("--lora-assignment", choices=_ASSIGNMENTS, default=None,
+                           help="how each request picks its adapter: random (seeded; "
+                                "--lora-path's default, as in vLLM) or round-robin "
+                                "(--lora-modules' default)")
         if name == "latency":
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")
@@ -146,7 +157,7 @@ def _params(args: argparse.Namespace):
 
 def _llm(args: argparse.Namespace):
     """The LLM the offline modes measure (a bad engine flag is refused before torch loads)."""
-    if getattr(args, "lora_modules", None):
+    if getattr(args, "lora_modules", None) or getattr(args, "lora_path", None):
         args.enable_lora = True
     engine_args = EngineArgs.from_cli_args(args, args.model)
     from pagedllm.llm import LLM
@@ -243,24 +254,44 @@ def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict
             "vector_size": int(outs[0].outputs.data.numel())}
 
 
-def _spread_loras(modules: Optional[list[str]], n: int, model: str) -> Optional[list]:
-    """--lora-modules' adapters, one per request round-robin (None: every request on the base
-    model); a bad value exits naming it, before the model loads."""
-    if not modules:
-        return None
+def _adapters(args: argparse.Namespace) -> list:
+    """--lora-modules' adapters, or --lora-path's one adapter under ids 1 to --max-loras (as
+    vLLM's bench throughput names them: "1" to "N"); a bad value exits naming it."""
     from pagedllm.entrypoints.openai.lora_modules import lora_modules
+    from pagedllm.lora.request import LoRARequest
 
+    if args.lora_path and args.lora_modules:
+        raise SystemExit("--lora-path and --lora-modules both name adapters: give one of them")
+    if args.lora_path:
+        max_loras = args.max_loras or 1
+        return [LoRARequest(str(i), i, args.lora_path) for i in range(1, max_loras + 1)]
     try:
-        adapters = list(lora_modules(modules, True, model).values())
+        return list(lora_modules(args.lora_modules, True, args.model).values())
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    return [adapters[i % len(adapters)] for i in range(n)]
+
+
+def _spread_loras(args: argparse.Namespace) -> Optional[list]:
+    """One adapter per request (None: every request on the base model), by --lora-assignment:
+    round-robin, or random (seeded: the same spread every run); a bad value exits naming it,
+    before the model loads."""
+    if not (args.lora_modules or args.lora_path):
+        if args.lora_assignment is not None:
+            raise SystemExit("--lora-assignment spreads --lora-path's or --lora-modules' "
+                             "adapters: give one of them")
+        return None
+    adapters = _adapters(args)
+    assignment = args.lora_assignment or ("random" if args.lora_path else "round-robin")
+    if assignment == "round-robin":
+        return [adapters[i % len(adapters)] for i in range(args.num_prompts)]
+    pick = random.Random(0)
+    return [pick.choice(adapters) for _ in range(args.num_prompts)]
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """N prompts through LLM.generate (a pooling model's through LLM.encode), spread over
     --lora-modules' adapters if given."""
-    loras = _spread_loras(args.lora_modules, args.num_prompts, args.model)
+    loras = _spread_loras(args)
     llm = _llm(args)
     prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len,
                              args.random_range_ratio)

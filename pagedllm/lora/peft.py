@@ -100,9 +100,7 @@ def read_adapter_config(path: Path, max_rank: int) -> AdapterConfig:
     rank, alpha = raw.get("r"), raw.get("lora_alpha", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"{where}: r must be an int >= 1, got {rank!r}")
-    if rank > max_rank:
-        raise ValueError(f"{where}: r={rank} is over max_lora_rank={max_rank}; start the engine "
-                         f"with max_lora_rank >= {rank}")
+    check_rank(rank, max_rank, where)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     root = math.sqrt(rank) if raw.get("use_rslora") else rank
@@ -130,6 +128,14 @@ def _parse_key(key: str, arch: ModelArchConfig, where: str) -> tuple[int, str, s
         raise ValueError(f"{where}: tensor {key!r} targets {target}; supported: "
                          f"{', '.join(SUPPORTED_MODULES)} of the decoder layers")
     layer, block, module, half = int(m[1]), m[2], m[3], m[4]
+    check_target(key, layer, block, module, arch, where)
+    return layer, module, half
+
+
+def check_target(key: str, layer: int, block: str, module: str, arch: ModelArchConfig,
+                 where: str) -> None:
+    """A ValueError naming tensor `key` unless layer `layer`'s block.module of the base model
+    can carry LoRA (block: "self_attn" or "mlp")."""
     allowed = ATTENTION_MODULES if block == "self_attn" else MLP_MODULES
     if module not in allowed:
         raise ValueError(f"{where}: tensor {key!r} targets {block}.{module}; supported: "
@@ -140,12 +146,25 @@ def _parse_key(key: str, arch: ModelArchConfig, where: str) -> tuple[int, str, s
     if block == "mlp" and arch.moe is not None and arch.is_sparse_layer(layer):
         raise ValueError(f"{where}: tensor {key!r} targets a routed-experts layer, which cannot "
                          "carry LoRA here")
-    return layer, module, half
 
 
-def _expected(half: str, module: str, rank: int, arch: ModelArchConfig) -> tuple[int, int]:
+def check_shape(key: str, shape: tuple[int, ...], half: str, module: str, rank: int,
+                arch: ModelArchConfig, where: str) -> None:
+    """A ValueError naming tensor `key` unless its shape is that of the base model's module's
+    A [r, in] (half "A") or B [out, r] (half "B")."""
     out, inp = base_shapes(arch)[module]
-    return (rank, inp) if half == "A" else (out, rank)
+    want = (rank, inp) if half == "A" else (out, rank)
+    if shape != want:
+        raise ValueError(f"{where}: tensor {key!r} has shape {list(shape)}, but the base "
+                         f"model's {module} (r={rank}) needs {list(want)}: the adapter was "
+                         "trained for another base model")
+
+
+def check_rank(rank: int, max_rank: int, where: str) -> None:
+    """A ValueError unless an adapter's rank fits the engine's slots."""
+    if rank > max_rank:
+        raise ValueError(f"{where}: r={rank} is over max_lora_rank={max_rank}; start the engine "
+                         f"with max_lora_rank >= {rank}")
 
 
 def _tensor_index(path: Path, arch: ModelArchConfig, cfg: AdapterConfig
@@ -159,12 +178,8 @@ def _tensor_index(path: Path, arch: ModelArchConfig, cfg: AdapterConfig
     with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():
             layer, module, half = _parse_key(key, arch, where)
-            shape = tuple(f.get_slice(key).get_shape())
-            want = _expected(half, module, cfg.rank, arch)
-            if shape != want:
-                raise ValueError(f"{where}: tensor {key!r} has shape {list(shape)}, but the base "
-                                 f"model's {module} (r={cfg.rank}) needs {list(want)}: the "
-                                 "adapter was trained for another base model")
+            check_shape(key, tuple(f.get_slice(key).get_shape()), half, module, cfg.rank, arch,
+                        where)
             index.setdefault((layer, module), {})[half] = key
     for (layer, module), halves in index.items():
         if set(halves) != {"A", "B"}:
@@ -183,7 +198,7 @@ def check_adapter(request: LoRARequest, arch: ModelArchConfig, max_rank: int,
     if not path.is_dir():
         raise ValueError(f"lora_request.lora_path {request.lora_path!r} is not a local "
                          "directory (a PEFT adapter's: adapter_config.json and "
-                         "adapter_model.safetensors)")
+                         "adapter_model.safetensors) or a llama.cpp LoRA adapter's .gguf file")
     cfg = read_adapter_config(path, max_rank)
     _tensor_index(path, arch, cfg)
     return cfg

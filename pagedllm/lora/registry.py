@@ -3,19 +3,24 @@ request is queued, so that a bad adapter is a ValueError for its caller and neve
 step."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import LoRAConfig, ModelArchConfig
-from pagedllm.lora.peft import check_adapter
+from pagedllm.lora.peft import AdapterConfig
 from pagedllm.lora.request import LoRARequest
+
+# reads an adapter's config and tensor headers against the base (loader/lora_adapter.py)
+AdapterCheck = Callable[[LoRARequest, ModelArchConfig, int], AdapterConfig]
 
 
 class AdapterRegistry:
     """lora_int_id -> the LoRARequest first checked under it."""
 
-    def __init__(self, arch: ModelArchConfig, config: Optional[LoRAConfig]) -> None:
-        """config: the engine's LoRA options (None: enable_lora is off, every adapter refused)."""
-        self.arch, self.config = arch, config
+    def __init__(self, arch: ModelArchConfig, config: Optional[LoRAConfig],
+                 check: AdapterCheck) -> None:
+        """config: the engine's LoRA options (None: enable_lora is off, every adapter refused);
+        check: what reads an adapter of any format this engine reads."""
+        self.arch, self.config, self._check = arch, config, check
         self.known: dict[int, LoRARequest] = {}
 
     def check(self, request: Any) -> Optional[LoRARequest]:
@@ -36,7 +41,7 @@ class AdapterRegistry:
                                  f"the adapter at {known.lora_path!r}; give {request.lora_path!r} "
                                  "another id")
             return request
-        check_adapter(request, self.arch, self.config.max_lora_rank)
+        self._check(request, self.arch, self.config.max_lora_rank)
         self.known[request.lora_int_id] = request
         return request
 

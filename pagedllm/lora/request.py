@@ -8,9 +8,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class LoRARequest:
     """A LoRA adapter by name, a unique id > 0, and a local PEFT directory (adapter_config.json
-    and adapter_model.safetensors). The id keys everything the engine keeps for it: its slot,
-    its cached weights and its prefix-cache blocks, so one id is one adapter for the engine's
-    life."""
+    and adapter_model.safetensors) or llama.cpp GGUF LoRA file (.gguf). The id keys everything
+    the engine keeps for it: its slot, its cached weights and its prefix-cache blocks, so one id
+    is one adapter for the engine's life."""
 
     lora_name: str
     lora_int_id: int
@@ -26,8 +26,8 @@ class LoRARequest:
             raise ValueError(f"lora_request.lora_int_id must be an int >= 1, got "
                              f"{self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(f"lora_request.lora_path must be the adapter's local directory, "
-                             f"got {self.lora_path!r}")
+            raise ValueError(f"lora_request.lora_path must be the adapter's local directory "
+                             f"or .gguf file, got {self.lora_path!r}")
 
     @property
     def adapter_id(self) -> int:

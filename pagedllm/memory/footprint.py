@@ -29,6 +29,9 @@ class ModelFootprint:
     # bytes a load holds twice at its peak: kept GGUF blocks in anonymous memory are read, then
     # regrouped for the kernels (a Qwen2-7B Q4_K stage of 2.13 GiB of blocks peaked at 4.5 GB)
     load_extra_bytes: int = 0
+    # of weight_bytes, the LoRA adapters' (lora_bytes): spread evenly over the layers, so a
+    # pipeline stage holds its layers' share (its rank reads its layers' part of each adapter)
+    lora_bytes: int = 0
 
     @property
     def layers(self) -> int:
@@ -59,17 +62,22 @@ def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name:
                           layout)
 
 
-def lora_bytes(arch: ModelArchConfig, lora: LoRAConfig) -> int:
+def lora_bytes(arch: ModelArchConfig, lora: LoRAConfig, tp_size: int = 1) -> int:
     """Float32 bytes of the LoRA adapters at most: max_loras slots on the model plus
     max_cpu_loras adapters kept read, each max_lora_rank x (in + out) values per projection
-    (q/k/v/o, and gate/up/down where a layer's feed-forward is dense)."""
-    h, i = arch.hidden_size, arch.intermediate_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    (q/k/v/o, and gate/up/down where a layer's feed-forward is dense). With tp_size ranks,
+    tp_size times one rank's, so that a rank's share of the plan is what it holds: A whole and
+    B's rows of its output rows (q/k/v, gate/up), or A's columns of its input columns and B
+    whole (o_proj, down_proj)."""
+    h, d, kv_heads = arch.hidden_size, arch.head_dim, arch.num_key_value_heads
+    q = arch.num_attention_heads * d // tp_size
+    kv = (kv_heads // tp_size if kv_heads >= tp_size else 1) * d  # one replicated KV head
+    i = -(-arch.intermediate_size // tp_size)
     attention, mlp = 2 * (h + q) + 2 * (h + kv), 3 * (h + i)
     dense = sum(not (arch.moe is not None and arch.is_sparse_layer(n))
                 for n in range(arch.num_hidden_layers))
     per_adapter = lora.max_lora_rank * (attention * arch.num_hidden_layers + mlp * dense) * 4
-    return (lora.max_loras + lora.cpu_loras) * per_adapter
+    return tp_size * (lora.max_loras + lora.cpu_loras) * per_adapter
 
 
 def activation_bytes(fp: ModelFootprint, max_num_batched_tokens: int, max_num_seqs: int,
@@ -135,7 +143,8 @@ def stage_footprint(fp: ModelFootprint, stage: PipelineStage) -> ModelFootprint:
                                          stage.is_last)
     mapped = blocks if fp.mapped_bytes else 0
     n = len(stage.layers)
-    return replace(fp, weight_bytes=size - mapped, mapped_bytes=mapped,
+    lora = -(-fp.lora_bytes * n // fp.arch.num_hidden_layers)
+    return replace(fp, weight_bytes=size - mapped + lora, mapped_bytes=mapped, lora_bytes=lora,
                    load_extra_bytes=_stage_extra(fp, size, blocks),
                    kv_bytes_per_token=fp.kv_bytes_per_token * n // fp.arch.num_hidden_layers,
                    num_layers=n, has_head=stage.is_last, processes=1,
@@ -157,6 +166,7 @@ def tp_share(fp: ModelFootprint, tp_size: int) -> ModelFootprint:
                 if layout is not None and layout.total else (1, tp_size))
     heads = kv // tp_size if kv >= tp_size else 1
     return replace(fp, weight_bytes=-(-fp.weight_bytes * num // den),
+                   lora_bytes=-(-fp.lora_bytes * num // den),
                    mapped_bytes=-(-fp.mapped_bytes * num // den),
                    load_extra_bytes=-(-fp.load_extra_bytes * num // den),
                    kv_bytes_per_token=fp.kv_bytes_per_token * heads // kv,

@@ -6,13 +6,24 @@ each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard.
 requests map to slots; their token rows, grouped by slot, are what LoRALinear adds deltas to.
 The scheduler admits at most max_loras distinct adapters at once, so a slot to evict (one
 this step does not use) always exists.
+
+Under tensor parallelism A and B are split as their base is (the model's checkpoint_shards,
+models/tensor_parallel.py), in the slots and in the read copies alike:
+
+    column-parallel (q/k/v, gate/up): B's rows of the rank's output rows, A whole
+    row-parallel (o_proj, down_proj): A's columns of the rank's input columns, B whole; the
+        wrapper sits inside the all-reduce (ReducedOutput.inner), so the ranks' partial
+        deltas are summed with the base's partial outputs in the one all-reduce
+
+A pipeline stage wraps, and keeps the adapters' matrices of, the layers it holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import OrderedDict
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -21,13 +32,16 @@ from pagedllm.config import LoRAConfig, ModelArchConfig
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.lora import LoRAGroup, LoRALinear
-from pagedllm.lora.peft import SUPPORTED_MODULES, LoRAAdapter, load_adapter
+from pagedllm.loader.lora_adapter import load_adapter
+from pagedllm.lora.peft import ATTENTION_MODULES, SUPPORTED_MODULES, LoRAAdapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.shard import Shard
 from pagedllm.worker.input_batch import ScheduledSeq
 
 logger = logging.getLogger("pagedllm")
 
-_PATH = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+# a projection, or (tensor parallel) the row-parallel one inside its all-reduce wrapper
+_PATH = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)(?:\.inner)?")
 Target = tuple[int, str]  # (layer index, projection name), as the adapter's tensors name them
 
 
@@ -67,7 +81,10 @@ class LoRASlots:
     def __init__(self, model: nn.Module, arch: ModelArchConfig, config: LoRAConfig,
                  device: torch.device) -> None:
         self.arch, self.config, self.device = arch, config, device
+        # the part of each checkpoint tensor this tensor-parallel rank holds (none: all whole)
+        self.shards: Mapping[str, Shard] = getattr(model, "checkpoint_shards", {})
         self.targets = wrap_projections(model, config, device)
+        self.layers = {layer for layer, _ in self.targets}  # a pipeline stage's: not all
         self.wrappers = list({id(w): w for w, _ in self.targets.values()}.values())
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.read: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, LRU
@@ -113,7 +130,7 @@ class LoRASlots:
         if lora_id in self.read:
             self.read.move_to_end(lora_id)
             return self.read[lora_id]
-        adapter = load_adapter(request, self.arch, self.config.max_lora_rank)
+        adapter = self._rank_part(load_adapter(request, self.arch, self.config.max_lora_rank))
         self.read[lora_id] = adapter
         while len(self.read) > self.config.cpu_loras:
             self.read.popitem(last=False)
@@ -129,3 +146,20 @@ class LoRASlots:
                                    f"{target[0]}'s {target[1]} is not a projection of this model")
             wrapper, shard = self.targets[target]
             wrapper.set_slot(slot, shard, a, b, adapter.config.scale)
+
+    def _rank_part(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """The part of an adapter this rank keeps (the memory plan counts no more): the layers
+        its pipeline stage holds, and of each, under tensor parallelism, B's rows where the
+        base's output rows are split, A's columns where its input columns are."""
+        weights = {}
+        for (layer, module), (a, b) in adapter.weights.items():
+            if layer not in self.layers:
+                continue  # another pipeline stage's layer
+            block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+            part = self.shards.get(f"model.layers.{layer}.{block}.{module}.weight")
+            if part is not None and part.axis == 0:
+                b = b[part.start:part.stop].clone()
+            elif part is not None:
+                a = a[:, part.start:part.stop].clone()
+            weights[(layer, module)] = (a, b)
+        return dataclasses.replace(adapter, weights=weights)

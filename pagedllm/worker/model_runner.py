@@ -97,8 +97,8 @@ class ModelRunner:
             self.captured_decode, self.decode_path = None, (
                 f"the model's layer loop (tensor parallel rank {self.tp.rank} of "
                 f"{self.tp.world_size}: the C++ decode stack has no all-reduce between layers)")
-            return
-        self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
+        else:
+            self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
         if self.config.lora is not None:  # after the capture: it takes the base modules
             self.lora = LoRASlots(self.model, self.config.arch, self.config.lora, self.device)
 

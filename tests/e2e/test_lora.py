@@ -6,12 +6,15 @@ the default model (Qwen2.5-Coder-0.5B, whose q/k/v have biases).
 - the GGUF with its blocks kept (the base stays quantized, the adapter float32): a batch of
   adapter 1, adapter 2 and the base in one step equals each request run alone, bit for bit;
   with max_loras=1 the adapters evict each other and the outputs stay the same; the prefix
-  cache never serves one adapter's blocks to another.
+  cache never serves one adapter's blocks to another;
+- the first adapter written as llama.cpp's GGUF LoRA adapter gives the same tokens and logprobs,
+  bit for bit, as its PEFT original.
 """
 from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +125,22 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(gguf_llm, adapters
     assert runs["two hits"] == runs["base hits"] == 0
     assert runs["one again hits"] >= 32 and runs["one again"] == runs["one"]
     assert len({str(runs[k]) for k in ("one", "two", "base")}) == 3  # logprobs differ
+
+
+def test_a_gguf_adapter_gives_the_logprobs_of_its_peft_original(gguf_llm, adapters, smollm_gguf,
+                                                               lora_gguf_writer, tmp_path):
+    """llama.cpp's layout (convert_lora_to_gguf.py), f32: SmolLM2 is the llama architecture, so
+    q/k's lora_b rows come permuted and are put back; the same matrices give the same bits."""
+    arch = gguf_llm.llm_engine.config.arch
+    path = lora_gguf_writer(Path(adapters[0].lora_path), tmp_path / "adapter1.gguf", "llama",
+                            arch.head_dim)
+    as_gguf = LoRARequest("adapter1-gguf", 11, str(path))
+    outs = [_texts(gguf_llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False))
+            for lora in (adapters[0], as_gguf)]
+    assert outs[0] == outs[1]  # tokens and logprobs, bit for bit
+    not_adapter = LoRARequest("model", 12, str(smollm_gguf))
+    with pytest.raises(ValueError, match="general.type=.*: not a LoRA adapter"):
+        gguf_llm.generate(PROMPTS[0], GREEDY, lora_request=not_adapter, use_tqdm=False)
 
 
 def test_eviction_with_one_slot_leaves_no_stale_weights(smollm_gguf, adapters, gguf_llm):

@@ -90,9 +90,10 @@ def test_lora_options_are_fields_checked_by_name():
     for kwargs, match in [({"max_loras": 0}, "max_loras must be a positive int"),
                           ({"max_lora_rank": -1}, "max_lora_rank must be a positive int"),
                           ({"max_loras": 2, "max_cpu_loras": 1},
-                           "max_cpu_loras \\(1\\) must be >= max_loras \\(2\\)"),
-                          ({"tensor_parallel_size": 2},
-                           "enable_lora with tensor_parallel_size=2 is not supported yet")]:
+                           "max_cpu_loras \\(1\\) must be >= max_loras \\(2\\)")]:
         with pytest.raises(ValueError, match=match):
             EngineArgs(model="m", enable_lora=True, **kwargs)
+    # adapters are split over tensor-parallel ranks as their base layers are
+    assert EngineArgs(model="m", enable_lora=True, tensor_parallel_size=2,
+                      pipeline_parallel_size=2).lora_config() is not None
 

@@ -226,18 +226,42 @@ def test_serve_mode_retries_a_connection_the_server_closed(tmp_path):
 def test_throughput_spreads_the_requests_over_lora_adapters(tmp_path, smollm_gguf,
                                                            smollm_lora_adapters):
     """--lora-modules (enable_lora implied): the requests round-robin over the adapters, which
-    share each batch with --max-loras 2; a value without a path is refused naming the flag."""
+    share each batch with --max-loras 2; vLLM's --lora-path: one adapter under ids 1 to
+    --max-loras, spread at random (seeded) or round-robin; a value without a path is refused
+    naming the flag."""
+    from argparse import Namespace
+
     from pagedllm.entrypoints.bench import _spread_loras
 
+    def spread(**kw):
+        args = dict(lora_modules=None, lora_path=None, lora_assignment=None, max_loras=3,
+                    num_prompts=5, model=MODEL)
+        return _spread_loras(Namespace(**{**args, **kw}))
+
     modules = [f"{a.lora_name}={a.lora_path}" for a in smollm_lora_adapters]
-    spread = _spread_loras(modules, 5, MODEL)
-    assert [a.lora_name for a in spread] == ["adapter1", "adapter2"] * 2 + ["adapter1"]
-    assert _spread_loras(None, 5, MODEL) is None
+    assert [a.lora_name for a in spread(lora_modules=modules)] == ["adapter1", "adapter2"] * 2 + [
+        "adapter1"]
+    assert spread() is None
+    path = smollm_lora_adapters[0].lora_path
+    robin = spread(lora_path=path, lora_assignment="round-robin")
+    assert [(a.lora_name, a.lora_int_id, a.lora_path) for a in robin] == [
+        (str(i), i, path) for i in (1, 2, 3, 1, 2)]
+    drawn = spread(lora_path=path, num_prompts=40)  # random, vLLM's default for --lora-path
+    assert drawn == spread(lora_path=path, num_prompts=40)  # seeded
+    assert {a.lora_int_id for a in drawn} == {1, 2, 3} and drawn[:5] != robin
+    for kw, flag in [(dict(lora_path=path, lora_modules=modules), "--lora-path and "
+                      "--lora-modules"), (dict(lora_assignment="random"), "--lora-assignment")]:
+        with pytest.raises(SystemExit, match=flag):
+            spread(**kw)
     result = _run(["throughput", "--model", MODEL, "--input-len", "16", "--output-len", "8",
                    "--num-prompts", "4", "--max-loras", "2", "--max-lora-rank", "8",
                    "--lora-modules", *modules], tmp_path / "r.json")
     assert result["output_tokens"] == 4 * 8 and result["output_tok_per_s"] > 0
     assert result["lora_adapters"] == 2 and result["max_loras"] == 2
+    result = _run(["throughput", "--model", MODEL, "--input-len", "16", "--output-len", "8",
+                   "--num-prompts", "4", "--max-loras", "2", "--max-lora-rank", "8",
+                   "--lora-path", path, "--lora-assignment", "round-robin"], tmp_path / "p.json")
+    assert result["output_tokens"] == 4 * 8 and result["lora_adapters"] == 2
     proc = subprocess.run(CLI + ["throughput", "--model", MODEL, "--lora-modules", "broken"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--lora-modules 'broken'" in proc.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,6 +108,20 @@ def test_adapters_load_and_unload_at_run_time_without_stale_weights(lora_server,
     assert _answer(lora_server, "late") == answers["adapter1"]
     bad = _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/nope"})
     assert bad.status_code == 400 and "lora_path '/nope' is not a local directory" in bad.text
+
+
+def test_a_gguf_adapter_loads_at_run_time_and_answers_as_its_peft_original(
+        lora_server, smollm_lora_adapters, smollm_gguf, lora_gguf_writer, tmp_path):
+    """llama.cpp's GGUF LoRA file (written from adapter1 in its converter's layout)."""
+    one = smollm_lora_adapters[0]
+    path = lora_gguf_writer(Path(one.lora_path), tmp_path / "one.gguf", "llama", 64)  # head_dim
+    r = _post(lora_server, "/v1/load_lora_adapter",
+              {"lora_name": "one-gguf", "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    assert _answer(lora_server, "one-gguf") == _answer(lora_server, one.lora_name)
+    bad = _post(lora_server, "/v1/load_lora_adapter",
+                {"lora_name": "model", "lora_path": str(smollm_gguf)})
+    assert bad.status_code == 400 and "not a LoRA adapter" in bad.text
 
 
 def test_runtime_loading_is_off_without_the_environment_variable(server):

@@ -116,8 +116,8 @@ def test_the_registry_refuses_without_enable_lora_and_a_reused_id(tmp_path):
     request = write_adapter(tmp_path / "a")
     with pytest.raises(ValueError, match="lora_request needs an engine started with "
                                          "enable_lora=True"):
-        AdapterRegistry(ARCH, None).check(request)
-    registry = AdapterRegistry(ARCH, LoRAConfig(max_lora_rank=8))
+        AdapterRegistry(ARCH, None, check_adapter).check(request)
+    registry = AdapterRegistry(ARCH, LoRAConfig(max_lora_rank=8), check_adapter)
     assert registry.check(None) is None and registry.check(request) is request
     other = write_adapter(tmp_path / "b")
     with pytest.raises(ValueError, match="lora_int_id=1 already names the adapter"):

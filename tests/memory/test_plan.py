@@ -203,6 +203,26 @@ def test_tp_x_pp_plans_each_rank_its_stage_over_the_tp_ranks(qwen_gguf):
         plan_memory(stage0, mems[0], PlanLimits(**SHORT))
 
 
+def test_lora_adapters_are_planned_on_each_stage_and_tp_rank(qwen_gguf):
+    """LoRA's bytes (lora_bytes: tp_size times one rank's part) go with the layers: each of
+    two pipeline stages of 12 layers plans half of them, and its larger TP rank about half of
+    that (a stage once planned none: its weights come from the layout alone)."""
+    from pagedllm.config import LoRAConfig
+    from pagedllm.memory.footprint import lora_bytes
+
+    fp = _qwen_kept_blocks(qwen_gguf)[3]
+    lora = LoRAConfig(max_loras=2, max_lora_rank=16)
+    extra = lora_bytes(fp.arch, lora, 2)
+    assert lora_bytes(fp.arch, lora) < extra < 2 * lora_bytes(fp.arch, lora)  # a rank: > half
+    with_lora = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, lora_bytes=extra)
+    for s in range(2):
+        stage = PipelineStage.of_rank(fp.arch.num_hidden_layers, s, 2)
+        base, ours = stage_footprint(fp, stage), stage_footprint(with_lora, stage)
+        assert ours.weight_bytes - base.weight_bytes == ours.lora_bytes == extra // 2
+        rank = tp_share(ours, 2).weight_bytes - tp_share(base, 2).weight_bytes
+        assert abs(rank - extra // 4) <= 0.1 * extra // 4
+
+
 def test_pipeline_plan_follows_vllm_pp_layer_partition(qwen_gguf, monkeypatch):
     """VLLM_PP_LAYER_PARTITION=16,8 on Qwen's 24 layers: each rank is planned its own layers
     (rank 0 twice rank 1's KV cache per block, layers 0-15 and 16-23 named, four layers'

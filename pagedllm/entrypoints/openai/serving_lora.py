@@ -20,7 +20,8 @@ def runtime_updates_allowed() -> bool:
 
 
 class LoadLoRAAdapterRequest(RequestBody):
-    """POST /v1/load_lora_adapter: a name for the adapter and its local PEFT directory."""
+    """POST /v1/load_lora_adapter: a name for the adapter and its local PEFT directory (or a
+    llama.cpp GGUF LoRA file)."""
 
     lora_name: str
     lora_path: str

@@ -160,7 +160,7 @@ def _read_into(fh: BinaryIO, offset: int, buf: np.ndarray) -> None:
         got += n
 
 
-def _unpermute(rows: np.ndarray, head_dim: int) -> np.ndarray:
+def unpermute_qk_rows(rows: np.ndarray, head_dim: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved rope -> HF rotate_half) on whole heads."""
     # Within each head llama.cpp stores rows as [d0, d_half, d1, d_half+1, ...].
     n_heads = rows.shape[0] // head_dim
@@ -203,7 +203,8 @@ def _copy_tensor(fh: BinaryIO, info: GGUFTensorInfo, dest: torch.Tensor,
         if columns is not None and dest.dtype != torch.uint8:
             chunk = chunk[:, columns.values]
         if head_dim is not None:
-            chunk = _unpermute(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk, head_dim)
+            chunk = unpermute_qk_rows(chunk.reshape(-1, 1) if len(info.shape) == 1 else chunk,
+                                      head_dim)
             chunk = chunk.reshape(n, cols)
         flat[r0:r0 + n].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 
@@ -374,8 +375,14 @@ def _undo_norm_offset(header: _GGUFHeader, name: str, tensor: torch.Tensor) -> N
 
 
 def _unpermute_head_dim(header: _GGUFHeader, info: GGUFTensorInfo) -> Optional[int]:
-    """The head size to undo llama.cpp's Q/K row permutation with, or None: convert_hf_to_gguf
-    permutes Q/K for the llama architecture and SmolLM3 (its LlamaModel subclass) only."""
-    is_qk = ".attn_q." in info.name or ".attn_k." in info.name
-    permuted = header.arch.architecture in ("llama", "smollm3")
-    return header.arch.head_dim if permuted and is_qk else None
+    """qk_head_dim of a base model's tensor."""
+    return qk_head_dim(header.arch, info.name)
+
+
+def qk_head_dim(arch: ModelArchConfig, gguf_name: str) -> Optional[int]:
+    """The head size to undo llama.cpp's Q/K row permutation of tensor gguf_name with, or None:
+    convert_hf_to_gguf permutes Q/K (a LoRA adapter's lora_b too) for the llama architecture
+    and SmolLM3 (its LlamaModel subclass) only."""
+    is_qk = ".attn_q." in gguf_name or ".attn_k." in gguf_name
+    permuted = arch.architecture in ("llama", "smollm3")
+    return arch.head_dim if permuted and is_qk else None

@@ -77,12 +77,13 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_mixed_step_and_in_column_views()
 
 def test_bad_slots_ranks_and_shapes_are_refused_by_name():
     a, bts, ranks = _tables()
-    x, ys = torch.randn(2, IN), [torch.zeros(2, n) for n in OUTS]
+    x, ys, two = torch.randn(2, IN), [torch.zeros(2, n) for n in OUTS], torch.tensor([0, 1])
+    add = torch.ops.pagedllm.lora_add_
     with pytest.raises(RuntimeError, match="slots must be -1 or below 4, got 4"):
-        torch.ops.pagedllm.lora_add_(ys, x, torch.tensor([0, 4]), a, bts, ranks)
+        add(ys, x, torch.tensor([0, 4]), a, bts, ranks)
     with pytest.raises(RuntimeError, match="ranks must be in \\[0, 8\\], got 9"):
-        torch.ops.pagedllm.lora_add_(ys, x, torch.tensor([0, 1]), a, bts, torch.where(ranks == 8, 9, ranks))
+        add(ys, x, two, a, bts, torch.where(ranks == 8, 9, ranks))
     with pytest.raises(RuntimeError, match="bts\\[1\\] must be \\[4, 8, 192\\]"):
-        torch.ops.pagedllm.lora_add_(ys, x, torch.tensor([0, 1]), a, [bts[0], bts[0], bts[2]], ranks)
+        add(ys, x, two, a, [bts[0], bts[0], bts[2]], ranks)
     with pytest.raises(RuntimeError, match="one slot \\(or -1\\) per row of x"):
-        torch.ops.pagedllm.lora_add_(ys, x, torch.tensor([0]), a, bts, ranks)
+        add(ys, x, torch.tensor([0]), a, bts, ranks)

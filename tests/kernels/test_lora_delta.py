@@ -87,3 +87,27 @@ def test_bad_slots_ranks_and_shapes_are_refused_by_name():
         add(ys, x, two, a, [bts[0], bts[0], bts[2]], ranks)
     with pytest.raises(RuntimeError, match="one slot \\(or -1\\) per row of x"):
         add(ys, x, torch.tensor([0]), a, bts, ranks)
+
+
+def test_ranks_over_eight_take_several_blocks():
+    """max_lora_rank 16, an adapter of rank 12 (a block of 8, then one of 4) on two odd widths:
+    float64's numbers, and a row's bits alone as in the step."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.zeros(2, 32, 37)
+    a[1, :12], a[1, 16:28] = torch.randn(12, 37, generator=g), torch.randn(12, 37, generator=g)
+    bts = [torch.zeros(2, 16, 21), torch.zeros(2, 16, 9)]
+    bts[0][1, :12] = torch.randn(12, 21, generator=g)
+    bts[1][1, :12] = torch.randn(12, 9, generator=g)
+    ranks = torch.tensor([[0, 0], [12, 12]])
+    x, slots = torch.randn(5, 37, generator=g), torch.tensor([1, -1, 1, 1, 0])
+    base = [torch.randn(5, 21), torch.randn(5, 9)]
+    ys = [y.clone() for y in base]
+    torch.ops.pagedllm.lora_add_(ys, x, slots, a, bts, ranks)
+    for i, (y, y0) in enumerate(zip(ys, base)):
+        want = y0.double().clone()
+        want[[0, 2, 3]] += (x[[0, 2, 3]].double() @ a[1, 16 * i:16 * i + 12].double().t()
+                            ) @ bts[i][1, :12].double()
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    alone = [y0[2:3].clone() for y0 in base]
+    torch.ops.pagedllm.lora_add_(alone, x[2:3], slots[2:3], a, bts, ranks)
+    assert all(torch.equal(y1[0], y[2]) for y1, y in zip(alone, ys))

@@ -18,6 +18,10 @@ Routed experts (Qwen2/Qwen3-MoE) stay in the layer loop.
 
 Whether a model takes it is decided once, at load (decide()), with the reason the kernels log
 line gives; the step itself checks nothing.
+
+LoRA: take_lora() hands the stack each projection's LoRALinear slot tensors (shared, so loading
+an adapter into a slot changes what the stack reads); a step with adapters then passes each
+row's slot, and the stack adds the deltas with the op LoRALinear.forward_cpu calls.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
+from pagedllm.layers.lora import LoRALinear
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.models.pipeline import IntermediateTensors
@@ -89,6 +94,15 @@ def _layer_args(layer: nn.Module, rope_index: dict[int, int]) -> Optional[tuple]
             a.sliding_window or 0, float(a.softcap or 0.0), isinstance(mlp.act, GeluTanhAndMul))
 
 
+def _own_layers(model: nn.Module) -> Optional[list[nn.Module]]:
+    """The decoder layers of the model (a pipeline stage's own: model.layer_range), in order."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        return None
+    r = model.layer_range
+    return list(itertools.islice(layers, r.start, r.stop))
+
+
 class DecodeChoice(NamedTuple):
     """What runs decode-only steps: the captured stack, or None for the model's layer loop,
     and why (for the kernels log line)."""
@@ -125,10 +139,7 @@ class CapturedDecode:
     @classmethod
     def capture(cls, model: nn.Module, kernels_ready: bool) -> Optional["CapturedDecode"]:
         """The captured step of a model whose layers can all take it, else None."""
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        if layers is not None:  # a pipeline stage's own (model.layer_range), in order
-            r = model.layer_range
-            layers = list(itertools.islice(layers, r.start, r.stop))
+        layers = _own_layers(model)
         if (not kernels_ready or not layers
                 or model.config.architecture not in STACK_ARCHITECTURES):
             return None
@@ -156,11 +167,28 @@ class CapturedDecode:
             stack.add_layer(*a)
         return cls(model, stack)
 
+    def take_lora(self) -> bool:
+        """Give the stack the LoRA slots of the model's wrapped projections (after
+        lora_slots.wrap_projections); False, giving none, unless every one of them adds its
+        deltas with the C++ op (forward_cpu), which the stack's numbers must equal."""
+        per_layer = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj,
+                      lay.mlp.down_proj) for lay in _own_layers(self.model)]
+        wrappers = [m for mods in per_layer for m in mods if isinstance(m, LoRALinear)]
+        if not wrappers or any(w.impl != "cpu" for w in wrappers):
+            return False
+        for i, mods in enumerate(per_layer):
+            for projection, m in enumerate(mods):  # the stack's order: q/k/v, o, gate/up, down
+                if isinstance(m, LoRALinear):
+                    self.stack.set_lora(i, projection, m.a, m.bt, m.rank_table)
+        return True
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, intermediate: Optional[IntermediateTensors] = None
+                 meta: AttentionMetadata, intermediate: Optional[IntermediateTensors] = None,
+                 lora_slots: Optional[torch.Tensor] = None
                  ) -> Union[torch.Tensor, IntermediateTensors]:
         """Hidden states [B, H] of a decode-only step, as model(input_ids, positions,
-        intermediate) gives (IntermediateTensors on a pipeline stage before the last)."""
+        intermediate) gives (IntermediateTensors on a pipeline stage before the last);
+        lora_slots: each row's LoRA slot (-1: none), or None (after take_lora())."""
         if intermediate is None:
             residual = self.model.embed(input_ids)  # [B, H] float32
             x = torch.zeros_like(residual)
@@ -168,7 +196,7 @@ class CapturedDecode:
             x, residual = intermediate
         dec = meta.decode
         x, residual = self.stack.forward(x, residual, positions, kv_cache, meta.slot_mapping,
-                                         dec.block_table, dec.context_lens)
+                                         dec.block_table, dec.context_lens, lora_slots)
         if self.model.layer_range.stop < self.model.config.num_hidden_layers:
             return IntermediateTensors(x, residual)
         return self.model.model.norm(x, residual)[0]

@@ -1,8 +1,9 @@
 """The runner's LoRA adapters: max_loras slots on the model's projections, least recently used
 evicted, over an LRU cache of max_cpu_loras adapters read from disk.
 
-The projections are wrapped at load (after the captured decode step took the base modules):
-each q/k/v/o/gate/up/down of a decoder layer, merged q/k/v and gate/up by shard. A step's
+The projections are wrapped at load (after the captured decode step took the base modules,
+before it takes the wrappers' slot tensors): each q/k/v/o/gate/up/down of a decoder layer,
+merged q/k/v and gate/up by shard. A step's
 requests map to slots; their token rows, grouped by slot, are what LoRALinear adds deltas to.
 The scheduler admits at most max_loras distinct adapters at once, so a slot to evict (one
 this step does not use) always exists.

@@ -32,8 +32,8 @@ from pagedllm.core.sched_output import GrammarBitmask, SchedulerOutput
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.attention import bind_kv_cache
-from pagedllm.layers.custom_op import attn_backend_for
-from pagedllm.layers.lora import LoRAGroup, set_lora_groups
+from pagedllm.layers.custom_op import attn_backend_for, build_context
+from pagedllm.layers.lora import LoRAGroup, set_lora_groups, step_lora_slots
 from pagedllm.layers.pooler import Pooler
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
@@ -82,6 +82,7 @@ class ModelRunner:
         self.pooler: Optional[Pooler] = None
         self.lora: Optional[LoRASlots] = None  # enable_lora: the adapters' slots (load_model)
         self._told_lora_decode = False  # the log said once that LoRA steps skip the C++ stack
+        self._stack_lora = False  # the captured decode step applies LoRA (take_lora)
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
@@ -100,7 +101,11 @@ class ModelRunner:
         else:
             self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
         if self.config.lora is not None:  # after the capture: it takes the base modules
-            self.lora = LoRASlots(self.model, self.config.arch, self.config.lora, self.device)
+            with build_context(self.platform, self.config.dtype):  # LoRALinear's C++ op or not
+                self.lora = LoRASlots(self.model, self.config.arch, self.config.lora,
+                                      self.device)
+            self._stack_lora = (self.captured_decode is not None
+                                and self.captured_decode.take_lora())
 
     @property
     def samples(self) -> bool:
@@ -157,7 +162,7 @@ class ModelRunner:
                                  self.block_size, self.buffers)
         meta = self.attn_builder.build(step.attn)
         groups = () if self.lora is None else self.lora.groups(step.seqs)
-        with set_forward_context(meta), set_lora_groups(groups):
+        with set_forward_context(meta), set_lora_groups(groups, step.input_ids.shape[0]):
             hidden = self._forward(step, meta, groups)
         out = ModelRunnerOutput(sampled={})
         if hidden is not None and self.pooler is not None:
@@ -179,13 +184,15 @@ class ModelRunner:
             stage, step.input_ids.shape[0], self.config.arch.hidden_size, self.config.dtype,
             self.device, self.tp)
         captured = self.captured_decode is not None and meta.decode_only
-        if captured and groups and not self._told_lora_decode:
-            self._told_lora_decode = True
-            logger.info("decode steps with a LoRA adapter run the model's layer loop: the C++ "
-                        "decode stack cannot apply LoRA")
-        if captured and not groups:
+        if captured and groups and not self._stack_lora:
+            captured = False
+            if not self._told_lora_decode:
+                self._told_lora_decode = True
+                logger.info("decode steps with a LoRA adapter run the model's layer loop: the "
+                            "C++ decode stack applies LoRA only with the C++ ops (float32)")
+        if captured:
             result = self.captured_decode(step.input_ids, step.positions, self.kv_cache, meta,
-                                          incoming)
+                                          incoming, step_lora_slots())
         elif self.pooler is not None:
             result = self.model(step.input_ids, step.positions, incoming,
                                 **self._token_types(step))

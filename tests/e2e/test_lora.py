@@ -4,7 +4,8 @@ the default model (Qwen2.5-Coder-0.5B, whose q/k/v have biases).
 - float32 HF checkpoints: pagedllm's logprobs within 1e-3 of transformers + peft, greedy tokens
   identical, for all seven projections and for three of them with rsLoRA;
 - the GGUF with its blocks kept (the base stays quantized, the adapter float32): a batch of
-  adapter 1, adapter 2 and the base in one step equals each request run alone, bit for bit;
+  adapter 1, adapter 2 and the base in one step equals each request run alone, bit for bit,
+  and the C++ decode stack (which applies LoRA itself) equals the model's layer loop;
   with max_loras=1 the adapters evict each other and the outputs stay the same; the prefix
   cache never serves one adapter's blocks to another;
 - the first adapter written as llama.cpp's GGUF LoRA adapter gives the same tokens and logprobs,
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import model_runner
 from pagedllm import LLM, LoRARequest, SamplingParams
 
 PROMPTS = ["The capital of France is Paris, and the capital of Germany is", "def fibonacci(n):",
@@ -88,6 +90,8 @@ def gguf_llm(smollm_gguf, adapters):
 def test_a_mixed_batch_equals_each_request_alone_over_kept_gguf_blocks(gguf_llm, adapters,
                                                                          caplog):
     assert gguf_llm.llm_engine.config.quantization == "gguf"  # the base stays quantized
+    runner = model_runner(gguf_llm)
+    assert runner.captured_decode is not None and runner._stack_lora  # LoRA in the C++ stack
     loras = [adapters[0], adapters[1], None]
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         mixed = _texts(gguf_llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
@@ -96,7 +100,13 @@ def test_a_mixed_batch_equals_each_request_alone_over_kept_gguf_blocks(gguf_llm,
     assert mixed == alone  # tokens and logprobs, bit for bit
     base = _texts(gguf_llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
     assert [m[0] for m in mixed[:2]] != [b[0] for b in base]  # the adapters change the text
-    assert caplog.text.count("the C++ decode stack cannot apply LoRA") == 1
+    assert "decode steps with a LoRA adapter run the model's layer loop" not in caplog.text
+    captured, runner.captured_decode = runner.captured_decode, None
+    try:  # the model's layer loop (LoRALinear's C++ op) gives the stack's bits
+        loop = _texts(gguf_llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
+    finally:
+        runner.captured_decode = captured
+    assert loop == mixed
 
 
 def test_the_engine_names_the_adapters_of_waiting_and_running_requests(gguf_llm, adapters):

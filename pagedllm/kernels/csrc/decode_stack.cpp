@@ -14,6 +14,11 @@
 //
 // Gemma's (1 + w) norms arrive with the 1 added (the Python layers add it the same way before
 // calling the same op).
+//
+// LoRA: set_lora() hands a layer's projection (q/k/v, o, gate/up, down) the slot tensors of its
+// Python LoRALinear (shared, so loading an adapter into a slot needs no call here); a step given
+// a slot per row then adds each projection's delta after its output (and bias) with lora_add_,
+// as the Python LoRALinear does after its base.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -41,6 +46,15 @@ struct LayerWeights {
   double softcap;                          // attention soft-cap, or 0
   bool gelu;                               // GeGLU (Gemma) rather than SwiGLU
 };
+
+// One projection's LoRA slots (lora_add_'s a, bts and ranks); a undefined: no LoRA there.
+struct LoRAWeights {
+  at::Tensor a;
+  std::vector<at::Tensor> bts;
+  at::Tensor ranks;
+};
+
+enum Projection : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3, kProjections = 4 };
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
@@ -94,13 +108,28 @@ class DecodeStack : public torch::CustomClassHolder {
                        weights[3], weights[6], qtypes[3], qtypes[6], std::move(qkv_bias),
                        std::move(qk_norm), norms[0], norms[1], post ? norms[2] : at::Tensor(),
                        post ? norms[3] : at::Tensor(), rope, window, softcap, gelu});
+    lora_.emplace_back(kProjections);
   }
 
-  // x, residual [T, H] float32 (x is overwritten); kv_caches [L, 2, NB, BS, Hk, D]. Returns the
-  // last layer's output and the residual stream before it is added, as the Python layers do.
+  // The LoRA slots of a layer's projection: 0 q/k/v, 1 o, 2 gate/up, 3 down (bts: one per shard).
+  void set_lora(int64_t layer, int64_t projection, at::Tensor a, std::vector<at::Tensor> bts, at::Tensor ranks) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "layer must be below ", layers_.size(),
+                ", got ", layer);
+    TORCH_CHECK(projection >= 0 && projection < kProjections, "projection must be 0 (q/k/v), 1 (o), 2 (gate/up) "
+                "or 3 (down), got ", projection);
+    const size_t shards = projection == kQKV ? 3 : projection == kGateUp ? 2 : 1;
+    TORCH_CHECK(bts.size() == shards, "projection ", projection, " has ", shards, " shards, got ", bts.size(),
+                " bts");
+    lora_[layer][projection] = {std::move(a), std::move(bts), std::move(ranks)};
+  }
+
+  // x, residual [T, H] float32 (x is overwritten); kv_caches [L, 2, NB, BS, Hk, D]; lora_slots
+  // None, or each row's LoRA slot (-1: none). Returns the last layer's output and the residual
+  // stream before it is added, as the Python layers do.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor residual, const at::Tensor& positions,
                                              const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
-                                             const at::Tensor& block_table, const at::Tensor& context_lens) {
+                                             const at::Tensor& block_table, const at::Tensor& context_lens,
+                                             const c10::optional<at::Tensor>& lora_slots) {
     TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [T, hidden] of the same shape, "
                 "got x ", x.sizes(), " and residual ", residual.sizes());
     TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, "kv_caches must be [layers, 2, blocks, block_size, "
@@ -112,11 +141,14 @@ class DecodeStack : public torch::CustomClassHolder {
                     slot_mapping.numel() == x.size(0),
                 "slot_mapping must be a contiguous int64 tensor with one slot per token");
     const int64_t t = x.size(0), hidden = x.size(1);
+    const at::Tensor* slots = lora_slots.has_value() ? &*lora_slots : nullptr;
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& w = layers_[l];
+      const std::vector<LoRAWeights>& lora = lora_[l];
       pagedllm_ops::add_rms_norm_(x, residual, w.norm1, eps_);
       std::vector<at::Tensor> qkv = pagedllm_ggml::linear_x8(x, w.qkv, w.qkv_types, hidden);
       for (size_t i = 0; i < w.qkv_bias.size(); ++i) add_rows_(qkv[i], w.qkv_bias[i]);
+      add_lora_(qkv, x, slots, lora[kQKV]);
       at::Tensor q = qkv[0].view({t, hq_, d_}), k = qkv[1].view({t, hk_, d_}), v = qkv[2].view({t, hk_, d_});
       if (!w.qk_norm.empty()) {
         q = pagedllm_ops::rms_norm(q, w.qk_norm[0], eps_);
@@ -132,18 +164,31 @@ class DecodeStack : public torch::CustomClassHolder {
       pagedllm_ops::write_kv_(kv, k, v, slot_mapping);
       const at::Tensor o = pagedllm_ops::paged_decode_attention(q.contiguous(), kv, block_table, context_lens,
                                                                 scale_, w.window, w.softcap);
-      at::Tensor h = pagedllm_ggml::linear_x8(o.view({t, hq_ * d_}), {w.o}, {w.o_type}, hq_ * d_)[0];
+      const at::Tensor o2 = o.view({t, hq_ * d_});
+      at::Tensor h = pagedllm_ggml::linear_x8(o2, {w.o}, {w.o_type}, hq_ * d_)[0];
+      add_lora_(h, o2, slots, lora[kO]);
       if (w.attn_out_norm.defined()) h = pagedllm_ops::rms_norm(h, w.attn_out_norm, eps_);
       pagedllm_ops::add_rms_norm_(h, residual, w.norm2, eps_);
       std::vector<at::Tensor> gu = pagedllm_ggml::linear_x8(h, w.gate_up, w.gate_up_types, hidden);
+      add_lora_(gu, h, slots, lora[kGateUp]);
       at::Tensor act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
       x = pagedllm_ggml::linear_x8(act, {w.down}, {w.down_type}, act.size(1))[0];
+      add_lora_(x, act, slots, lora[kDown]);
       if (w.ffn_out_norm.defined()) x = pagedllm_ops::rms_norm(x, w.ffn_out_norm, eps_);
     }
     return {x, residual};
   }
 
  private:
+  // a projection's LoRA deltas, where the step has slots and the projection LoRA weights
+  static void add_lora_(std::vector<at::Tensor>& ys, const at::Tensor& x, const at::Tensor* slots,
+                        const LoRAWeights& lora) {
+    if (slots != nullptr && lora.a.defined()) pagedllm_ops::lora_add_(ys, x, *slots, lora.a, lora.bts, lora.ranks);
+  }
+  static void add_lora_(at::Tensor& y, const at::Tensor& x, const at::Tensor* slots, const LoRAWeights& lora) {
+    if (slots != nullptr && lora.a.defined()) pagedllm_ops::lora_add_({y}, x, *slots, lora.a, lora.bts, lora.ranks);
+  }
+
   // y[r] += b for every row r of y [T, N] (the same float adds as y.add_(b))
   static void add_rows_(at::Tensor& y, const at::Tensor& b) {
     TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.numel() == y.size(1), "bias shape");
@@ -158,6 +203,7 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   std::vector<at::Tensor> cos_, sin_;  // RoPE tables, [positions, rotary_dim] each
   std::vector<LayerWeights> layers_;
+  std::vector<std::vector<LoRAWeights>> lora_;  // per layer, per Projection
 };
 
 }  // namespace
@@ -167,5 +213,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_rope", &DecodeStack::add_rope)
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lora", &DecodeStack::set_lora)
       .def("forward", &DecodeStack::forward);
 }

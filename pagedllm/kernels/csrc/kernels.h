@@ -27,6 +27,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
                                   const at::Tensor& context_lens, double scale, int64_t window = 0,
                                   double softcap = 0);
 std::string paged_attention_path();  // "avx512", "avx2" or "scalar": which path the op runs now
+// lora_delta.cpp: y_i[t] += (x[t] @ A[s, i R : i R + r]^T) @ Bt_i[s, :r] for each shard i, s = slots[t]
+// (-1: the row is left alone), r = ranks[s, i]
+void lora_add_(at::TensorList ys, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& a,
+               at::TensorList bts, const at::Tensor& ranks);
 }  // namespace pagedllm_ops
 
 namespace pagedllm_ggml {

@@ -152,6 +152,10 @@ class Speculator:
             state.rate = self.config.min_acceptance_rate  # one more chance after the pause
             state.num_tokens = 1
 
+    def reset_stats(self) -> None:
+        """Start counting again (bench: the timed requests only)."""
+        self.stats = SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
+
     def forget(self, request_id: str) -> None:
         """A finished request's state is dropped."""
         self._states.pop(request_id, None)

@@ -20,7 +20,7 @@ a verify pass that keeps nothing costs more than the plain decode step it replac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import numpy as np
@@ -99,11 +99,7 @@ class SpecStats:
     num_drafts: int = 0  # verify steps that carried drafts
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = None  # accepted drafts at each draft position
-
-    def __post_init__(self) -> None:
-        if self.accepted_per_pos is None:
-            self.accepted_per_pos = []
+    accepted_per_pos: list[int] = field(default_factory=list)  # kept drafts at each position
 
     @property
     def acceptance_rate(self) -> Optional[float]:
@@ -111,6 +107,30 @@ class SpecStats:
         if not self.num_draft_tokens:
             return None
         return self.num_accepted_tokens / self.num_draft_tokens
+
+    def copy(self) -> "SpecStats":
+        """A snapshot (the engine's counts go on)."""
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.accepted_per_pos))
+
+    def since(self, earlier: "SpecStats") -> "SpecStats":
+        """The counts added after `earlier` (a snapshot of the same counter)."""
+        return SpecStats(self.num_drafts - earlier.num_drafts,
+                         self.num_draft_tokens - earlier.num_draft_tokens,
+                         self.num_accepted_tokens - earlier.num_accepted_tokens,
+                         [a - b for a, b in zip(self.accepted_per_pos, earlier.accepted_per_pos)])
+
+    def log_line(self, seconds: float) -> str:
+        """vLLM's SpecDecoding metrics line for these counts over `seconds`."""
+        drafts = max(1, self.num_drafts)
+        per_pos = ", ".join(f"{n / drafts:.3f}" for n in self.accepted_per_pos)
+        return (f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + self.num_accepted_tokens / drafts:.2f}, Accepted throughput: "
+                f"{self.num_accepted_tokens / seconds:.2f} tokens/s, Drafted throughput: "
+                f"{self.num_draft_tokens / seconds:.2f} tokens/s, Accepted: "
+                f"{self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                f"{100 * (self.acceptance_rate or 0.0):.1f}%")
 
 
 class Speculator:

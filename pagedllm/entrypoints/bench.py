@@ -181,10 +181,9 @@ def _workload_prompts(llm, workload: str, n: int, input_len: int) -> list[dict]:
 
 def _spec_report(llm) -> dict[str, Any]:
     """Speculative decoding's counts over the timed requests (none when it is off)."""
-    speculator = llm.llm_engine.engine_core.scheduler.speculator
-    if speculator is None:
+    stats = llm.llm_engine.spec_stats()
+    if stats is None:
         return {}
-    stats = speculator.stats
     return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
             "spec_num_accepted_tokens": stats.num_accepted_tokens,
             "spec_acceptance_rate": stats.acceptance_rate or 0.0,

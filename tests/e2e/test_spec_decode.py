@@ -122,3 +122,23 @@ def test_preemption(smollm_gguf):
     prompts = [PROMPTS[0][:600 + 50 * i] for i in range(4)]
     _same(llm, prompts, dataclasses.replace(GREEDY, max_tokens=60), logprobs=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_prediction_is_the_ngram_source(smollm):
+    """OpenAI's predicted output: the expected text is searched first, so an answer that
+    does not repeat its prompt is still drafted from it; the output is unchanged."""
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with no_speculation(smollm):
+        expected = smollm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    before = _stats(smollm).num_accepted_tokens
+    got = smollm.generate([prompt], dataclasses.replace(params, prediction=expected.text),
+                          use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    assert _stats(smollm).num_accepted_tokens - before >= 20
+
+
+def test_prediction_needs_speculation(smollm_gguf):
+    llm = LLM(model=str(smollm_gguf), max_num_seqs=2)
+    with pytest.raises(ValueError, match="prediction.*speculative_config"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2, prediction="hello"), use_tqdm=False)

@@ -141,9 +141,8 @@ def _source_files(n: int) -> list:
     """n of pagedllm's own source files of 200-400 lines (the same ones every run)."""
     from pathlib import Path
 
-    import pagedllm
-
-    files = [p for p in sorted(Path(pagedllm.__file__).parent.rglob("*.py"))
+    package = Path(__file__).resolve().parents[1]  # pagedllm/
+    files = [p for p in sorted(package.rglob("*.py"))
              if 200 <= len(p.read_text().splitlines()) <= 400]
     if len(files) < n:
         raise SystemExit(f"--workload code-edit has {len(files)} source files for {n} requests")

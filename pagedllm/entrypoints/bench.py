@@ -162,16 +162,16 @@ def _rename_prompt(text: str) -> str:
             "Answer with the whole updated file only.")
 
 
-def _workload_prompts(llm, workload: str, n: int, input_len: int) -> list[dict]:
-    """n prompts of the workload (each different: none finds another's prefix cached)."""
+def workload_prompts(tokenizer, workload: str, n: int, input_len: int) -> list[dict]:
+    """n prompts of the workload as token ids (each different: none finds another's prefix
+    cached); tokenizer: the engine's (pagedllm's FastTokenizer)."""
     if workload == "random":
-        return _token_prompts(llm.llm_engine.tokenizer, n, input_len)
+        return _token_prompts(tokenizer, n, input_len)
     if workload == "code-edit":
         texts = [_rename_prompt(p.read_text()) for p in _source_files(n)]
     else:
         texts = [_CHAT_QUESTIONS[i % len(_CHAT_QUESTIONS)] + ("" if i < len(_CHAT_QUESTIONS)
                  else f" (take {i // len(_CHAT_QUESTIONS) + 1})") for i in range(n)]
-    tokenizer = llm.get_tokenizer()
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                            add_generation_prompt=True) for t in texts]
     return [{"prompt_token_ids": list(tokenizer.encode(c, add_special_tokens=False))}
@@ -283,7 +283,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(args)
     params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
-    prompts = _workload_prompts(llm, args.workload, args.num_iters_warmup + args.num_iters,
+    prompts = workload_prompts(llm.llm_engine.tokenizer, args.workload, args.num_iters_warmup + args.num_iters,
                                 args.input_len)
     times = []
     for i, prompt in enumerate(prompts):

@@ -19,6 +19,10 @@ step's budget (bidirectional attention needs every token at once); a decoder's (
 pooling, config.chunked_pooling) is read in chunks like any prompt. It never hits the prefix
 cache, and finishes in the update of the step that reads its last token, with its pooled
 vector, its blocks freed; many short ones pack into one step.
+
+With a speculator (speculative_config), a decoding request's step also carries draft tokens
+(core/spec_decode.py): they count in the budget and get KV slots, and at the update the
+computed count keeps only the drafts the runner kept (docs/speculative_decoding.md).
 """
 from __future__ import annotations
 

@@ -381,6 +381,84 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's methods pagedllm does not implement (yet): refused by name
+_SPECULATIVE_NOT_YET = {
+    "draft_model": "a draft model is not implemented yet (method 'ngram' is)",
+    "eagle": "EAGLE heads are not implemented", "eagle3": "EAGLE-3 heads are not implemented",
+    "medusa": "Medusa heads are not implemented", "mlp_speculator": "MLP speculators are not "
+    "implemented", "mtp": "multi-token-prediction layers are not implemented",
+    "deepseek_mtp": "multi-token-prediction layers are not implemented",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: propose num_speculative_tokens tokens per step and verify them
+    in one forward pass. method "ngram": the proposal continues the latest earlier occurrence
+    of the sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min), or of the
+    request's predicted output (OpenAI's `prediction`)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    # a request whose drafts are accepted less often than this (over its recent drafts) stops
+    # speculating for a while: a verify step that keeps nothing costs more than a decode step
+    min_acceptance_rate: float = 0.25
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "SpeculativeConfig":
+        """speculative_config as LLM() or --speculative-config give it (vLLM's field names):
+        unknown fields and methods refused by name; prompt_lookup_min/max default to each other
+        (5 when neither is set), as vLLM's."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (a JSON object), got {value!r}")
+        value = dict(value)
+        method = value.get("method")
+        if method is None and value.get("model") in ("ngram", "[ngram]"):
+            method = value.pop("model")  # vLLM's older spelling: model="[ngram]"
+        elif method is None and value.get("model") is not None:
+            method = "draft_model"  # vLLM infers a draft model from a model path
+        if method is None:
+            raise ValueError("speculative_config.method is required: 'ngram' (supported) or "
+                             "'draft_model' (not yet)")
+        if method in _SPECULATIVE_NOT_YET:
+            raise ValueError(f"speculative_config.method={method!r} is not supported: "
+                             f"{_SPECULATIVE_NOT_YET[method]}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={method!r} is unknown; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        value["method"] = "ngram"
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "min_acceptance_rate"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config field(s) {', '.join(unknown)} are not "
+                             f"supported with method 'ngram'; supported: "
+                             f"{', '.join(sorted(known))}")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        value["prompt_lookup_min"] = low if low is not None else (high if high is not None else 5)
+        value["prompt_lookup_max"] = high if high is not None else value["prompt_lookup_min"]
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"speculative_config.{name} must be a positive int, got "
+                                 f"{value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        rate = self.min_acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"speculative_config.min_acceptance_rate must be in [0, 1), got "
+                             f"{rate!r}")
+
+
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 RAY_MISSING = ("distributed_executor_backend='ray' needs Ray, which is not installed: "
                "pip install 'pagedllm[ray]'")
@@ -536,6 +614,7 @@ class EngineConfig:
     # them; every rank re-reads the checkpoint with them)
     hf_overrides: Optional[dict[str, Any]] = None
     lora: Optional[LoRAConfig] = None  # None: LoRA adapters are off (enable_lora=False)
+    speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)
@@ -547,6 +626,9 @@ class EngineConfig:
         if self.lora is not None and self.runner == "pooling":
             raise ValueError("enable_lora is not supported with a pooling runner: LoRA "
                              "adapters apply to generation only")
+        if self.speculative is not None and self.runner == "pooling":
+            raise ValueError("speculative_config is not supported with a pooling runner: it "
+                             "speeds up generation only")
 
     @property
     def is_pooling(self) -> bool:

@@ -199,6 +199,10 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Optional[list[int]] = None  # sample only among these ids
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # OpenAI's predicted output (its `prediction` content): text the answer is expected to
+    # repeat, the n-gram source of speculative decoding for this request (pagedllm's; needs
+    # an engine with speculative_config)
+    prediction: Optional[str] = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -215,6 +219,9 @@ class SamplingParams:
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         self.logit_bias = _check_logit_bias(self.logit_bias)
         self.allowed_token_ids = _check_allowed_token_ids(self.allowed_token_ids)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise ValueError(f"prediction must be a str (the expected output text), got "
+                             f"{type(self.prediction).__name__}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "

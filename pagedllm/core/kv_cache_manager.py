@@ -82,6 +82,13 @@ class KVCacheManager:
         self._cache_full_blocks(request, blocks, total)
         return True
 
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether allocate_slots(request, num_new_tokens) would succeed now (a running
+        request: no new cache hits)."""
+        blocks = self._req_blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        return cdiv(total, self.block_size) - len(blocks) <= self.pool.num_free_blocks
+
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first so that shared prefixes are evicted last."""
         blocks = self._req_blocks.pop(request.request_id, [])

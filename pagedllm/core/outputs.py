@@ -22,6 +22,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that could not sample
     pooled: dict[str, Any] = field(default_factory=dict)  # pooling requests: [D] float32 CPU tensor
+    # requests that verified drafts (not in `sampled`): the drafts kept, then the target's own
+    # token after them; and the target's logprobs at each of those positions
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

@@ -55,6 +55,8 @@ class Request:
     # sampling_params are the defaults and nothing reads them
     pooling_params: Optional[PoolingParams] = None
     lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base)
+    # OpenAI's `prediction`: the expected output's ids, searched first by the n-gram proposer
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._update_block_hashes()

@@ -52,6 +52,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens this step, in batch order
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     grammar: Optional[GrammarBitmask] = None  # None when no sampling request is constrained
+    # speculative decoding: req_id -> draft ids to verify after its last token; they are the
+    # last len(drafts) of its num_scheduled_tokens
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,10 @@ step's budget (bidirectional attention needs every token at once); a decoder's (
 pooling, config.chunked_pooling) is read in chunks like any prompt. It never hits the prefix
 cache, and finishes in the update of the step that reads its last token, with its pooled
 vector, its blocks freed; many short ones pack into one step.
+
+With a speculator (speculative_config), a decoding request's step also carries draft tokens
+(core/spec_decode.py): they count in the budget and get KV slots, and at the update the
+computed count keeps only the drafts the runner kept (docs/speculative_decoding.md).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (CachedRequestData, GrammarBitmask, NewRequestData,
                                         SchedulerOutput)
+from pagedllm.core.spec_decode import Speculator
 from pagedllm.structured_output.bitmask import allocate_bitmask
 
 logger = logging.getLogger("pagedllm")
@@ -41,8 +46,10 @@ class Scheduler:
     """Decides, step by step, which requests compute how many tokens."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, speculator: Optional[Speculator] = None) -> None:
+        """speculator: proposes draft tokens for decoding requests (None: no speculation)."""
         self.config = config
+        self.speculator = speculator
         self.vocab_size = vocab_size  # width of the grammar bitmask
         self.kv = kv
         self.requests: dict[str, Request] = {}
@@ -91,6 +98,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_token_ids: dict[str, list[int]] = {}
         preempted = False
 
         i = 0
@@ -101,12 +109,17 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             old_num_blocks = len(self.kv.block_ids(request.request_id))
+            drafts = self._drafts(request, num_new, budget)
+            if drafts:
+                num_new += len(drafts)
+                spec_token_ids[request.request_id] = drafts
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._preemption_victim()
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
+                    spec_token_ids.pop(request.request_id, None)
                     break
             else:
                 num_scheduled[request.request_id] = num_new
@@ -159,7 +172,20 @@ class Scheduler:
         else:
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
-                               self._grammar_bitmask(num_scheduled))
+                               self._grammar_bitmask(num_scheduled), spec_token_ids)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Draft tokens to verify with a decoding request's last token: they count in the
+        budget and need KV slots (none when the blocks they need are not free: speculation
+        never preempts), and leave room for the token sampled after them (max_tokens)."""
+        if self.speculator is None or num_new != 1:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        drafts = self.speculator.drafts(request, room)
+        if drafts and not self.kv.can_allocate(request, 1 + len(drafts)):
+            return []
+        return drafts
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """Whether the request's adapter (if any) fits beside the running ones: at most
@@ -216,7 +242,8 @@ class Scheduler:
             error = self._errors.pop(req_id, None) or out.errors.get(req_id)
             if error is None:
                 try:
-                    core_out = self._advance(request, n, out)
+                    core_out = self._advance(request, n, out,
+                                             sched.spec_token_ids.get(req_id, []))
                 except Exception as err:
                     logger.exception("request %s: updating it failed", req_id)
                     error = f"{type(err).__name__}: {err}"
@@ -226,8 +253,13 @@ class Scheduler:
                 outputs.append(core_out)
         return outputs
 
-    def _advance(self, request: Request, n: int, out: ModelRunnerOutput) -> EngineCoreOutput:
-        """One request's progress in this step: computed tokens, its sampled token, its stop."""
+    def _advance(self, request: Request, n: int, out: ModelRunnerOutput,
+                 drafts: list[int]) -> EngineCoreOutput:
+        """One request's progress in this step: computed tokens, its sampled tokens (the drafts
+        kept and the target's own after them, or the one token of a plain step), its stop.
+        The KV of rejected drafts is given up: the computed count stops after the last kept
+        one (their slots are written again by the next step; no block holding them is in the
+        prefix cache, which hashes whole blocks of known tokens only)."""
         req_id = request.request_id
         request.num_computed_tokens += n
         core_out = EngineCoreOutput(req_id, [], num_cached_tokens=request.num_cached_tokens)
@@ -235,23 +267,33 @@ class Scheduler:
             return self._pooled(request, out, core_out)
         if req_id in out.prompt_logprobs:
             core_out.new_prompt_logprobs = out.prompt_logprobs[req_id]
-        token = out.sampled.get(req_id)
-        if token is not None:
+        if drafts:
+            tokens = out.spec_token_ids[req_id]
+            request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            assert self.speculator is not None
+            self.speculator.record(request, len(drafts), len(tokens) - 1)
+            logprobs = out.spec_logprobs.get(req_id, [])
+        else:
+            token = out.sampled.get(req_id)
+            tokens = [] if token is None else [token]
+            logprobs = [out.logprobs[req_id]] if req_id in out.logprobs else []
+        for i, token in enumerate(tokens):
             request.append_output_token(token)
             if request.grammar is not None and not request.grammar.accept(token):
                 logger.warning("request %s: the grammar rejected token %d (%s)", req_id,
                                token, request.grammar.error)
             core_out.new_token_ids.append(token)
-            if req_id in out.logprobs:
-                core_out.new_logprobs.append(out.logprobs[req_id])
+            if logprobs:
+                core_out.new_logprobs.append(logprobs[i])
             status = self._check_stop(request, token)
-            if status is not None:
+            if status is not None:  # the tokens after a stop are dropped
                 self._finish(request, status)
                 core_out.finish_reason = status.finish_reason
                 core_out.stop_reason = request.stop_reason
                 if status == RequestStatus.FINISHED_ERROR:
                     logger.error("request %s failed: %s", req_id, request.error)
                     core_out.error = request.error
+                break
         return core_out
 
     def _pooled(self, request: Request, out: ModelRunnerOutput,
@@ -320,6 +362,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._errors.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         self.kv.free(request)
         self._forget_in_runner(request.request_id)
         del self.requests[request.request_id]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS, CacheConfig,
                              EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig,
                              StructuredOutputsConfig, check_positive_int, check_quantization)
 from pagedllm.structured_output.reasoning import PARSERS as REASONING_PARSERS, check_parser_name
 
@@ -271,6 +272,14 @@ class EngineArgs:
         "it cannot slow the others' steps")
     grammar_cache_bytes: int = _so("grammar_cache_bytes", "estimated bytes of compiled "
                                    "grammars kept for reuse")
+    # vLLM's: propose tokens cheaply and verify them in one forward pass
+    # (docs/speculative_decoding.md)
+    speculative_config: Optional[dict[str, Any]] = _opt(
+        None, "speculative decoding as a JSON object with vLLM's fields, e.g. '{\"method\": "
+        "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2}' (n-gram lookup in the prompt, the output and a request's "
+        "`prediction`); method draft_model is not implemented yet (default: off)",
+        type=_json_object, metavar="JSON")
     # LoRA adapters: requests name one with lora_request (docs/lora.md)
     enable_lora: bool = _opt(False, "serve LoRA adapters over the base model: requests may "
                              "name a PEFT or GGUF LoRA adapter (lora_request)", action="store_true",
@@ -344,6 +353,7 @@ class EngineArgs:
             **{f.name: getattr(self, f.name) for f in fields(StructuredOutputsConfig)})
         check_parser_name(self.reasoning_parser)
         self._lora = self._lora_config()
+        self._speculative = self._speculative_config()
         for name in ("max_num_seqs", "block_size", "max_logprobs"):
             check_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
@@ -394,6 +404,22 @@ class EngineArgs:
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         return config if self.enable_lora else None
+
+    def _speculative_config(self) -> Optional[SpeculativeConfig]:
+        """speculative_config checked (a ValueError naming the field), or None: off."""
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_dict(self.speculative_config)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"speculative_config with {name}={getattr(self, name)} is not "
+                                 "supported yet: speculative decoding runs on one rank")
+        return config
+
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The speculative decoding asked for (None: off), as checked when these arguments
+        were built."""
+        return self._speculative
 
     def lora_config(self) -> Optional[LoRAConfig]:
         """The LoRA options asked for (None: enable_lora is off), as checked when these

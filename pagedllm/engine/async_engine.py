@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
 from pagedllm.config import DEFAULT_MAX_STREAM_BACKLOG
+from pagedllm.core.spec_decode import SpecStats
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.step_watchdog import StepWatchdog
@@ -90,6 +91,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV-cache blocks in use (0-1)
     running_loras: tuple[str, ...] = ()  # names of the LoRA adapters of running requests
     waiting_loras: tuple[str, ...] = ()  # and of waiting ones
+    spec: Optional[SpecStats] = None  # speculative decoding's counts since start (None: off)
 
 
 @dataclass
@@ -173,7 +175,8 @@ class AsyncLLM:
         """Running and waiting sequences and KV-cache usage, read now."""
         running, waiting = self.engine.lora_names()
         return EngineStats(self.engine.num_running, self.engine.num_waiting,
-                           self.engine.kv_cache_usage, running, waiting)
+                           self.engine.kv_cache_usage, running, waiting,
+                           self.engine.spec_stats())
 
     async def compile_grammar(self, params: SamplingParams) -> Optional[CompiledGrammar]:
         """The request's constraint compiled on a grammar worker while the event loop goes on

@@ -458,6 +458,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         quantization=quantization, mmap_weights=mem_plan.mapped_bytes > 0,
         rank_nodes=() if nodes is None else nodes.node_ids,
         step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler,
-        hf_overrides=args.hf_overrides, lora=lora)
+        hf_overrides=args.hf_overrides, lora=lora,
+        speculative=args.speculative())
 
 

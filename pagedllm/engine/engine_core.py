@@ -24,6 +24,7 @@ from pagedllm.core.outputs import EngineCoreOutput
 from pagedllm.core.request import Request
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.spec_decode import Speculator
 from pagedllm.executor import Executor, executor_class as default_executor_class
 from pagedllm.executor.abstract import StepFuture
 from pagedllm.executor.deadline import WATCHDOG_GRACE_S, StepDeadlines
@@ -54,7 +55,9 @@ class EngineCore:
             raise
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size)
+        speculator = None if config.speculative is None else Speculator(config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size,
+                                   speculator)
         # batches submitted and not updated yet, oldest first; None: one step at a time
         self.batch_queue: Optional[deque[tuple[SchedulerOutput, StepFuture]]] = (
             deque() if self.executor.max_concurrent_batches > 1 else None)

@@ -34,9 +34,12 @@ class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
                  eos_token_ids: frozenset[int], block_size: int, max_logprobs: int,
                  structured_outputs: Optional[StructuredOutputsConfig] = None,
-                 pooling_arch: Optional[ModelArchConfig] = None) -> None:
-        """pooling_arch: the model's architecture when it pools (None: it generates)."""
+                 pooling_arch: Optional[ModelArchConfig] = None,
+                 speculative: bool = False) -> None:
+        """pooling_arch: the model's architecture when it pools (None: it generates);
+        speculative: the engine runs speculative decoding (a request's prediction is used)."""
         self.tokenizer = tokenizer
+        self.speculative = speculative
         self.pooling_arch = pooling_arch
         self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
@@ -89,6 +92,7 @@ class InputProcessor:
                     f"your request has {len(ids)} input tokens ({params.max_tokens} > "
                     f"{self.max_model_len} - {len(ids)})")
             max_tokens = min(max_tokens, params.max_tokens)
+        predicted = self._prediction_ids(params)
         now = time.monotonic()
         budget = grammar.new_budget() if grammar is not None else None  # shared by the n samples
         requests = []
@@ -99,11 +103,27 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             request = Request(child_id, list(ids), child_params, max_tokens,
                               self.eos_token_ids, self.block_size, now,
-                              lora_request=lora_request)
+                              lora_request=lora_request, prediction_token_ids=predicted)
             request.grammar = None if grammar is None else self._grammar_state(grammar,
                                                                                 budget, ids)
             requests.append(request)
         return ProcessedPrompt(text, ids, requests)
+
+    def _prediction_ids(self, params: SamplingParams) -> list[int]:
+        """The token ids of the request's prediction ([] without one); a ValueError naming
+        it when the engine does not speculate (it would change nothing)."""
+        if params.prediction is None:
+            return []
+        if not self.speculative:
+            raise ValueError("prediction is used by speculative decoding, which this engine "
+                             "does not run: start it with speculative_config (serve "
+                             "--speculative-config '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4}')")
+        ids = self.tokenizer.encode(params.prediction, add_special_tokens=False)
+        if len(ids) > self.max_model_len:  # each step searches it: bounded by the context
+            raise ValueError(f"prediction is {len(ids)} tokens, more than the model's context "
+                             f"({self.max_model_len} tokens)")
+        return list(ids)
 
     def process_pooling(self, request_id: str, prompt: PromptType,
                         params: Optional[PoolingParams]) -> ProcessedPrompt:

@@ -6,6 +6,7 @@ import logging
 from typing import Any, Iterable, Optional, Union
 
 from pagedllm.config import EngineConfig, ModelArchConfig
+from pagedllm.core.spec_decode import SpecStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.config_builder import make_engine_config
 from pagedllm.engine.engine_core import EngineCore
@@ -46,7 +47,8 @@ class LLMEngine:
                                               config.arch.vocab_size, frozenset(self.eos_token_ids),
                                               cache.block_size, config.max_logprobs,
                                               config.structured_outputs,
-                                              config.arch if config.is_pooling else None)
+                                              config.arch if config.is_pooling else None,
+                                              config.speculative is not None)
         self.output_processor = OutputProcessor(tokenizer)
         self.adapters = AdapterRegistry(config.arch, config.lora, check_adapter)
         self.pooling_outputs = PoolingOutputs()
@@ -180,6 +182,11 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV-cache blocks in use (0-1)."""
         return self.engine_core.kv_manager.usage
+
+    def spec_stats(self) -> Optional[SpecStats]:
+        """Speculative decoding's counts since start (a snapshot), or None when it is off."""
+        speculator = self.engine_core.scheduler.speculator
+        return None if speculator is None else speculator.stats.copy()
 
 
 def _kernels_summary(config: EngineConfig) -> str:

@@ -97,6 +97,12 @@ def add_bench_parser(sub) -> None:
                                 "--lora-path's default, as in vLLM) or round-robin "
                                 "(--lora-modules' default)")
         if name == "latency":
+            p.add_argument("--workload", choices=WORKLOADS, default="random",
+                           help="random: --input-len made-up token ids; code-edit: a 200-400 "
+                                "line source file of pagedllm's and 'rename X to Y' as a chat "
+                                "(the answer repeats the file: what n-gram speculation "
+                                "predicts); chat: a different open question each request (no "
+                                "repetition); --input-len applies to random only")
             p.add_argument("--num-iters", type=_positive, default=3,
                            help="requests timed, one after another (the mean is reported)")
             p.add_argument("--num-iters-warmup", type=_non_negative, default=1,
@@ -127,6 +133,71 @@ def _token_prompts(tokenizer, n: int, length: int, ratio: float = 0.0) -> list[d
     vocab = tokenizer.vocab_size
     return [{"prompt_token_ids": [(1000 + 37 * i + 13 * j) % vocab for j in range(lens)]}
             for i, lens in enumerate(_lengths(n, length, ratio, seed=0))]
+
+
+WORKLOADS = ("random", "code-edit", "chat")
+_CHAT_QUESTIONS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator works to a ten-year-old.",
+    "Describe the history of the printing press and its effect on Europe.",
+    "What should a beginner know before planting a vegetable garden?",
+    "Compare the climates of Norway and Morocco.",
+    "Invent a board game for four players and explain its rules.",
+    "Why do cats purr? Give the main theories.",
+    "Plan a three-day trip to Kyoto for someone who loves food.",
+)
+
+
+def _source_files(n: int) -> list:
+    """n of pagedllm's own source files of 200-400 lines (the same ones every run)."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1]  # pagedllm/
+    files = [p for p in sorted(package.rglob("*.py"))
+             if 200 <= len(p.read_text().splitlines()) <= 400]
+    if len(files) < n:
+        raise SystemExit(f"--workload code-edit has {len(files)} source files for {n} requests")
+    return files[:n]
+
+
+def _rename_prompt(text: str) -> str:
+    """The file and an instruction to rename its most frequent long identifier."""
+    import collections
+    import keyword
+    import re
+
+    words = collections.Counter(w for w in re.findall(r"\b[a-z_][a-z0-9_]{5,}\b", text)
+                                if not keyword.iskeyword(w))
+    name = words.most_common(1)[0][0]
+    return (f"```python\n{text}```\n\nRename `{name}` to `{name}_v2` everywhere in this file. "
+            "Answer with the whole updated file only.")
+
+
+def workload_prompts(tokenizer, workload: str, n: int, input_len: int) -> list[dict]:
+    """n prompts of the workload as token ids (each different: none finds another's prefix
+    cached); tokenizer: the engine's (pagedllm's FastTokenizer)."""
+    if workload == "random":
+        return _token_prompts(tokenizer, n, input_len)
+    if workload == "code-edit":
+        texts = [_rename_prompt(p.read_text()) for p in _source_files(n)]
+    else:
+        texts = [_CHAT_QUESTIONS[i % len(_CHAT_QUESTIONS)] + ("" if i < len(_CHAT_QUESTIONS)
+                 else f" (take {i // len(_CHAT_QUESTIONS) + 1})") for i in range(n)]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True) for t in texts]
+    return [{"prompt_token_ids": list(tokenizer.encode(c, add_special_tokens=False))}
+            for c in chats]
+
+
+def _spec_report(llm) -> dict[str, Any]:
+    """Speculative decoding's counts over the timed requests (none when it is off)."""
+    stats = llm.llm_engine.spec_stats()
+    if stats is None:
+        return {}
+    return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
+            "spec_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_acceptance_rate": stats.acceptance_rate or 0.0,
+            "spec_mean_acceptance_length": 1 + stats.num_accepted_tokens / max(1, stats.num_drafts)}
 
 
 def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float, float]:
@@ -223,22 +294,33 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(args)
     params = _params(args)
     # a different prompt each time, so that none finds another's prefix cached
-    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_iters_warmup + args.num_iters,
-                             args.input_len)
+    prompts = workload_prompts(llm.llm_engine.tokenizer, args.workload, args.num_iters_warmup + args.num_iters,
+                                args.input_len)
     times = []
     for i, prompt in enumerate(prompts):
         if i == args.num_iters_warmup:
             _comm_stats(llm, reset=True)
+            _reset_spec_stats(llm)
         times.append(_timed_request(llm.llm_engine, f"latency-{i}", prompt, params))
     times = times[args.num_iters_warmup:]
     ttft = statistics.mean(first for first, _ in times)
-    result = {"num_iters": args.num_iters, "ttft_s": ttft, "prefill_tok_per_s": args.input_len / ttft,
+    input_len = statistics.mean(len(p["prompt_token_ids"]) for p in
+                                prompts[args.num_iters_warmup:])
+    result = {"workload": args.workload, "num_iters": args.num_iters, "ttft_s": ttft,
+              "mean_input_len": input_len, "prefill_tok_per_s": input_len / ttft,
               "request_latency_s": statistics.mean(total for _, total in times)}
     if args.output_len > 1:
         decode_s = statistics.mean(total - first for first, total in times)
         result["decode_tok_per_s"] = (args.output_len - 1) / decode_s
         result["decode_ms_per_step"] = 1e3 * decode_s / (args.output_len - 1)
-    return {**result, **_comm_report(_comm_stats(llm))}
+    return {**result, **_spec_report(llm), **_comm_report(_comm_stats(llm))}
+
+
+def _reset_spec_stats(llm) -> None:
+    """Count speculation over the timed requests only."""
+    speculator = llm.llm_engine.engine_core.scheduler.speculator
+    if speculator is not None:
+        speculator.reset_stats()
 
 
 def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict[str, Any]:

@@ -48,6 +48,14 @@ class ScheduledSeq:
     state: CachedRequestState
     start: int  # first row in the flattened batch
     num_tokens: int
+    # its rows attend as decode rows, row j to the keys up to its own position (a speculative
+    # verify: the last token and the drafts after it)
+    decode_rows: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        """Its rows go to the decode batch (one token, or a verify's decode rows)."""
+        return self.num_tokens == 1 or self.decode_rows
 
     @property
     def samples(self) -> bool:
@@ -109,10 +117,20 @@ class InputBuffers:
 
 
 def build_step_inputs(states: list[CachedRequestState], num_tokens: list[int], block_size: int,
-                      buffers: InputBuffers) -> StepInputs:
-    """Flatten the scheduled tokens of every request into the buffers; decodes (one token) go
-    first."""
-    order = sorted(range(len(states)), key=lambda i: num_tokens[i] != 1)
+                      buffers: InputBuffers,
+                      verify: frozenset[str] = frozenset()) -> StepInputs:
+    """Flatten the scheduled tokens of every request into the buffers; decodes (one token, or
+    the rows of a request in `verify`: a speculative verify) go first.
+
+    A verify's k + 1 rows are k + 1 decode rows of one sequence, row j seeing the keys up to
+    position computed + j (every row's K/V is written before any row attends), so each row's
+    numbers are those of a plain decode step at its position:
+
+        rows      last  d1   d2        (computed = c)
+        context   c+1   c+2  c+3
+    """
+    order = sorted(range(len(states)),
+                   key=lambda i: num_tokens[i] != 1 and states[i].req_id not in verify)
     total = sum(num_tokens)
     buffers.ensure_rows(total)
     ids, pos, slots = buffers.input_ids_np, buffers.positions_np, buffers.slot_mapping_np
@@ -121,7 +139,7 @@ def build_step_inputs(states: list[CachedRequestState], num_tokens: list[int], b
     for i in order:
         st, n = states[i], num_tokens[i]
         start = st.num_computed_tokens
-        seqs.append(ScheduledSeq(st, row, n))
+        seqs.append(ScheduledSeq(st, row, n, st.req_id in verify))
         if n == 1:
             ids[row] = st.token_ids[start]
             pos[row] = start
@@ -132,23 +150,25 @@ def build_step_inputs(states: list[CachedRequestState], num_tokens: list[int], b
             pos[row:row + n] = p
             slots[row:row + n] = np.asarray(st.block_ids)[p // block_size] * block_size + p % block_size
         row += n
-    decodes = [s for s in seqs if s.num_tokens == 1]
+    decodes = [s for s in seqs if s.is_decode]
     attn = CommonAttentionInputs(
         slot_mapping=buffers.to_device(buffers.slot_mapping[:total]),
         decode=_decode_batch(decodes, block_size, buffers) if decodes else None,
-        prefills=[_prefill_seq(s, block_size, buffers.device) for s in seqs if s.num_tokens > 1])
+        prefills=[_prefill_seq(s, block_size, buffers.device) for s in seqs if not s.is_decode])
     return StepInputs(buffers.to_device(buffers.input_ids[:total]),
                       buffers.to_device(buffers.positions[:total]), attn, seqs)
 
 
 def _decode_batch(seqs: list[ScheduledSeq], block_size: int, buffers: InputBuffers) -> DecodeBatch:
-    b = len(seqs)
-    ctx = [s.state.num_computed_tokens + 1 for s in seqs]
+    # one row per token: a verify's rows each see one more key than the row before
+    row_seqs = [(s, s.state.num_computed_tokens + 1 + j) for s in seqs for j in range(s.num_tokens)]
+    b = len(row_seqs)
+    ctx = [c for _, c in row_seqs]
     width = -(-max(ctx) // block_size)
     buffers.ensure_table(b, width)
     table = buffers.block_table_np[:b * width].reshape(b, width)
     table.fill(0)
-    for r, (s, c) in enumerate(zip(seqs, ctx)):
+    for r, (s, c) in enumerate(row_seqs):
         used = -(-c // block_size)
         table[r, :used] = s.state.block_ids[:used]
     buffers.context_lens_np[:b] = ctx

@@ -36,6 +36,7 @@ from pagedllm.layers.custom_op import attn_backend_for, build_context
 from pagedllm.layers.lora import LoRAGroup, set_lora_groups, step_lora_slots
 from pagedllm.layers.pooler import Pooler
 from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.rejection import verify_point_mass
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.worker.captured_decode import CapturedDecode, decide
@@ -159,7 +160,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         states = [self.requests[r] for r in sched.num_scheduled_tokens]
         step = build_step_inputs(states, list(sched.num_scheduled_tokens.values()),
-                                 self.block_size, self.buffers)
+                                 self.block_size, self.buffers, frozenset(sched.spec_token_ids))
         meta = self.attn_builder.build(step.attn)
         groups = () if self.lora is None else self.lora.groups(step.seqs)
         with set_forward_context(meta), set_lora_groups(groups, step.input_ids.shape[0]):
@@ -169,9 +170,13 @@ class ModelRunner:
             self._pool(step, hidden, out)
         elif hidden is not None:
             self._prompt_logprobs(step, hidden, out)
-            self._sample(step, hidden, out, sched.grammar)
+            self._sample(step, hidden, out, sched.grammar, sched.spec_token_ids)
         for seq in step.seqs:
             seq.state.num_computed_tokens += seq.num_tokens
+        for req_id, drafts in sched.spec_token_ids.items():
+            # the drafts were this step's inputs only: the scheduler sends the kept ones back
+            # with the request's next step, and its computed count without the rejected ones
+            del self.requests[req_id].token_ids[-len(drafts):]
         return out
 
     def _forward(self, step: StepInputs, meta: AttentionMetadata,
@@ -219,6 +224,8 @@ class ModelRunner:
             st.token_ids.extend(cached.new_token_ids)  # sampled here or on another rank
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in sched.spec_token_ids.items():
+            self.requests[req_id].token_ids.extend(drafts)  # computed after its last token
 
     def _token_types(self, step: StepInputs) -> dict[str, torch.Tensor]:
         """{"token_type_ids": [T]} when a sequence of the step is a text pair (a cross-encoder's
@@ -250,20 +257,27 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput,
-                grammar: Optional[GrammarBitmask]) -> None:
+                grammar: Optional[GrammarBitmask], spec: dict[str, list[int]]) -> None:
+        """Sample each request that reached its last token: one row, or with k drafts one row
+        per draft position and one after them (sample/rejection.py), each row's history
+        holding the drafts before it (penalties and min_tokens see what that position sees)."""
         seqs = [s for s in step.seqs if s.samples]
         if not seqs:
             return
-        rows = torch.tensor([s.start + s.num_tokens - 1 for s in seqs], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [N, V]; every tensor rank gathers
+        width = [1 + len(spec.get(s.state.req_id, ())) for s in seqs]
+        rows = torch.tensor([s.start + s.num_tokens - w + j for s, w in zip(seqs, width)
+                             for j in range(w)], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [R, V]; every tensor rank gathers
         if not self.samples:
             return  # tensor parallel rank > 0: rank 0 samples, its tokens come next step
-        states = [s.state for s in seqs]
+        # row r belongs to states[r] and sees outputs[r] (its drafts before it, if any)
+        states = [s.state for s, w in zip(seqs, width) for _ in range(w)]
+        outputs = [s.state.token_ids[s.state.num_prompt_tokens:len(s.state.token_ids) - w + 1 + j]
+                   for s, w in zip(seqs, width) for j in range(w)]
         generators = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
         meta = SamplingMetadata.from_params(
             [st.sampling_params for st in states], [st.prompt_token_ids for st in states],
-            [st.output_token_ids for st in states], generators, self.vocab_size,
-            self.eos_token_ids, self.device)
+            outputs, generators, self.vocab_size, self.eos_token_ids, self.device)
         if grammar is not None:
             meta.grammar_bitmask = _bitmask_rows(grammar, [st.req_id for st in states],
                                                  self.vocab_size, self.device)
@@ -277,13 +291,23 @@ class ModelRunner:
             out.errors[states[i].req_id] = (
                 "sampling failed: the model's logits for this request are not finite (NaN), so "
                 "no token could be drawn")
-        for i, (st, token) in enumerate(zip(states, tokens)):
+        first = 0
+        for seq, w in zip(seqs, width):
+            st, row = seq.state, first
+            first += w
             if st.req_id in out.errors:
                 continue  # fails at the scheduler's update
-            out.sampled[st.req_id] = token  # the state gets it with the next step's message
             k = st.sampling_params.logprobs
+            if w == 1:
+                out.sampled[st.req_id] = tokens[row]  # the state gets it with the next step
+                if k is not None and result.logprobs is not None:
+                    out.logprobs[st.req_id] = _row_logprobs(result.logprobs, row, k)
+                continue
+            kept = verify_point_mass(tokens[row:row + w], spec[st.req_id])
+            out.spec_token_ids[st.req_id] = kept
             if k is not None and result.logprobs is not None:
-                out.logprobs[st.req_id] = _row_logprobs(result.logprobs, i, k)
+                out.spec_logprobs[st.req_id] = [_row_logprobs(result.logprobs, row + j, k)
+                                                for j in range(len(kept))]
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:

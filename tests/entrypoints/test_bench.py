@@ -41,6 +41,18 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
         assert result["ttft_s"] + decode_s == pytest.approx(result["request_latency_s"])
 
 
+def test_speculation_on_the_code_edit_workload(tmp_path, smollm_gguf):
+    """The code-edit workload's answer repeats its prompt: n-gram drafts are kept, and the
+    acceptance is reported."""
+    result = _run(["latency", "--model", MODEL, "--workload", "code-edit", "--output-len", "24",
+                   "--num-iters", "1", "--num-iters-warmup", "0", "--speculative-config",
+                   '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                   '"prompt_lookup_max": 4}'], tmp_path / "r.json")
+    assert result["workload"] == "code-edit" and result["mean_input_len"] > 1000
+    assert result["spec_num_drafts"] > 0 and 0 < result["spec_acceptance_rate"] <= 1
+    assert result["spec_mean_acceptance_length"] > 1
+
+
 def test_throughput_of_a_pooling_model(tmp_path, minilm_dir):
     result = _run(["throughput", "--model", str(minilm_dir), "--dtype", "float32",
                    "--input-len", "32", "--num-prompts", "16"], tmp_path / "r.json")

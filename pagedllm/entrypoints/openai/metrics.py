@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from pagedllm.engine.async_engine import AsyncLLM
 
@@ -42,6 +43,8 @@ class ServerMetrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the "
                               "last output.", list(labels), buckets=_LATENCY_BUCKETS,
                               registry=self.registry).labels(**labels)
+        if engine.engine.config.speculative is not None:
+            self.registry.register(_SpecDecodeCollector(engine, model_name))
         lora = engine.engine.config.lora
         self._max_lora = None if lora is None else str(lora.max_loras)
         # vLLM's: one series, its labels the adapters in use, its value when it was read
@@ -74,3 +77,31 @@ class ServerMetrics:
             self._lora_info.labels(",".join(stats.running_loras), ",".join(stats.waiting_loras),
                                    self._max_lora).set(time.time())
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCollector:
+    """vLLM's vllm:spec_decode_* counters, read from the engine's counts at scrape time."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        """The four counters (per position: one sample per draft position)."""
+        stats = self.engine.stats().spec
+        if stats is None:
+            return
+        for name, doc, value in (
+                ("num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
+                ("num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
+                ("num_accepted_tokens", "Number of accepted tokens.",
+                 stats.num_accepted_tokens)):
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.",
+                                     labels=["model_name", "position"])
+        for pos, value in enumerate(stats.accepted_per_pos):
+            family.add_metric([self.model_name, str(pos)], value)
+        yield family

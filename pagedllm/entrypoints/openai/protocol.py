@@ -28,7 +28,7 @@ _IS_SET: dict[str, Callable[[Any], bool]] = {
     "guided_whitespace_pattern": lambda v: v is not None, "lora_request": bool,
     "kv_transfer_params": bool, "vllm_xargs": bool, "cache_salt": lambda v: v is not None,
     "functions": bool, "function_call": lambda v: v not in (None, "none"),
-    "audio": lambda v: v is not None, "prediction": lambda v: v is not None,
+    "audio": lambda v: v is not None,
     "web_search_options": lambda v: v is not None, "reasoning_effort": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]), "store": bool,
 }
@@ -215,6 +215,9 @@ class SamplingFields(RequestBody):
     guided_choice: Optional[list[str]] = _described(minItems=1, items={"minLength": 1})
     guided_grammar: Optional[str] = _described(minLength=1)
     guided_decoding_backend: Optional[str] = _described(enum=list(_BACKENDS))
+    # OpenAI's predicted outputs: {"type": "content", "content": text or text parts}, the
+    # n-gram source of speculative decoding (a server started with --speculative-config)
+    prediction: Optional[Any] = None
     # vLLM's response extras
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:123"
@@ -267,6 +270,7 @@ class SamplingFields(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=constraint or self.structured_outputs_params(),
             logit_bias=self.logit_bias_ids(), allowed_token_ids=self.allowed_token_ids,
+            prediction=prediction_text(self.prediction),
             # a stream sends what is new at each step; a response needs the whole output
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE)
 
@@ -281,6 +285,29 @@ class SamplingFields(RequestBody):
                 raise ValueError(f"logit_bias keys must be integer token ids, got {key!r}")
             bias[int(key)] = value
         return bias
+
+
+def prediction_text(prediction: Any) -> Optional[str]:
+    """OpenAI's `prediction` as its text (None when absent); ValueError naming the field."""
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict):
+        raise ValueError('prediction must be an object {"type": "content", "content": ...}')
+    unknown = sorted(set(prediction) - {"type", "content"})
+    if unknown:
+        raise ValueError(f"prediction has unknown field(s) {', '.join(unknown)}; known: "
+                         "content, type")
+    if prediction.get("type") != "content":
+        raise ValueError(f"prediction.type must be 'content', got {prediction.get('type')!r}")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            and set(p) == {"type", "text"} for p in content):
+        return "".join(p["text"] for p in content)
+    raise ValueError('prediction.content must be a string or a non-empty array of '
+                     '{"type": "text", "text": ...} parts')
 
 
 def _response_format(fmt: ResponseFormat) -> StructuredOutputsParams:

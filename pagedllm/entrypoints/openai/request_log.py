@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
+from pagedllm.core.spec_decode import SpecStats
 from pagedllm.engine.async_engine import EngineStats, OutputListener
 
 logger = logging.getLogger("pagedllm")
@@ -47,6 +48,7 @@ class RequestLog:
         self._prompt_tokens = 0  # since the last throughput line
         self._generation_tokens = 0
         self._since = time.monotonic()
+        self._spec: Optional[SpecStats] = None  # speculation's counts at the last stats line
 
     def first_token(self, prompt_tokens: int, num_tokens: int, seconds: float) -> None:
         """The prompt has been computed and the first tokens sent."""
@@ -69,18 +71,26 @@ class RequestLog:
 
     def stats_line(self, stats: EngineStats) -> Optional[str]:
         """vLLM's throughput line over the tokens counted since the last call (which it
-        resets); None when nothing ran in the meantime."""
+        resets), and with speculative decoding vLLM's SpecDecoding line on a line of its own;
+        None when nothing ran in the meantime."""
         now = time.monotonic()
         elapsed = max(now - self._since, 1e-9)
         prompt, generation = self._prompt_tokens, self._generation_tokens
         self._prompt_tokens = self._generation_tokens = 0
         self._since = now
+        spec = None
+        if stats.spec is not None:
+            spec = stats.spec if self._spec is None else stats.spec.since(self._spec)
+            self._spec = stats.spec
         if not (prompt or generation or stats.num_running or stats.num_waiting):
             return None
-        return (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation "
+        line = (f"Avg prompt throughput: {prompt / elapsed:.1f} tokens/s, Avg generation "
                 f"throughput: {generation / elapsed:.1f} tokens/s, Running: {stats.num_running}"
                 f" reqs, Waiting: {stats.num_waiting} reqs, KV cache usage: "
                 f"{stats.kv_cache_usage:.1%}")
+        if spec is not None and spec.num_drafts:  # vLLM logs it as a line of its own
+            line += "\n" + spec.log_line(elapsed)
+        return line
 
     async def log_stats_every(self, seconds: float, stats: Callable[[], EngineStats]) -> None:
         """Log the throughput line every `seconds` while busy, until cancelled."""
@@ -88,5 +98,5 @@ class RequestLog:
         while True:
             await asyncio.sleep(seconds)
             line = self.stats_line(stats())
-            if line is not None:
-                logger.info("%s", line)
+            for part in (line or "").splitlines():  # speculation's counts: a line of their own
+                logger.info("%s", part)

@@ -1,0 +1,187 @@
+"""Speculative decoding on the scheduler's side: what to propose for a request, and how many.
+
+A proposer gives up to k draft tokens that would follow a request's tokens; the scheduler sends
+them with the request's last token, the runner computes all k + 1 positions in one forward pass
+and samples each from the target model, and the drafts are kept up to the first that differs
+from the target's own draw (sample/rejection.py). The n-gram proposer needs no model: it looks
+the sequence's last n tokens up in the request's own text (its prediction, then its prompt and
+output) and proposes what followed them there. A draft model would implement the same
+`Proposer` interface.
+
+    tokens     ... a b c d | e                    (d: last n = 2 tokens "c d" seen before at i)
+    earlier    ... c d x y z ...                  -> drafts x y z
+    verify     positions of d x y z, one pass     -> target samples t0 t1 t2 t3
+    kept       x if t0 == x, then y if t1 == y ... and the first t that differs (or t3)
+
+Each request's k follows its own acceptance: all drafts kept -> k grows by one (up to
+num_speculative_tokens); some rejected -> k is what was kept plus one. A request whose recent
+acceptance rate falls under min_acceptance_rate stops proposing for PAUSE_TOKENS tokens, since
+a verify pass that keeps nothing costs more than the plain decode step it replaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core.request import Request
+
+PAUSE_TOKENS = 32  # output tokens a request with a low acceptance rate decodes plainly
+RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (per verify step)
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens that would follow a request's tokens."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """At most max_tokens (>= 1) draft ids; [] when there is nothing to propose."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's method "ngram"): the longest n-gram (prompt_lookup_max >= n >=
+    prompt_lookup_min) ending the sequence that occurred before, in the request's prediction
+    first, then in its prompt and output (earliest occurrence); the tokens after it."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to max_tokens ids following the matched n-gram."""
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        sources = [tokens]
+        if request.prediction_token_ids:
+            sources.insert(0, np.asarray(request.prediction_token_ids, dtype=np.int64))
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for source, is_context in ((s, s is tokens) for s in sources):
+                found = ngram_continuation(source, suffix, max_tokens, is_context)
+                if found:
+                    return found
+        return []
+
+
+def ngram_continuation(source: np.ndarray, suffix: np.ndarray, max_tokens: int,
+                       is_context: bool) -> list[int]:
+    """The tokens after the earliest occurrence of `suffix` in `source` that has at least one
+    token after it ([] if none); in the sequence's own tokens (is_context) the suffix itself
+    does not count."""
+    n = suffix.shape[0]
+    body = source[:-1] if is_context else source  # an occurrence needs a token after it
+    if body.shape[0] < n or (not is_context and source.shape[0] <= n):
+        return []
+    windows = sliding_window_view(body, n)  # [L - n + 1, n]
+    starts = np.flatnonzero((windows == suffix).all(axis=1))
+    for start in starts.tolist():
+        after = source[start + n:start + n + max_tokens]
+        if after.shape[0]:
+            return after.tolist()
+    return []
+
+
+@dataclass
+class SpecRequestState:
+    """One request's speculation: its current draft length and recent acceptance."""
+
+    num_tokens: int  # drafts to ask for next time
+    rate: float = 1.0  # recent fraction of drafts kept (decayed per verify step)
+    paused_until: int = 0  # output length from which it proposes again
+
+
+@dataclass
+class SpecStats:
+    """Counts since start, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int = 0  # verify steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # kept drafts at each position
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        """Accepted over proposed tokens (None before any draft)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    def copy(self) -> "SpecStats":
+        """A snapshot (the engine's counts go on)."""
+        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                         list(self.accepted_per_pos))
+
+    def since(self, earlier: "SpecStats") -> "SpecStats":
+        """The counts added after `earlier` (a snapshot of the same counter)."""
+        return SpecStats(self.num_drafts - earlier.num_drafts,
+                         self.num_draft_tokens - earlier.num_draft_tokens,
+                         self.num_accepted_tokens - earlier.num_accepted_tokens,
+                         [a - b for a, b in zip(self.accepted_per_pos, earlier.accepted_per_pos)])
+
+    def log_line(self, seconds: float) -> str:
+        """vLLM's SpecDecoding metrics line for these counts over `seconds`."""
+        drafts = max(1, self.num_drafts)
+        per_pos = ", ".join(f"{n / drafts:.3f}" for n in self.accepted_per_pos)
+        return (f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + self.num_accepted_tokens / drafts:.2f}, Accepted throughput: "
+                f"{self.num_accepted_tokens / seconds:.2f} tokens/s, Drafted throughput: "
+                f"{self.num_draft_tokens / seconds:.2f} tokens/s, Accepted: "
+                f"{self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: "
+                f"{100 * (self.acceptance_rate or 0.0):.1f}%")
+
+
+class Speculator:
+    """The scheduler's speculation: per-request draft lengths, proposals, acceptance stats."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
+        self.config = config
+        self.proposer = proposer if proposer is not None else NgramProposer(config)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self._states: dict[str, SpecRequestState] = {}
+
+    def drafts(self, request: Request, room: int) -> list[int]:
+        """Draft tokens for a request about to decode its last token, at most `room` (what
+        the budget, max_tokens and max_model_len leave after that token): [] for a request
+        speculation cannot serve exactly (see `eligible`) or one paused for low acceptance."""
+        if room <= 0 or not eligible(request):
+            return []
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = SpecRequestState(
+                self.config.num_speculative_tokens)
+        if request.num_output_tokens < state.paused_until:
+            return []
+        return self.proposer.propose(request, min(room, state.num_tokens))
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step's result for one request: adapt its k, count the stats."""
+        stats, state = self.stats, self._states[request.request_id]
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            stats.accepted_per_pos[pos] += 1
+        limit = self.config.num_speculative_tokens
+        state.num_tokens = min(limit, num_accepted + 1)
+        state.rate = RATE_DECAY * state.rate + (1 - RATE_DECAY) * num_accepted / num_drafts
+        if state.rate < self.config.min_acceptance_rate:
+            state.paused_until = request.num_output_tokens + PAUSE_TOKENS
+            state.rate = self.config.min_acceptance_rate  # one more chance after the pause
+            state.num_tokens = 1
+
+    def reset_stats(self) -> None:
+        """Start counting again (bench: the timed requests only)."""
+        self.stats = SpecStats(accepted_per_pos=[0] * self.config.num_speculative_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's state is dropped."""
+        self._states.pop(request_id, None)
+
+
+def eligible(request: Request) -> bool:
+    """Whether the runner verifies this request's drafts exactly: not under a grammar (drafts
+    are not checked against it yet), not a pooling request."""
+    return request.grammar is None and request.pooling_params is None

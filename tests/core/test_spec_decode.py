@@ -1,0 +1,187 @@
+"""Speculative decoding in the scheduler: the config's checks, the n-gram proposer, per-request
+draft lengths, drafts in the budget and the KV, rollback of rejected drafts."""
+import pytest
+
+from pagedllm.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.outputs import ModelRunnerOutput
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.spec_decode import PAUSE_TOKENS, NgramProposer, Speculator
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 0
+BS = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 3}
+
+
+def req(rid, prompt, max_tokens=16, **params):
+    return Request(rid, list(prompt), SamplingParams(**params), max_tokens, frozenset({EOS}), BS)
+
+
+def make(budget=32, num_blocks=32, spec=NGRAM):
+    kv = KVCacheManager(num_blocks, BS, True)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64)
+    return Scheduler(cfg, kv, speculator=Speculator(SpeculativeConfig.from_dict(spec))), kv
+
+
+def step(s, answer):
+    """One step whose target model answers with `answer(rid, drafts)`: the tokens it yields
+    (the drafts kept and its own after them), or one token for a plain step."""
+    sched = s.schedule()
+    out = ModelRunnerOutput(sampled={})
+    for rid, n in sched.num_scheduled_tokens.items():
+        r = s.requests[rid]
+        drafts = sched.spec_token_ids.get(rid)
+        if drafts:
+            out.spec_token_ids[rid] = answer(rid, drafts)
+        elif r.num_computed_tokens + n == r.num_tokens:
+            out.sampled[rid] = answer(rid, [])[0]
+    return sched, s.update_from_output(sched, out)
+
+
+# ---- config ------------------------------------------------------------------------------
+def test_config_takes_vllms_fields_and_defaults():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                     "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3},
+     ["method='draft_model'", "not implemented yet"]),
+    ({"model": "x.gguf", "num_speculative_tokens": 3}, ["draft_model"]),
+    ({"method": "eagle", "num_speculative_tokens": 3}, ["method='eagle'", "EAGLE"]),
+    ({"method": "lookahead", "num_speculative_tokens": 3}, ["unknown", "ngram"]),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
+     ["draft_tensor_parallel_size"]),
+    ({"method": "ngram"}, ["num_speculative_tokens"]),
+    ({"method": "ngram", "num_speculative_tokens": 0}, ["num_speculative_tokens"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, ["prompt_lookup_min", "prompt_lookup_max"]),
+    ({"num_speculative_tokens": 2}, ["method"]),
+    ("ngram", ["dict"]),
+])
+def test_config_refusals_name_the_field(value, words):
+    with pytest.raises(ValueError) as err:
+        SpeculativeConfig.from_dict(value)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_engine_args_refuse_parallel_ranks():
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        EngineArgs(model="m", speculative_config=NGRAM, pipeline_parallel_size=2)
+    assert EngineArgs(model="m", speculative_config=NGRAM).speculative().num_speculative_tokens == 3
+
+
+# ---- proposer -----------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_longest_match():
+    p = NgramProposer(SpeculativeConfig.from_dict(NGRAM))
+    # last 3 tokens 7 8 9 occurred at 1..3, followed by 4 5 6; the 2-gram 8 9 also at 10
+    r = req("a", [1, 7, 8, 9, 4, 5, 6, 2, 2, 8, 9, 3, 7, 8, 9])
+    assert p.propose(r, 3) == [4, 5, 6]
+    assert p.propose(r, 1) == [4]
+    assert p.propose(req("b", [1, 2, 3, 4, 5]), 3) == []  # no earlier occurrence
+
+
+def test_ngram_looks_in_the_prediction_first():
+    p = NgramProposer(SpeculativeConfig.from_dict(NGRAM))
+    r = req("a", [5, 6, 9, 9, 5, 6])
+    r.prediction_token_ids = [1, 5, 6, 7, 8]
+    assert p.propose(r, 3) == [7, 8]
+    r.prediction_token_ids = [1, 2]  # no match there: the context
+    assert p.propose(r, 3) == [9, 9, 5]
+
+
+# ---- scheduling ---------------------------------------------------------------------------
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # the tail "1 2" was followed by 3 4 5
+
+
+def test_drafts_count_in_the_budget_and_get_slots():
+    s, kv = make()
+    s.add_request(req("a", PROMPT))
+    step(s, lambda rid, d: [3])  # prefill: samples 3 -> tokens end "1 2 3"
+    sched, outs = step(s, lambda rid, d: d + [7])  # every draft kept, then 7
+    assert sched.spec_token_ids == {"a": [4, 5, 6]}
+    assert sched.num_scheduled_tokens == {"a": 4}
+    # 11 prompt + 1 sampled + 3 drafts: 15 slots in 4 blocks
+    assert len(kv.block_ids("a")) == 4
+    assert outs[0].new_token_ids == [4, 5, 6, 7]
+    r = s.requests["a"]
+    assert (r.num_computed_tokens, r.num_tokens) == (15, 16)
+
+
+def test_rejected_drafts_are_rolled_back():
+    s, kv = make()
+    s.add_request(req("a", PROMPT))
+    step(s, lambda rid, d: [3])
+    sched, outs = step(s, lambda rid, d: [d[0], 9])  # first draft kept, second replaced by 9
+    assert sched.spec_token_ids == {"a": [4, 5, 6]}
+    assert outs[0].new_token_ids == [4, 9]
+    r = s.requests["a"]
+    # the last token and one draft have KV; the rejected drafts' positions are computed again
+    assert (r.num_computed_tokens, r.num_tokens) == (13, 14)
+    stats = s.speculator.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    assert stats.accepted_per_pos == [1, 0, 0]
+    # the next draft length follows the acceptance: one kept -> two
+    sched, _ = step(s, lambda rid, d: [8])
+    assert len(sched.spec_token_ids.get("a", [])) <= 2
+
+
+def test_prefix_cache_never_holds_a_block_with_drafts():
+    s, kv = make()
+    s.add_request(req("a", PROMPT))
+    step(s, lambda rid, d: [3])
+    step(s, lambda rid, d: [9])  # every draft rejected
+    r = s.requests["a"]
+    assert r.num_computed_tokens == 12 and r.output_token_ids == [3, 9]
+    # blocks cached: only whole blocks of known tokens (12 known of 13 -> 3 blocks)
+    cached = [b for b in kv.pool.blocks if b.block_hash is not None]
+    assert len(cached) == 3 and len(r.block_hashes) == 3
+
+
+def test_drafts_leave_room_for_max_tokens_and_stop_at_eos():
+    s, _ = make()
+    s.add_request(req("a", PROMPT, max_tokens=3))
+    step(s, lambda rid, d: [3])
+    sched, outs = step(s, lambda rid, d: d + [7])
+    assert sched.spec_token_ids == {"a": [4]}  # 1 output so far, 2 to go: one draft + one
+    assert outs[0].new_token_ids == [4, 7] and outs[0].finish_reason == "length"
+    s.add_request(req("b", PROMPT))
+    step(s, lambda rid, d: [3])
+    sched, outs = step(s, lambda rid, d: [4, EOS])  # stops at EOS: nothing after it
+    assert outs[0].new_token_ids == [4, EOS] and outs[0].finish_reason == "stop"
+    assert not s.requests and s.kv.pool.num_free_blocks == 32
+
+
+def test_no_drafts_when_the_blocks_are_not_free():
+    s, _ = make(num_blocks=3)  # 12 slots: the prompt and its sampled token only
+    s.add_request(req("a", PROMPT))
+    step(s, lambda rid, d: [3])
+    sched, _ = step(s, lambda rid, d: [4])
+    assert sched.spec_token_ids == {} and sched.num_scheduled_tokens == {"a": 1}
+    assert s.num_preemptions == 0
+
+
+def test_low_acceptance_pauses_a_request():
+    spec = Speculator(SpeculativeConfig.from_dict(NGRAM))
+    r = req("a", PROMPT + [3])
+    assert spec.drafts(r, 8) == [4, 5, 6]
+    spec.record(r, 3, 3)
+    assert spec.drafts(r, 8) == [4, 5, 6]  # all kept: as many again (at most 3)
+    for _ in range(3):  # rate 1 -> 0.7 -> 0.49 -> 0.34: still above 0.25
+        spec.record(r, 1, 0)
+        assert spec.drafts(r, 8) == [4]  # one kept of none: one next
+    spec.record(r, 1, 0)  # 0.24: paused for PAUSE_TOKENS output tokens
+    assert spec.drafts(r, 8) == []
+    r.output_token_ids.extend([7] * (PAUSE_TOKENS - 1))
+    assert spec.drafts(r, 8) == []
+    r.output_token_ids.extend([1, 2, 3])
+    assert spec.drafts(r, 8) == [4]

@@ -1,0 +1,144 @@
+"""Speculative decoding (n-gram) on the real shipped GGUFs: greedy output and logprobs equal
+decoding without it, token for token, alone and composed with stops, penalties, min/max tokens,
+structured outputs, preemption and prefix caching."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+_CODE = Path(__file__).resolve().parents[2] / "pagedllm" / "core" / "kv_cache_manager.py"
+# a prompt whose answer repeats it (drafts are accepted), one that does not, a short one
+PROMPTS = ["Repeat this code exactly.\n\n" + _CODE.read_text()[:1500] + "\n\nRepeated:\n",
+           "The three largest cities of France are",
+           "def fib(n):"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+
+
+@contextlib.contextmanager
+def no_speculation(llm: LLM) -> Iterator[None]:
+    """The same engine (weights, cache, batch) with its speculator off: the reference."""
+    scheduler = llm.llm_engine.engine_core.scheduler
+    speculator, scheduler.speculator = scheduler.speculator, None
+    try:
+        yield
+    finally:
+        scheduler.speculator = speculator
+
+
+def _stats(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler.speculator.stats
+
+
+def _same(llm: LLM, prompts, params, logprobs: bool = True) -> int:
+    """Generate with and without speculation; the outputs must agree exactly (tokens, text,
+    finish reasons, and logprobs bit for bit unless told not to); the drafts kept."""
+    before = _stats(llm).num_accepted_tokens
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    accepted = _stats(llm).num_accepted_tokens - before
+    with no_speculation(llm):
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    for s, p in zip(spec, plain):
+        a, b = s.outputs[0], p.outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == \
+            (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+        assert a.logprobs == b.logprobs or not logprobs
+    return accepted
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_gguf):
+    return LLM(model=str(smollm_gguf), speculative_config=NGRAM, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("model", ["qwen_gguf", "smollm_gguf"])
+def test_greedy_equals_plain_decoding(model, request):
+    llm = LLM(model=str(request.getfixturevalue(model)), speculative_config=NGRAM)
+    assert _same(llm, PROMPTS, GREEDY) > 0  # drafts were kept, not only proposed
+    stats = _stats(llm)
+    assert stats.num_drafts > 0 and stats.accepted_per_pos[0] >= stats.accepted_per_pos[-1]
+
+
+def test_composes_with_sampling_options(smollm):
+    cases = [
+        dataclasses.replace(GREEDY, stop=["return"], include_stop_str_in_output=True),
+        dataclasses.replace(GREEDY, max_tokens=7),
+        dataclasses.replace(GREEDY, min_tokens=30, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.2),
+        dataclasses.replace(GREEDY, logit_bias={198: -5.0}, stop_token_ids=[28]),
+        SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40),  # drawn, one candidate
+    ]
+    for params in cases:
+        _same(smollm, PROMPTS, params)
+
+
+def test_structured_outputs_are_not_speculated(smollm):
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=
+                            StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){3}"))
+    before = _stats(smollm).num_drafts
+    _same(smollm, ["say four words: to be or not to be or not to be or"] * 2, params)
+    assert _stats(smollm).num_drafts == before
+
+
+def test_prefix_cache_after_speculation(smollm, smollm_gguf):
+    """A request that continues a speculated one finds its blocks cached (those of its
+    output too) and gets what a plain engine doing the same gets, logprobs bit for bit: no
+    cached block holds a rejected draft's keys and values."""
+    plain = LLM(model=str(smollm_gguf), max_num_seqs=8)
+    results = []
+    for llm in (smollm, plain):
+        first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+        kv = llm.llm_engine.engine_core.kv_manager
+        hits = kv.prefix_hits
+        again = llm.generate([PROMPTS[0] + first.outputs[0].text], GREEDY, use_tqdm=False)[0]
+        assert kv.prefix_hits - hits > len(first.prompt_token_ids)  # output blocks hit too
+        results.append((first.outputs[0].token_ids, again.outputs[0].token_ids,
+                        again.outputs[0].logprobs))
+    assert results[0] == results[1]
+
+
+def test_seeded_sampling_is_reproducible(smollm):
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=40)
+    one = smollm.generate(PROMPTS, params, use_tqdm=False)
+    two = smollm.generate(PROMPTS[:1], params, use_tqdm=False)  # another batch
+    assert one[0].outputs[0].token_ids == two[0].outputs[0].token_ids
+
+
+def test_preemption(smollm_gguf):
+    """Few KV blocks: requests are preempted and recomputed mid-speculation. A recompute
+    prefills what was decoded (the prompt path's float sums, not the decode step's), and the
+    two runs are preempted at different steps, so their logprobs differ in the last digits;
+    the tokens do not."""
+    llm = LLM(model=str(smollm_gguf), speculative_config=NGRAM, num_gpu_blocks_override=48,
+              max_num_seqs=4, enable_prefix_caching=False)
+    prompts = [PROMPTS[0][:600 + 50 * i] for i in range(4)]
+    _same(llm, prompts, dataclasses.replace(GREEDY, max_tokens=60), logprobs=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+def test_prediction_is_the_ngram_source(smollm):
+    """OpenAI's predicted output: the expected text is searched first, so an answer that
+    does not repeat its prompt is still drafted from it; the output is unchanged."""
+    prompt = PROMPTS[1]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with no_speculation(smollm):
+        expected = smollm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    before = _stats(smollm).num_accepted_tokens
+    got = smollm.generate([prompt], dataclasses.replace(params, prediction=expected.text),
+                          use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids
+    assert _stats(smollm).num_accepted_tokens - before >= 20
+
+
+def test_prediction_needs_speculation(smollm_gguf):
+    llm = LLM(model=str(smollm_gguf), max_num_seqs=2)
+    with pytest.raises(ValueError, match="prediction.*speculative_config"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2, prediction="hello"), use_tqdm=False)

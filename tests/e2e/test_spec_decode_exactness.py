@@ -142,3 +142,21 @@ def test_prediction_needs_speculation(smollm_gguf):
     llm = LLM(model=str(smollm_gguf), max_num_seqs=2)
     with pytest.raises(ValueError, match="prediction.*speculative_config"):
         llm.generate(["hi"], SamplingParams(max_tokens=2, prediction="hello"), use_tqdm=False)
+
+
+def test_lora_adapters_with_speculation(smollm_gguf, smollm_lora_adapters):
+    """A batch mixing two adapters and the base, speculated: each row of a verify pass takes its
+    request's adapter, so tokens and logprobs are those of plain decoding, bit for bit."""
+    llm = LLM(model=str(smollm_gguf), speculative_config=NGRAM, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_model_len=1024)
+    loras = [smollm_lora_adapters[0], None, smollm_lora_adapters[1]]
+    prompts = [PROMPTS[0]] * 3
+    before = _stats(llm).num_accepted_tokens
+    spec = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert _stats(llm).num_accepted_tokens > before  # the adapters' rows were verified
+    with no_speculation(llm):
+        plain = llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in spec] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in plain]
+    # the adapters change what is computed (their logprobs differ from the base's)
+    assert spec[0].outputs[0].logprobs != spec[1].outputs[0].logprobs

@@ -91,7 +91,7 @@ def add_bench_parser(sub) -> None:
             p.add_argument("--lora-path", default=None, metavar="PATH",
                            help="vLLM's: one adapter (a PEFT directory or a llama.cpp GGUF LoRA "
                                 "file) under --max-loras ids, named '1' to 'N', spread over the "
-                                "requests by --lora-assignment (implies --enable-lora)")
+                                "requests by --lora-assignment (implies --enable-lora; default: none)")
             p.add_argument("--lora-assignment", choices=_ASSIGNMENTS, default=None,
                            help="how each request picks its adapter: random (seeded; "
                                 "--lora-path's default, as in vLLM) or round-robin "

@@ -1,4 +1,5 @@
-"""A real pagedllm server (subprocess, loopback): SmolLM2 for the session, other models per module."""
+"""A real pagedllm server (subprocess, loopback): SmolLM2 for the session, the default model for
+the modules that use qwen_server, other models per module."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,8 @@ import pytest
 
 API_KEY = "test-key-123"
 MODEL = "smollm2-135m-instruct"
+QWEN = "qwen"  # qwen_server's served name
+QWEN_KEY = "qwen-key"
 QWEN7B_SHAPES = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
 
 
@@ -79,6 +82,8 @@ class Server:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        if self.log.closed:  # stopped already
+            return
         self.proc.terminate()
         try:
             self.proc.wait(timeout=20)
@@ -96,6 +101,31 @@ def server(smollm_gguf):
     srv = Server("--api-key", API_KEY, "--max-num-seqs", "32", "--quantization", "none")
     yield srv
     srv.stop()
+
+
+_LAST_QWEN_USER: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def qwen_server(qwen_gguf, request):
+    """The default model (Qwen2.5-Coder-0.5B-Instruct GGUF) served as QWEN with the hermes tool
+    parser, 2048 tokens, a key, and a response store of 8: one start for the chat tool-call,
+    Messages and Responses modules. Stopped after the last test that uses it, not at the
+    session's end, so its memory is not kept under the modules that follow."""
+    users = [item for item in request.session.items if "qwen_server" in item.fixturenames]
+    srv = Server("--served-model-name", QWEN, "--enable-auto-tool-choice", "--tool-call-parser",
+                 "hermes", "--max-model-len", "2048", "--api-key", QWEN_KEY,
+                 "--responses-store-max-entries", "8", model=str(qwen_gguf))
+    if users:
+        _LAST_QWEN_USER[users[-1].nodeid] = srv
+    yield srv
+    srv.stop()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    srv = _LAST_QWEN_USER.pop(item.nodeid, None)
+    if srv is not None:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

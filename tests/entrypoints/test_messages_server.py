@@ -10,10 +10,9 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import Server
+from conftest import QWEN, QWEN_KEY
 
-MODEL = "qwen"
-KEY = "messages-key"
+MODEL, KEY = QWEN, QWEN_KEY  # conftest's qwen_server
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                             "required": ["city"]}}
@@ -25,15 +24,6 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}
 # the final turn: after a tool result the 0.5B model answers in words with this system prompt
 ANSWER_SYSTEM = "You are a helpful assistant. After a tool result arrives, answer the user in " \
                 "one plain sentence."
-
-
-@pytest.fixture(scope="module")
-def qwen_server(qwen_gguf):
-    srv = Server("--served-model-name", MODEL, "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes", "--max-model-len", "2048", "--api-key", KEY,
-                 model=str(qwen_gguf))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from conftest import Server
+from conftest import QWEN, QWEN_KEY
 from pagedllm.entrypoints.openai.response_store import ResponseStore
 
-MODEL = "qwen"
+MODEL = QWEN  # conftest's qwen_server
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}
@@ -23,17 +23,18 @@ NAMED = {"type": "function", "name": "get_weather"}
 SUM = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 
 
+AUTH = {"Authorization": f"Bearer {QWEN_KEY}"}
+
+
 @pytest.fixture(scope="module")
-def server(qwen_gguf):
-    srv = Server("--served-model-name", MODEL, "--max-model-len", "2048",
-                 "--responses-store-max-entries", "8", model=str(qwen_gguf))
-    yield srv
-    srv.stop()
+def server(qwen_server):
+    """conftest's qwen_server (a response store of 8)."""
+    return qwen_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{server.url}/v1", api_key=QWEN_KEY, max_retries=0, timeout=120)
 
 
 def _create(client, stream=False, **kw):
@@ -103,7 +104,7 @@ def test_cancel_a_running_response(server, client):
     seen: dict = {}
 
     def consume():
-        with httpx.stream("POST", f"{server.url}/v1/responses", timeout=120, json={
+        with httpx.stream("POST", f"{server.url}/v1/responses", timeout=120, headers=AUTH, json={
                 "model": MODEL, "input": "Count from 1 to 500, one number per line.",
                 "max_output_tokens": 1500, "stream": True}) as resp:
             for line in resp.iter_lines():
@@ -144,7 +145,8 @@ def test_cancel_a_running_response(server, client):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_refused_fields_are_400s_naming_them(server, body, param):
-    resp = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    resp = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, headers=AUTH,
+                      timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error

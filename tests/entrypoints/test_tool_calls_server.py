@@ -8,9 +8,9 @@ import json
 import pytest
 from openai import BadRequestError, OpenAI
 
-from conftest import Server
+from conftest import QWEN, QWEN_KEY
 
-MODEL = "qwen"
+MODEL = QWEN  # conftest's qwen_server
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -29,16 +29,8 @@ ANSWER = [{"role": "system", "content": "You are a helpful assistant. After a to
 
 
 @pytest.fixture(scope="module")
-def qwen_server(qwen_gguf):
-    srv = Server("--served-model-name", MODEL, "--enable-auto-tool-choice",
-                 "--tool-call-parser", "hermes", "--max-model-len", "2048", model=str(qwen_gguf))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
 def client(qwen_server):
-    return OpenAI(base_url=f"{qwen_server.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{qwen_server.url}/v1", api_key=QWEN_KEY, max_retries=0, timeout=120)
 
 
 def _create(client, **kw):

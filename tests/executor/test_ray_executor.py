@@ -76,6 +76,19 @@ def ray_cluster(ray_env):
         cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def smollm_single(smollm_gguf) -> dict[int, list[list[int]]]:
+    """One process's greedy tokens of SmolLM2: the first n of PROMPTS run together, for n = 3
+    and 1; one engine for every test that compares with it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+        single = LLM(model=str(smollm_gguf), **ENGINE)
+        try:
+            return {n: _tokens(single, PROMPTS[:n]) for n in (len(PROMPTS), 1)}
+        finally:
+            single.llm_engine.shutdown()
+
+
 @pytest.fixture
 def ray_address(ray_cluster, monkeypatch):
     """RAY_ADDRESS pointing at the two-node cluster, as `ray start --address` users set it."""
@@ -110,13 +123,11 @@ def _cluster_is_free(address: str) -> None:
         ray.shutdown()
 
 
-def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
+def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, smollm_single, ray_address):
     """SmolLM2 GGUF in float32, one stage per node: the same greedy tokens as one process, with
     two batches in flight; the actors import this checkout's pagedllm; shutdown frees the
     cluster."""
-    single = LLM(model=str(smollm_gguf), **ENGINE)
-    want = _tokens(single)
-    del single
+    want = smollm_single[len(PROMPTS)]
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
               distributed_executor_backend="ray", **ENGINE)
     try:
@@ -139,14 +150,12 @@ def test_pp2_on_two_ray_nodes_equals_one_process(smollm_gguf, ray_address):
 
 
 def test_vllm_pp_layer_partition_reaches_actors_that_do_not_inherit_it(smollm_gguf,
+                                                                      smollm_single,
                                                                       ray_address, monkeypatch):
     """VLLM_PP_LAYER_PARTITION=20,10 set in the engine's process only (the cluster's nodes, and
     so its actors, started without it): the actors hold 20 and 10 layers (each one's KV block
     is its own layers') and the greedy tokens equal one process's."""
-    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
-    single = LLM(model=str(smollm_gguf), **ENGINE)
-    want = _tokens(single)
-    del single
+    want = smollm_single[len(PROMPTS)]
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,10")
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
               distributed_executor_backend="ray", **ENGINE)
@@ -304,11 +313,12 @@ def test_a_cluster_without_room_is_refused_by_name(smollm_gguf, ray_address, mon
 
 
 def test_without_ray_address_the_engine_starts_a_local_ray_and_stops_it(smollm_gguf,
+                                                                         smollm_single,
                                                                          monkeypatch):
     """No RAY_ADDRESS: a Ray instance of the engine's own (no web dashboard), gone with the engine,
     and the same tokens as one process."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    want = _tokens(LLM(model=str(smollm_gguf), **ENGINE), PROMPTS[:1])
+    want = smollm_single[1]
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     llm = LLM(model=str(smollm_gguf), pipeline_parallel_size=2,
               distributed_executor_backend="ray", **ENGINE)

@@ -44,7 +44,7 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
 def test_speculation_on_the_code_edit_workload(tmp_path, smollm_gguf):
     """The code-edit workload's answer repeats its prompt: n-gram drafts are kept, and the
     acceptance is reported."""
-    result = _run(["latency", "--model", MODEL, "--workload", "code-edit", "--output-len", "24",
+    result = _run(["latency", "--model", MODEL, "--workload", "code-edit", "--output-len", "64",
                    "--num-iters", "1", "--num-iters-warmup", "0", "--speculative-config",
                    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                    '"prompt_lookup_max": 4}'], tmp_path / "r.json")

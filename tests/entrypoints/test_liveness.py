@@ -45,10 +45,11 @@ class Stream:
                 for line in self.lines]
 
 
-def _until_unhealthy(srv: Server) -> tuple[float, Optional[dict]]:
-    """Poll /health until it answers 503 (or the server exits): (seconds, its body)."""
+def _until_unhealthy(srv: Server, seconds: float = DEADLINE_S) -> tuple[float, Optional[dict]]:
+    """Poll /health until it answers 503 (or the server exits, or `seconds` pass): (seconds,
+    its body)."""
     started = time.monotonic()
-    while srv.proc.poll() is None and time.monotonic() - started < DEADLINE_S:
+    while srv.proc.poll() is None and time.monotonic() - started < seconds:
         try:
             r = httpx.get(f"{srv.url}/health", timeout=5)
             if r.status_code == 503:
@@ -111,11 +112,28 @@ def test_a_stopped_rank_turns_health_503_and_serve_exits_1(tmp_path):
 
 
 def test_a_step_past_its_deadline_turns_health_503_and_serve_exits_1():
-    # a real prefill step of 250 tokens (~0.3 s here) against a 1 ms step timeout: ~15 ms
+    # a decode step of SmolLM2 takes a few ms against a 1 ms + its work at 20 GFLOP/s (~15 ms)
+    # deadline, so on a fast quiet machine no step may overrun by itself: the serving process
+    # is stopped for 0.4 s at a time (a stall, as a VM's stolen time or swapping makes one)
+    # until a step caught inside a pause is past its deadline; the watchdog or the step's own
+    # end reports it, whichever runs first
     srv = Server("--max-model-len", "1024", "--step-timeout", "0.001")
     try:
-        stream = Stream(srv.url, {"prompt": "word " * 250, "max_tokens": 16})
-        seconds, body = _until_unhealthy(srv)
+        stream = Stream(srv.url, {"prompt": "word " * 250, "max_tokens": 700,
+                                  "ignore_eos": True})
+        assert stream.first.wait(DEADLINE_S), srv.log_tail()
+        body = None
+        for _ in range(40):
+            if srv.proc.poll() is not None:
+                break
+            srv.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.4)
+            srv.proc.send_signal(signal.SIGCONT)
+            _, body = _until_unhealthy(srv, seconds=1.0)
+            if body is not None:
+                break
+        if body is None:
+            body = _until_unhealthy(srv)[1]
         assert body is not None, srv.log_tail()
         assert "EngineHungError" in body["error"]["message"]
         assert "past its deadline of" in body["error"]["message"] or \
@@ -124,6 +142,7 @@ def test_a_step_past_its_deadline_turns_health_503_and_serve_exits_1():
         _assert_failed_with(stream.events(), "the engine is hung")
         assert "exiting with status 1" in srv.log_tail()
     finally:
+        srv.proc.send_signal(signal.SIGCONT) if srv.proc.poll() is None else None
         srv.stop()
 
 

@@ -381,14 +381,19 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's methods pagedllm does not implement (yet): refused by name
 _SPECULATIVE_NOT_YET = {
-    "draft_model": "a draft model is not implemented yet (method 'ngram' is)",
     "eagle": "EAGLE heads are not implemented", "eagle3": "EAGLE-3 heads are not implemented",
     "medusa": "Medusa heads are not implemented", "mlp_speculator": "MLP speculators are not "
     "implemented", "mtp": "multi-token-prediction layers are not implemented",
     "deepseek_mtp": "multi-token-prediction layers are not implemented",
+}
+_SPECULATIVE_FIELDS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "min_acceptance_rate"},
+    "draft_model": {"method", "model", "num_speculative_tokens", "quantization", "dtype",
+                    "revision", "draft_tensor_parallel_size", "min_acceptance_rate"},
 }
 
 
@@ -397,7 +402,9 @@ class SpeculativeConfig:
     """vLLM's speculative_config: propose num_speculative_tokens tokens per step and verify them
     in one forward pass. method "ngram": the proposal continues the latest earlier occurrence
     of the sequence's last n tokens (prompt_lookup_max >= n >= prompt_lookup_min), or of the
-    request's predicted output (OpenAI's `prediction`)."""
+    request's predicted output (OpenAI's `prediction`). method "draft_model": a smaller model
+    with the target's vocabulary (`model`, in its own quantization and dtype) proposes its
+    greedy continuation."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -406,6 +413,10 @@ class SpeculativeConfig:
     # a request whose drafts are accepted less often than this (over its recent drafts) stops
     # speculating for a while: a verify step that keeps nothing costs more than a decode step
     min_acceptance_rate: float = 0.25
+    model: Optional[str] = None  # draft_model: the draft's name, path or GGUF
+    quantization: Optional[str] = None  # draft_model: the draft's (None: as for any model)
+    dtype: str = "auto"  # draft_model: the draft's dtype
+    revision: Optional[str] = None  # draft_model: the draft's revision in the model store
 
     @classmethod
     def from_dict(cls, value: Any) -> "SpeculativeConfig":
@@ -421,28 +432,55 @@ class SpeculativeConfig:
         elif method is None and value.get("model") is not None:
             method = "draft_model"  # vLLM infers a draft model from a model path
         if method is None:
-            raise ValueError("speculative_config.method is required: 'ngram' (supported) or "
-                             "'draft_model' (not yet)")
+            raise ValueError("speculative_config.method is required: 'ngram' or 'draft_model'")
         if method in _SPECULATIVE_NOT_YET:
             raise ValueError(f"speculative_config.method={method!r} is not supported: "
                              f"{_SPECULATIVE_NOT_YET[method]}")
+        if method in ("ngram", "[ngram]"):
+            method = "ngram"
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={method!r} is unknown; supported: "
                              f"{', '.join(SPECULATIVE_METHODS)}")
-        value["method"] = "ngram"
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "min_acceptance_rate"}
+        value["method"] = method
+        known = _SPECULATIVE_FIELDS[method]
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config field(s) {', '.join(unknown)} are not "
-                             f"supported with method 'ngram'; supported: "
+                             f"supported with method {method!r}; supported: "
                              f"{', '.join(sorted(known))}")
-        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        if method == "draft_model":
+            return cls._draft_model(value)
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         value["prompt_lookup_min"] = low if low is not None else (high if high is not None else 5)
         value["prompt_lookup_max"] = high if high is not None else value["prompt_lookup_min"]
         return cls(**value)
+
+    @classmethod
+    def _draft_model(cls, value: dict[str, Any]) -> "SpeculativeConfig":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model is required with method 'draft_model': "
+                             f"the draft model's name, directory or GGUF file, got {model!r}")
+        tp = value.pop("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={tp!r} is not "
+                             "supported: the draft runs on the target's one rank (1)")
+        for name in ("quantization", "revision"):
+            if value.get(name) is not None and not isinstance(value[name], str):
+                raise ValueError(f"speculative_config.{name} must be a string, got "
+                                 f"{value[name]!r}")
+        dtype = value.get("dtype", "auto")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"speculative_config.dtype must be one of auto, float32, "
+                             f"bfloat16, float16, got {dtype!r}")
+        return cls(**value)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """The drafts come from a draft model the runner runs (not from the scheduler)."""
+        return self.method == "draft_model"
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -615,6 +653,9 @@ class EngineConfig:
     hf_overrides: Optional[dict[str, Any]] = None
     lora: Optional[LoRAConfig] = None  # None: LoRA adapters are off (enable_lora=False)
     speculative: Optional[SpeculativeConfig] = None  # None: no speculative decoding
+    # speculative method "draft_model": the draft model's own config (its model, dtype and
+    # quantization; the target's platform, cache blocks and scheduler limits)
+    draft: Optional["EngineConfig"] = None
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

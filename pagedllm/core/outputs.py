@@ -26,6 +26,9 @@ class ModelRunnerOutput:
     # token after them; and the target's logprobs at each of those positions
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # a draft model's proposals (SchedulerOutput.draft_lengths): each request's drafts for its
+    # next step, continuing its tokens with this step's sampled ones
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -57,6 +57,8 @@ class Request:
     lora_request: Optional[LoRARequest] = None  # the adapter it runs with (None: the base)
     # OpenAI's `prediction`: the expected output's ids, searched first by the n-gram proposer
     prediction_token_ids: list[int] = field(default_factory=list)
+    # a draft model's proposals for the next step (they continue all_token_ids)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._update_block_hashes()

@@ -55,6 +55,10 @@ class SchedulerOutput:
     # speculative decoding: req_id -> draft ids to verify after its last token; they are the
     # last len(drafts) of its num_scheduled_tokens
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # a draft model (speculative_config method "draft_model"): req_id -> how many drafts the
+    # runner proposes after this step for a request that samples in it (its blocks already
+    # hold that many slots past the step's tokens: the draft writes their keys)
+    draft_lengths: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

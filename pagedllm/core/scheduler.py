@@ -99,6 +99,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         spec_token_ids: dict[str, list[int]] = {}
+        draft_lengths: dict[str, int] = {}  # a draft model's drafts after this step
         preempted = False
 
         i = 0
@@ -109,11 +110,13 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             old_num_blocks = len(self.kv.block_ids(request.request_id))
+            samples = request.num_computed_tokens + num_new == request.num_tokens
             drafts = self._drafts(request, num_new, budget)
             if drafts:
                 num_new += len(drafts)
                 spec_token_ids[request.request_id] = drafts
-            while not self.kv.allocate_slots(request, num_new):
+            ahead = self._lookahead(request, num_new) if samples else 0
+            while not self.kv.allocate_slots(request, num_new + ahead):
                 victim = self._preemption_victim()
                 self.running.remove(victim)
                 self._preempt(victim)
@@ -122,6 +125,8 @@ class Scheduler:
                     spec_token_ids.pop(request.request_id, None)
                     break
             else:
+                if ahead:
+                    draft_lengths[request.request_id] = ahead
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
                 new_ids = self.kv.block_ids(request.request_id)[old_num_blocks:]
@@ -146,7 +151,12 @@ class Scheduler:
             if (request.pooling_params is not None and num_new < request.num_tokens
                     and not self.config.chunked_pooling):
                 break  # an encoder sees a whole sequence at once: it waits for room
-            if not self.kv.allocate_slots(request, num_new, hit.blocks):
+            ahead = 0
+            if hit.num_tokens + num_new == request.num_tokens:  # samples: drafts after it?
+                ahead = self._lookahead(request, num_new, hit.num_tokens)
+            if ahead and self.kv.allocate_slots(request, num_new + ahead, hit.blocks):
+                draft_lengths[request.request_id] = ahead
+            elif not self.kv.allocate_slots(request, num_new, hit.blocks):
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
@@ -172,7 +182,8 @@ class Scheduler:
         else:
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
-                               self._grammar_bitmask(num_scheduled), spec_token_ids)
+                               self._grammar_bitmask(num_scheduled), spec_token_ids,
+                               draft_lengths)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Draft tokens to verify with a decoding request's last token: they count in the
@@ -186,6 +197,26 @@ class Scheduler:
         if drafts and not self.kv.can_allocate(request, 1 + len(drafts)):
             return []
         return drafts
+
+    def _lookahead(self, request: Request, num_new: int, computed: Optional[int] = None) -> int:
+        """With a draft model, the drafts the runner proposes after this step for a request
+        that samples in it: their keys need slots past the step's num_new tokens, which are
+        reserved now (0 where they are not free: speculation never preempts), and they must
+        leave room for the sampled tokens (max_tokens, max_model_len). computed: a new
+        request's cache hit (a running one's computed count by default)."""
+        speculator = self.speculator
+        if speculator is None or not speculator.drafts_in_runner:
+            return 0
+        computed = request.num_computed_tokens if computed is None else computed
+        k = min(speculator.num_to_draft(request),
+                request.max_tokens - request.num_output_tokens - 2,
+                self.config.max_model_len - computed - num_new - 1)
+        if k <= 0:
+            return 0
+        if computed == request.num_computed_tokens and not self.kv.can_allocate(
+                request, num_new + k):
+            return 0
+        return k
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """Whether the request's adapter (if any) fits beside the running ones: at most
@@ -277,6 +308,8 @@ class Scheduler:
             token = out.sampled.get(req_id)
             tokens = [] if token is None else [token]
             logprobs = [out.logprobs[req_id]] if req_id in out.logprobs else []
+        if tokens:  # a draft model's drafts continue exactly these tokens (or none came)
+            request.draft_token_ids = out.draft_token_ids.get(req_id, [])
         for i, token in enumerate(tokens):
             request.append_output_token(token)
             if request.grammar is not None and not request.grammar.accept(token):

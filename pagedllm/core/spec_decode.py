@@ -83,6 +83,15 @@ def ngram_continuation(source: np.ndarray, suffix: np.ndarray, max_tokens: int,
     return []
 
 
+class RunnerDraftProposer:
+    """A draft model's proposals (method "draft_model"): the model runner drafted them after
+    the request's previous step (worker/draft_runner.py); they continue its tokens."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """The runner's drafts for this request, at most max_tokens."""
+        return request.draft_token_ids[:max_tokens]
+
+
 @dataclass
 class SpecRequestState:
     """One request's speculation: its current draft length and recent acceptance."""
@@ -138,23 +147,39 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
         self.config = config
-        self.proposer = proposer if proposer is not None else NgramProposer(config)
+        if proposer is None:
+            proposer = RunnerDraftProposer() if config.uses_draft_model else NgramProposer(config)
+        self.proposer = proposer
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._states: dict[str, SpecRequestState] = {}
+
+    @property
+    def drafts_in_runner(self) -> bool:
+        """The drafts come from a draft model in the runner, which the scheduler asks for a
+        step ahead (num_to_draft) and gives KV slots for."""
+        return self.config.uses_draft_model
+
+    def num_to_draft(self, request: Request) -> int:
+        """How many drafts to ask for this request's next step: its current k, or 0 for a
+        request speculation cannot serve exactly or one paused for low acceptance."""
+        if not eligible(request):
+            return 0
+        state = self._state(request)
+        return 0 if request.num_output_tokens < state.paused_until else state.num_tokens
 
     def drafts(self, request: Request, room: int) -> list[int]:
         """Draft tokens for a request about to decode its last token, at most `room` (what
         the budget, max_tokens and max_model_len leave after that token): [] for a request
         speculation cannot serve exactly (see `eligible`) or one paused for low acceptance."""
-        if room <= 0 or not eligible(request):
-            return []
+        k = min(room, self.num_to_draft(request))
+        return self.proposer.propose(request, k) if k > 0 else []
+
+    def _state(self, request: Request) -> SpecRequestState:
         state = self._states.get(request.request_id)
         if state is None:
             state = self._states[request.request_id] = SpecRequestState(
                 self.config.num_speculative_tokens)
-        if request.num_output_tokens < state.paused_until:
-            return []
-        return self.proposer.propose(request, min(room, state.num_tokens))
+        return state
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step's result for one request: adapt its k, count the stats."""

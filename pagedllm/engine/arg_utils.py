@@ -278,7 +278,9 @@ class EngineArgs:
         None, "speculative decoding as a JSON object with vLLM's fields, e.g. '{\"method\": "
         "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
         "\"prompt_lookup_min\": 2}' (n-gram lookup in the prompt, the output and a request's "
-        "`prediction`); method draft_model is not implemented yet (default: off)",
+        "`prediction`), or '{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' (a "
+        "smaller model with the same vocabulary drafts; its own \"quantization\" and "
+        "\"dtype\") (default: off)",
         type=_json_object, metavar="JSON")
     # LoRA adapters: requests name one with lora_request (docs/lora.md)
     enable_lora: bool = _opt(False, "serve LoRA adapters over the base model: requests may "

@@ -173,7 +173,8 @@ def ray_rank_nodes(args: EngineArgs, ckpt: Checkpoint, platform: Platform, dtype
 
 def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                        dtype: torch.dtype, quantization: Optional[str] = None,
-                       rank_mems: Optional[Sequence[MemoryInfo]] = None
+                       rank_mems: Optional[Sequence[MemoryInfo]] = None,
+                       draft: Optional[ModelFootprint] = None
                        ) -> tuple[MemoryPlan, torch.dtype]:
     """Size the KV cache and max_model_len from metadata, trying _candidates' plans in turn
     (a GGUF's blocks mapped, or with dtype 'auto' a half-size dtype, when the first does not fit).
@@ -184,10 +185,11 @@ def plan_engine_memory(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     which the rank checks again where it runs before it loads anything; rank_mems, when
     given, is each rank's memory read where it will run (Ray nodes: ray_rank_nodes). With
     tensor_parallel_size M too, a rank's share is its stage's over M (memory/footprint.py's
-    tp_share)."""
+    tp_share). draft: a draft model's footprint (plan_draft), held beside the model: its
+    weights, and its KV cache with as many blocks."""
     if quantization is None:
         quantization = resolve_quantization(args, ckpt, platform, build_kernels=False)
-    planner = CandidatePlanner.of(args, ckpt, platform, quantization, rank_mems)
+    planner = CandidatePlanner.of(args, ckpt, platform, quantization, rank_mems, draft)
     candidates = _candidates(args, ckpt, platform, dtype, quantization, planner.mem)
     result, chosen = _first_that_fits(candidates, planner.plan)
     if chosen.forced:
@@ -228,10 +230,12 @@ class CandidatePlanner:
     rank_mems: Optional[Sequence[MemoryInfo]]
     batched: int  # max_num_batched_tokens
     keeps_blocks: bool  # a GGUF keeping some of its blocks (_keeps_gguf_blocks)
+    draft: Optional[ModelFootprint] = None  # a draft model's, held beside this model's
 
     @classmethod
     def of(cls, args: EngineArgs, ckpt: Checkpoint, platform: Platform, quantization: str,
-           rank_mems: Optional[Sequence[MemoryInfo]]) -> "CandidatePlanner":
+           rank_mems: Optional[Sequence[MemoryInfo]],
+           draft: Optional[ModelFootprint] = None) -> "CandidatePlanner":
         """Read the checkpoint's metadata and the memory once; rank_mems None: each rank's
         cgroup with pipeline parallelism (_rank_cgroup_memories)."""
         tensors = gguf_tensors(ckpt)
@@ -241,7 +245,7 @@ class CandidatePlanner:
             rank_mems = _rank_cgroup_memories(args, platform)
         return cls(args, ckpt, platform, quantization, tensors, num_params, source, mem,
                    rank_mems, _max_num_batched_tokens(args, ckpt, platform),
-                   _keeps_gguf_blocks(ckpt, platform, quantization, tensors))
+                   _keeps_gguf_blocks(ckpt, platform, quantization, tensors), draft)
 
     def footprint(self, c: Candidate) -> ModelFootprint:
         """The model's footprint in this candidate's dtype, with the bytes its weights hold:
@@ -268,7 +272,7 @@ class CandidatePlanner:
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
-        return fp
+        return fp if self.draft is None else with_draft(fp, self.draft)
 
     def plan(self, c: Candidate) -> MemoryPlan:
         """This candidate's plan, or its InsufficientMemoryError: one rank's, or each
@@ -405,10 +409,12 @@ def _pooling_args(args: EngineArgs, runner: RunnerChoice, arch: ModelArchConfig)
 
 
 def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
-                       read_nodes: Optional[RankNodeReader] = None) -> EngineConfig:
+                       read_nodes: Optional[RankNodeReader] = None,
+                       draft_ckpt: Optional[Checkpoint] = None) -> EngineConfig:
     """Resolve the runner, the platform and dtype, and plan memory, for a checkpoint;
     read_nodes: where a cluster's ranks will run, and their memory there (the engine passes
-    the executors' pagedllm.executor.read_rank_nodes; None plans on this machine)."""
+    the executors' pagedllm.executor.read_rank_nodes; None plans on this machine);
+    draft_ckpt: speculative_config's draft model (method "draft_model"), planned beside it."""
     runner = choose_runner(args, ckpt)
     args = _pooling_args(args, runner, ckpt.arch)
     choice = resolve_platform(args.device)
@@ -422,8 +428,10 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     quantization = resolve_quantization(args, ckpt, choice.platform)
     dtype = engine_dtype(args.dtype, ckpt.arch.torch_dtype, choice.platform, quantization)
     nodes = ray_rank_nodes(args, ckpt, choice.platform, dtype, quantization, read_nodes)
+    draft = None if draft_ckpt is None else plan_draft(args, draft_ckpt, choice.platform)
     mem_plan, planned = plan_engine_memory(args, ckpt, choice.platform, dtype, quantization,
-                                           None if nodes is None else nodes.memories)
+                                           None if nodes is None else nodes.memories,
+                                           None if draft is None else draft.footprint)
     fell_back = args.quantization is None and ckpt.kind == "gguf" and quantization == "none"
     if fell_back and choice.platform.kernels_error is not None:  # not on a GPU: kernels failed
         logger.warning("%s", _dequantized_note(ckpt, choice.platform, planned,
@@ -444,7 +452,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:
         batched = max(batched, mem_plan.max_model_len)  # an encoder reads a whole input a step
-    return EngineConfig(
+    config = EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype, platform=choice.platform,
         cache=CacheConfig(block_size=args.block_size, num_blocks=mem_plan.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
@@ -460,5 +468,63 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler,
         hf_overrides=args.hf_overrides, lora=lora,
         speculative=args.speculative())
+    if draft is None:
+        return config
+    logger.info("draft model %s: %s, %s of weights, a KV cache of %d blocks beside the "
+                "model's", draft_ckpt.path, draft.footprint.dtype_name,
+                fmt_bytes(draft.footprint.weight_bytes), mem_plan.num_blocks)
+    return dataclasses.replace(config, draft=draft.engine_config(config))
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """speculative_config's draft model as planned: its checkpoint, dtype, quantization and
+    footprint (its weights and KV bytes per token, added to the target's)."""
+
+    ckpt: Checkpoint
+    dtype: torch.dtype
+    quantization: str
+    footprint: ModelFootprint
+
+    def engine_config(self, target: EngineConfig) -> EngineConfig:
+        """The draft's own config: its model, on the target's platform, with the target's
+        cache blocks and scheduler limits; no LoRA, no speculation, not timed on its own."""
+        return EngineConfig(model_path=str(self.ckpt.path), arch=self.ckpt.arch,
+                            dtype=self.dtype, platform=target.platform, cache=target.cache,
+                            scheduler=target.scheduler, seed=target.seed,
+                            quantization=self.quantization, step_timeout=None)
+
+
+def plan_draft(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> DraftPlan:
+    """The draft model of args' speculative_config (method "draft_model") resolved as any
+    model is (its own quantization and dtype), refused by name if it cannot draft."""
+    spec = args.speculative()
+    assert spec is not None and spec.model is not None
+    draft_args = dataclasses.replace(
+        args, model=spec.model, revision=spec.revision, quantization=spec.quantization,
+        dtype=spec.dtype, speculative_config=None, enable_lora=False, hf_overrides=None,
+        mmap_weights=None, tokenizer=None, gguf_file=None, runner="auto", task=None)
+    runner = choose_runner(draft_args, ckpt)
+    if runner.runner != "generate" or ckpt.arch.is_encoder:
+        raise ValueError(f"speculative_config.model {spec.model!r} cannot draft: it is a "
+                         f"{'encoder' if ckpt.arch.is_encoder else runner.runner} model, not "
+                         "one that generates")
+    quantization = resolve_quantization(draft_args, ckpt, platform)
+    dtype = engine_dtype(spec.dtype, ckpt.arch.torch_dtype, platform, quantization)
+    planner = CandidatePlanner.of(draft_args, ckpt, platform, quantization, None)
+    fp = planner.footprint(Candidate(dtype))
+    return DraftPlan(ckpt, dtype, quantization, dataclasses.replace(
+        fp, dtype_name=f"{_dtype_name(dtype)}, quantization {quantization}"))
+
+
+def with_draft(fp: ModelFootprint, draft: ModelFootprint) -> ModelFootprint:
+    """A model's footprint with a draft model's beside it: both weights, KV bytes per token
+    of both (one block holds both models' keys and values); loads one after the other."""
+    return dataclasses.replace(
+        fp, weight_bytes=fp.weight_bytes + draft.weight_bytes,
+        kv_bytes_per_token=fp.kv_bytes_per_token + draft.kv_bytes_per_token,
+        load_extra_bytes=max(fp.load_extra_bytes, draft.load_extra_bytes),
+        dtype_name=f"{fp.dtype_name} + draft model ({draft.dtype_name}, "
+                   f"{fmt_bytes(draft.weight_bytes)})")
 
 

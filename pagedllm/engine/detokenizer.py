@@ -21,6 +21,7 @@ class IncrementalDetokenizer:
         # from unfinished outputs: a stream never shows text it later takes back (as vLLM does)
         self._hold = self._max_stop_len - 1 if self._stops and not self._include_stop else 0
         self.text = ""
+        self.num_used = 0  # tokens the last update took (update)
 
     def output_text(self, finished: bool) -> str:
         """The text to show: all of it once the sequence is finished, else without the last
@@ -30,15 +31,19 @@ class IncrementalDetokenizer:
         return self.text[:max(0, len(self.text) - self._hold)]
 
     def update(self, token_ids: list[int]) -> Optional[str]:
-        """Append tokens' text; return the stop string if one now appears (text is cut there)."""
-        for token_id in token_ids:
+        """Append tokens' text; return the stop string if one now appears (text is cut there).
+        num_used: how many of token_ids it took, up to the one that completed the stop
+        string (a speculative step brings several; those after it are not output)."""
+        for i, token_id in enumerate(token_ids):
             piece = self._stream.step(self._backend, token_id)
             if not piece:
                 continue
             self.text += piece
             stop = self._find_stop(len(piece))
             if stop is not None:
+                self.num_used = i + 1
                 return stop
+        self.num_used = len(token_ids)
         return None
 
     def _find_stop(self, new_chars: int) -> Optional[str]:

@@ -21,6 +21,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.known_templates import end_of_turn_ids
 from pagedllm.hub.sources import locate_model
 from pagedllm.tokenizer.tokenizer import load_tokenizer
+from pagedllm.tokenizer.vocabulary import check_same_vocabulary
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -57,15 +58,27 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         """Find the checkpoint, size the engine, load the weights."""
         located = locate_model(args.model, args.revision, args.gguf_file, args.model_source)
+        spec = args.speculative()
+        drafted = None if spec is None or not spec.uses_draft_model else locate_model(
+            spec.model, spec.revision, None, args.model_source)
         # plan memory on metadata before any weight byte is downloaded (fit before fetch)
         meta = resolve_checkpoint(located.metadata_path, args.hf_overrides)
-        config = make_engine_config(args, meta, read_rank_nodes)
+        draft_meta = None if drafted is None else resolve_checkpoint(drafted.metadata_path)
+        config = make_engine_config(args, meta, read_rank_nodes, draft_meta)
         ckpt = meta if located.fetch is None else resolve_checkpoint(located.weights_path(),
                                                                      args.hf_overrides)
         config = dataclasses.replace(config, model_path=str(ckpt.path))
         tokenizer = load_tokenizer(args.tokenizer or ckpt.tokenizer_path,
                                    trust_remote_code=args.trust_remote_code,
                                    max_tokens=config.arch.vocab_size)
+        if drafted is not None:
+            draft = draft_meta if drafted.fetch is None else resolve_checkpoint(
+                drafted.weights_path())
+            check_same_vocabulary(tokenizer, load_tokenizer(
+                draft.tokenizer_path, trust_remote_code=args.trust_remote_code,
+                max_tokens=draft.arch.vocab_size), args.model, spec.model)
+            config = dataclasses.replace(config, draft=dataclasses.replace(
+                config.draft, model_path=str(draft.path)))
         config = dataclasses.replace(config, arch=_classifier_token_ids(config.arch, tokenizer))
         return cls(config, tokenizer, generation_config(ckpt))
 

@@ -170,14 +170,18 @@ class OutputProcessor:
     def _apply_tokens(self, sample: _SampleState, out: EngineCoreOutput) -> Optional[str]:
         if sample.finish_reason is not None:
             return None
-        sample.token_ids.extend(out.new_token_ids)
+        tokens, stop = out.new_token_ids, None
+        if sample.detokenizer is not None:
+            stop = sample.detokenizer.update(tokens)
+            # tokens a speculative step brought after the one that ended a stop string are
+            # dropped, as a plain step would never have produced them
+            tokens = tokens[:sample.detokenizer.num_used]
+        sample.token_ids.extend(tokens)
         if sample.logprobs is not None:
-            for lp in out.new_logprobs:
+            for lp in out.new_logprobs[:len(tokens)]:
                 sample.logprobs.append(self._logprob_dict(lp))
                 sample.cumulative_logprob += lp.logprobs[0]
-        if sample.detokenizer is None:
-            return None
-        return sample.detokenizer.update(out.new_token_ids)
+        return stop
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         d: dict[int, Logprob] = {}

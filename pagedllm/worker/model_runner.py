@@ -40,6 +40,7 @@ from pagedllm.sample.rejection import verify_point_mass
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.worker.captured_decode import CapturedDecode, decide
+from pagedllm.worker.draft_runner import DraftJob, DraftRunner
 from pagedllm.worker.input_batch import (CachedRequestState, InputBuffers, StepInputs,
                                          build_step_inputs)
 from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
@@ -84,6 +85,9 @@ class ModelRunner:
         self.lora: Optional[LoRASlots] = None  # enable_lora: the adapters' slots (load_model)
         self._told_lora_decode = False  # the log said once that LoRA steps skip the C++ stack
         self._stack_lora = False  # the captured decode step applies LoRA (take_lora)
+        # speculative method "draft_model": proposes drafts after each step
+        self.drafter = None if config.draft is None else DraftRunner(
+            config.draft, self.vocab_size, self.buffers)
 
     def load_model(self) -> None:
         """Build and load the model; capture its decode step where the platform can."""
@@ -101,6 +105,9 @@ class ModelRunner:
                 f"{self.tp.world_size}: the C++ decode stack has no all-reduce between layers)")
         else:
             self.captured_decode, self.decode_path = decide(self.model, self.platform.kernels_ready)
+        if self.drafter is not None:
+            self.drafter.load_model()
+            self.decode_path += f"; the draft model's: {self.drafter.decode_path}"
         if self.config.lora is not None:  # after the capture: it takes the base modules
             with build_context(self.platform, self.config.dtype):  # LoRALinear's C++ op or not
                 self.lora = LoRASlots(self.model, self.config.arch, self.config.lora,
@@ -131,7 +138,8 @@ class ModelRunner:
         """Bytes of one KV block over this runner's layers and KV heads."""
         arch = self.config.arch
         whole = kv_block_bytes(arch, self.block_size, self.config.dtype, self.num_layers)
-        return whole // arch.num_key_value_heads * self.num_kv_heads
+        draft = 0 if self.drafter is None else self.drafter.kv_block_bytes()
+        return whole // arch.num_key_value_heads * self.num_kv_heads + draft
 
     def determine_available_memory(self) -> int:
         """Bytes this runner may give the KV cache: the memory plan's figure, made from the
@@ -151,6 +159,8 @@ class ModelRunner:
                                           self.num_kv_heads, arch.head_dim,
                                           self.config.dtype, self.device)
         bind_kv_cache(self.model, self.kv_cache)
+        if self.drafter is not None:  # the same block ids address the draft's cache
+            self.drafter.initialize_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -177,7 +187,22 @@ class ModelRunner:
             # the drafts were this step's inputs only: the scheduler sends the kept ones back
             # with the request's next step, and its computed count without the rejected ones
             del self.requests[req_id].token_ids[-len(drafts):]
+        if self.drafter is not None and sched.draft_lengths:
+            self._propose(sched.draft_lengths, out)
         return out
+
+    def _propose(self, lengths: dict[str, int], out: ModelRunnerOutput) -> None:
+        """The draft model's next drafts for the requests that sampled in this step, after
+        their tokens and the ones just sampled (kept drafts and the target's token)."""
+        jobs = []
+        for req_id, k in lengths.items():
+            new = out.spec_token_ids.get(req_id)
+            if new is None and req_id in out.sampled:
+                new = [out.sampled[req_id]]
+            if new and req_id not in out.errors:
+                st = self.requests[req_id]
+                jobs.append(DraftJob(req_id, st.token_ids + new, st.block_ids, k))
+        out.draft_token_ids.update(self.drafter.propose(jobs))
 
     def _forward(self, step: StepInputs, meta: AttentionMetadata,
                  groups: tuple[LoRAGroup, ...]) -> Optional[torch.Tensor]:
@@ -211,7 +236,11 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(req_id)
         for new in sched.new_reqs:
+            if self.drafter is not None:  # new, or resumed from scratch after preemption
+                self.drafter.forget(new.req_id)
             # a request resumed after preemption keeps its RNG and what it already returned
             old = self.requests.get(new.req_id)
             generator = old.generator if old else self._make_generator(new.sampling_params.seed)

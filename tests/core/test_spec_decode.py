@@ -51,9 +51,13 @@ def test_config_takes_vllms_fields_and_defaults():
 
 
 @pytest.mark.parametrize("value, words", [
-    ({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3},
-     ["method='draft_model'", "not implemented yet"]),
-    ({"model": "x.gguf", "num_speculative_tokens": 3}, ["draft_model"]),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, ["speculative_config.model"]),
+    ({"model": "x.gguf", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+     ["prompt_lookup_max", "'draft_model'"]),
+    ({"model": "x.gguf", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+     ["draft_tensor_parallel_size=2"]),
+    ({"model": "x.gguf", "num_speculative_tokens": 3, "dtype": "int8"}, ["dtype", "bfloat16"]),
+    ({"model": "x.gguf"}, ["num_speculative_tokens"]),
     ({"method": "eagle", "num_speculative_tokens": 3}, ["method='eagle'", "EAGLE"]),
     ({"method": "lookahead", "num_speculative_tokens": 3}, ["unknown", "ngram"]),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
@@ -70,6 +74,14 @@ def test_config_refusals_name_the_field(value, words):
         SpeculativeConfig.from_dict(value)
     for word in words:
         assert word in str(err.value)
+
+
+def test_a_model_path_means_a_draft_model():
+    c = SpeculativeConfig.from_dict({"model": "d.gguf", "num_speculative_tokens": 3,
+                                     "quantization": "int8", "dtype": "float32"})
+    assert (c.method, c.model, c.quantization, c.dtype) == ("draft_model", "d.gguf", "int8",
+                                                           "float32")
+    assert c.uses_draft_model and not SpeculativeConfig.from_dict(NGRAM).uses_draft_model
 
 
 def test_engine_args_refuse_parallel_ranks():
@@ -185,3 +197,39 @@ def test_low_acceptance_pauses_a_request():
     assert spec.drafts(r, 8) == []
     r.output_token_ids.extend([1, 2, 3])
     assert spec.drafts(r, 8) == [4]
+
+
+# ---- a draft model: drafts asked for a step ahead, with KV slots for them ------------------
+DRAFT = {"model": "draft.gguf", "num_speculative_tokens": 3}
+
+
+def test_a_draft_model_is_asked_for_drafts_with_slots_ahead():
+    s, kv = make(spec=DRAFT)
+    s.add_request(req("a", [1, 2, 3, 4, 5, 6], max_tokens=20))
+    sched = s.schedule()  # the whole prompt: samples, so the runner drafts 3 after it
+    assert sched.draft_lengths == {"a": 3} and not sched.spec_token_ids
+    # blocks for the prompt's 6 tokens, the sampled one and the 2 drafts fed after it
+    assert len(kv.block_ids("a")) == -(-(6 + 3) // BS)
+    out = ModelRunnerOutput(sampled={"a": 7}, draft_token_ids={"a": [8, 9, 10]})
+    s.update_from_output(sched, out)
+    sched = s.schedule()  # the drafts come back to be verified after token 7
+    assert sched.spec_token_ids == {"a": [8, 9, 10]} and sched.num_scheduled_tokens["a"] == 4
+    assert sched.draft_lengths == {"a": 3}
+    out = ModelRunnerOutput(sampled={}, spec_token_ids={"a": [8, 11]},
+                            draft_token_ids={"a": [12, 13]})
+    s.update_from_output(sched, out)  # 8 kept, 11 the target's own: computed up to 8
+    r = s.requests["a"]
+    assert r.output_token_ids == [7, 8, 11] and r.num_computed_tokens == 8
+    assert s.speculator.stats.num_accepted_tokens == 1
+    assert s.schedule().spec_token_ids == {"a": [12, 13]}
+
+
+def test_a_draft_model_is_not_asked_past_max_tokens_or_without_free_blocks():
+    s, _ = make(spec=DRAFT)
+    s.add_request(req("a", [1, 2, 3], max_tokens=2))
+    sched = s.schedule()  # 2 tokens at most: one now, one next step with no room for drafts
+    assert "a" not in sched.draft_lengths
+    s, kv = make(spec=DRAFT, num_blocks=2)
+    s.add_request(req("b", [1, 2, 3, 4, 5, 6, 7], max_tokens=20))
+    sched = s.schedule()  # 7 tokens fill 2 blocks of 4: the drafts' slots are not free
+    assert "b" not in sched.draft_lengths and sched.num_scheduled_tokens == {"b": 7}

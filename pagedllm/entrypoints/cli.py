@@ -66,14 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("model", nargs="?", help="a .gguf file, an HF directory, a Hub id or a "
                         "known name (default: none, the machine only)")
     doctor.add_argument("--json", action="store_true", help="print JSON for scripts")
-    EngineArgs.add_cli_args(doctor, names=("dtype", "device", "max_model_len"))
+    EngineArgs.add_cli_args(doctor, names=("dtype", "device", "max_model_len",
+                                           "speculative_config"))
     return parser
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.doctor import run
 
-    return run(args.model, args.json, args.device, args.dtype, args.max_model_len)
+    return run(args.model, args.json, args.device, args.dtype, args.max_model_len,
+               args.speculative_config)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {

@@ -50,8 +50,10 @@ def kernel_report() -> dict[str, Any]:
 
 
 def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
-                 max_model_len: Optional[int] = None) -> dict[str, Any]:
-    """Whether MODEL fits here and with which sizes, from its metadata."""
+                 max_model_len: Optional[int] = None,
+                 speculative_config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Whether MODEL fits here and with which sizes, from its metadata; with a draft model
+    (speculative_config method "draft_model"), whether the draft fits beside it too."""
     from pagedllm.engine.config_builder import (engine_dtype, plan_engine_memory,
                                                 resolve_quantization)
     from pagedllm.loader.checkpoint import resolve_checkpoint
@@ -64,7 +66,7 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     ckpt = resolve_checkpoint(locate_model(model).metadata_path)  # metadata only, no weights
     choice = resolve_platform(device)
     args = EngineArgs(model=model, dtype=dtype, device=device or "auto",
-                      max_model_len=max_model_len)
+                      max_model_len=max_model_len, speculative_config=speculative_config)
     num_params, source = checkpoint_num_params(ckpt)
     out: dict[str, Any] = {"model": model, "path": str(ckpt.path), "format": ckpt.kind,
                            "architecture": ckpt.arch.architecture, "parameters": num_params,
@@ -92,6 +94,40 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     out.update(fits=True, dtype=str(chosen).removeprefix("torch."),
                weight_bytes=plan.weight_bytes, kv_bytes_per_token=per_token,
                kv_cache_bytes=plan.kv_cache_bytes, max_model_len=plan.max_model_len,
+               sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
+               plan=plan.summary())
+    spec = args.speculative()
+    if spec is not None and spec.uses_draft_model:
+        out["draft"] = draft_report(args, ckpt, choice.platform, chosen, quantization,
+                                    plan.weight_bytes)
+    return out
+
+
+def draft_report(args: EngineArgs, ckpt: Any, platform: Any, dtype: torch.dtype,
+                 quantization: str, target_weight_bytes: int) -> dict[str, Any]:
+    """Whether speculative_config's draft model fits beside the model (its weights, and its
+    KV cache in every block), and the share of a target step's weight bytes a draft token
+    reads: what a drafted token costs."""
+    from pagedllm.engine.config_builder import plan_draft, plan_engine_memory
+    from pagedllm.hub.sources import locate_model
+    from pagedllm.loader.checkpoint import resolve_checkpoint
+    from pagedllm.memory.plan import InsufficientMemoryError
+
+    spec = args.speculative()
+    draft_ckpt = resolve_checkpoint(locate_model(spec.model, spec.revision).metadata_path)
+    draft = plan_draft(args, draft_ckpt, platform)
+    fp = draft.footprint
+    out: dict[str, Any] = {
+        "model": spec.model, "architecture": draft_ckpt.arch.architecture,
+        "dtype": str(draft.dtype).removeprefix("torch."), "quantization": draft.quantization,
+        "weight_bytes": fp.weight_bytes, "kv_bytes_per_token": fp.kv_bytes_per_token,
+        "bytes_per_token_vs_target": round(fp.weight_bytes / max(1, target_weight_bytes), 3)}
+    try:
+        plan, _ = plan_engine_memory(args, ckpt, platform, dtype, quantization, draft=fp)
+    except InsufficientMemoryError as err:
+        out.update(fits=False, reason=str(err))
+        return out
+    out.update(fits=True, kv_cache_bytes=plan.kv_cache_bytes, max_model_len=plan.max_model_len,
                sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
                plan=plan.summary())
     return out
@@ -181,16 +217,33 @@ def format_text(report: dict[str, Any]) -> str:
                       f"{m['max_model_len']} fit in a {fmt_bytes(m['kv_cache_bytes'])} KV cache"]
         else:
             lines.append("  fits: no — " + m["reason"].replace("\n", "\n  "))
+        if m.get("draft"):
+            lines += _draft_lines(m["draft"])
     return "\n".join(lines)
 
 
+def _draft_lines(d: dict[str, Any]) -> list[str]:
+    head = (f"draft model {d['model']}: {d['architecture']}, dtype {d['dtype']}, quantization "
+            f"{d['quantization']}: weights {fmt_bytes(d['weight_bytes'])} "
+            f"({100 * d['bytes_per_token_vs_target']:.0f}% of the model's bytes a token), KV "
+            f"{fmt_bytes(d['kv_bytes_per_token'])} per token")
+    if d["fits"]:
+        return [head, f"  fits beside the model: yes; {d['sequences_at_max_model_len']} "
+                      f"sequence(s) of max_model_len {d['max_model_len']} fit in a "
+                      f"{fmt_bytes(d['kv_cache_bytes'])} KV cache holding both models' keys"]
+    return [head, "  fits beside the model: no — " + d["reason"].replace("\n", "\n  ")]
+
+
 def run(model: Optional[str], as_json: bool, device: Optional[str], dtype: str,
-        max_model_len: Optional[int]) -> int:
-    """Print the report; exit status 0 when the model (if any) fits, 1 when it does not."""
+        max_model_len: Optional[int], speculative_config: Optional[dict] = None) -> int:
+    """Print the report; exit status 0 when the model (if any) fits, and its draft model (if
+    asked) beside it, 1 when not."""
     started = time.monotonic()
     report = platform_report(device)
     if model:
-        report["model_report"] = model_report(model, device, dtype, max_model_len)
+        report["model_report"] = model_report(model, device, dtype, max_model_len,
+                                              speculative_config)
     report["seconds"] = round(time.monotonic() - started, 3)
     print(json.dumps(report, indent=2) if as_json else format_text(report))
-    return 0 if not model or report["model_report"]["fits"] else 1
+    m = report.get("model_report")
+    return 0 if m is None or (m["fits"] and m.get("draft", {}).get("fits", True)) else 1

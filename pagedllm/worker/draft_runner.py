@@ -37,6 +37,9 @@ from pagedllm.worker.kv_cache import allocate_kv_cache, kv_block_bytes
 from pagedllm.worker.model_loader import load_model
 
 
+DECODE_ROWS = 8  # a catch-up of at most this many tokens runs as decode rows
+
+
 @dataclass
 class DraftJob:
     """One request to draft for: its tokens (the sampled ones of this step included), its
@@ -166,7 +169,10 @@ class DraftRunner:
     def _run(self, seqs: list[_Seq], nums: list[int]) -> dict[str, int]:
         """One forward pass of the draft over nums[i] tokens of seqs[i]; the greedy next token
         of each sequence whose rows reach its last token."""
-        step = build_step_inputs(seqs, nums, self.block_size, self.buffers)
+        # a few tokens (the kept drafts and the target's token) go as decode rows, each seeing
+        # the keys up to its position: the decode path (the C++ stack) rather than a prompt's
+        rows = frozenset(s.req_id for s, n in zip(seqs, nums) if 1 < n <= DECODE_ROWS)
+        step = build_step_inputs(seqs, nums, self.block_size, self.buffers, rows)
         meta = self.attn_builder.build(step.attn)
         with set_forward_context(meta):
             if self.captured is not None and meta.decode_only:

@@ -1,9 +1,9 @@
-"""llama.cpp's n-gram speculation on the workloads of `pagedllm bench latency --workload`: the
-same prompts (token ids of the same GGUF's vocabulary), greedy, --output-len tokens each,
-through a llama-server started here with or without `--spec-type ngram-simple`.
+"""llama.cpp's speculation on the workloads of `pagedllm bench latency --workload`: the same
+prompts (token ids of the same GGUF's vocabulary), greedy, --output-len tokens each, through a
+llama-server started here with `--spec-type ngram-simple`, a draft model (`-md`), or neither.
 
     .venv/bin/python benchmarks/spec_decode_llamacpp.py --llama-server PATH/llama-server \
-        --workload code-edit [--spec-type ngram-simple]
+        --workload code-edit [--spec-type ngram-simple | --draft-model DRAFT.gguf --draft-max 4]
 
 Prints each timed request's decode tok/s (llama-server's predicted_per_second) and its draft
 counts, then the mean; the first --num-iters-warmup requests are not timed, as in the bench.
@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--workload", choices=WORKLOADS[1:], default="code-edit")
     ap.add_argument("--spec-type", default=None, help="e.g. ngram-simple (default: none)")
+    ap.add_argument("--draft-model", default=None, help="a draft GGUF (llama-server -md)")
+    ap.add_argument("--draft-max", type=int, default=None,
+                    help="drafts a step (llama-server --spec-draft-n-max; its default: 3)")
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--num-iters", type=int, default=2)
     ap.add_argument("--num-iters-warmup", type=int, default=1)
@@ -54,6 +57,10 @@ def main() -> None:
     port = _free_port()
     cmd = [args.llama_server, "-m", _gguf(args.model), "-t", "2", "-c", "8192", "--port",
            str(port), "-np", "1"] + (["--spec-type", args.spec_type] if args.spec_type else [])
+    if args.draft_model:
+        cmd += ["-md", args.draft_model, "-td", "2"]
+    if args.draft_max:
+        cmd += ["--spec-draft-n-max", str(args.draft_max)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(port)

@@ -92,14 +92,15 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
     itemsize = torch.empty((), dtype=chosen).element_size()
     per_token = kv_bytes_per_token(ckpt.arch, itemsize)
     out.update(fits=True, dtype=str(chosen).removeprefix("torch."),
-               weight_bytes=plan.weight_bytes, kv_bytes_per_token=per_token,
+               weight_bytes=plan.weight_bytes, mapped_bytes=plan.mapped_bytes,
+               kv_bytes_per_token=per_token,
                kv_cache_bytes=plan.kv_cache_bytes, max_model_len=plan.max_model_len,
                sequences_at_max_model_len=plan.num_blocks * plan.block_size // plan.max_model_len,
                plan=plan.summary())
     spec = args.speculative()
     if spec is not None and spec.uses_draft_model:
         out["draft"] = draft_report(args, ckpt, choice.platform, chosen, quantization,
-                                    plan.weight_bytes)
+                                    plan.weight_bytes + plan.mapped_bytes)
     return out
 
 
@@ -211,8 +212,10 @@ def format_text(report: dict[str, Any]) -> str:
         if m["fits"]:
             quant = "" if m.get("quantization", "none") == "none" else \
                 f", quantization {m['quantization']}"
-            lines += [f"  fits: yes, dtype {m['dtype']}{quant}: weights {fmt_bytes(m['weight_bytes'])}, "
-                      f"KV {fmt_bytes(m['kv_bytes_per_token'])} per token",
+            mapped = (f" + {fmt_bytes(m['mapped_bytes'])} of blocks mapped from a file"
+                      if m.get("mapped_bytes") else "")
+            lines += [f"  fits: yes, dtype {m['dtype']}{quant}: weights {fmt_bytes(m['weight_bytes'])}"
+                      f"{mapped}, KV {fmt_bytes(m['kv_bytes_per_token'])} per token",
                       f"  {m['sequences_at_max_model_len']} sequence(s) of max_model_len "
                       f"{m['max_model_len']} fit in a {fmt_bytes(m['kv_cache_bytes'])} KV cache"]
         else:

@@ -264,6 +264,32 @@ def test_qwen7b_q2_k_generates_in_3_49_gib(load, qwen7b_q2_k, tmp_path):
           f"VmHWM {result['VmHWM']}")
 
 
+def test_doctor_says_whether_a_draft_fits_beside_the_7b(seed_vm, qwen7b_q2_k, qwen_gguf,
+                                                      tmp_path):
+    """The default model as a draft for the Qwen2-7B-shaped Q2_K GGUF in the seed VM: with
+    max_model_len 512 both fit (the 7B's blocks mapped, the draft's in memory, one KV cache
+    of both); with 2048 the page cache left for the mapped blocks is too short, and doctor
+    says so and exits 1."""
+    script = tmp_path / "doctor.py"
+    script.write_text("import sys; from pagedllm.entrypoints.cli import main; "
+                      "sys.exit(main(['doctor'] + sys.argv[1:]))")
+    spec = json.dumps({"model": str(qwen_gguf), "num_speculative_tokens": 4})
+    reports = {}
+    for length in (512, 2048):
+        proc = subprocess.run(["sh", "-c", f'echo $$ > {seed_vm}/cgroup.procs && exec '
+                               f'"{sys.executable}" "{script}" "$@"', "sh", str(qwen7b_q2_k),
+                               "--json", "--max-model-len", str(length),
+                               "--speculative-config", spec],
+                              capture_output=True, text=True, timeout=120)
+        reports[length] = (proc.returncode, json.loads(proc.stdout)["model_report"])
+    rc, fits = reports[512]
+    assert rc == 0 and fits["fits"] and fits["draft"]["fits"], fits
+    assert 0.1 < fits["draft"]["bytes_per_token_vs_target"] < 0.25  # 463 MiB of ~2.6 GiB
+    rc, short = reports[2048]
+    assert rc == 1 and short["fits"] and not short["draft"]["fits"]
+    assert "page cache" in short["draft"]["reason"]
+
+
 # The seed user's way out: two such VMs, pipeline_parallel_size=2, each rank in its own 3.49 GiB
 # cgroup, serving a Qwen2-7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random)
 @pytest.fixture(scope="module")

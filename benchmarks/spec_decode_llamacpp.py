@@ -59,6 +59,8 @@ def main() -> None:
            str(port), "-np", "1"] + (["--spec-type", args.spec_type] if args.spec_type else [])
     if args.draft_model:
         cmd += ["-md", args.draft_model, "-td", "2"]
+        if not args.spec_type:
+            cmd += ["--spec-type", "draft-simple"]
     if args.draft_max:
         cmd += ["--spec-draft-n-max", str(args.draft_max)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -57,7 +57,8 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # a draft model (speculative_config method "draft_model"): req_id -> how many drafts the
     # runner proposes after this step for a request that samples in it (its blocks already
-    # hold that many slots past the step's tokens: the draft writes their keys)
+    # hold that many slots past the step's tokens: the draft writes their keys); 0 for a prompt
+    # chunk of a request that will draft: the draft reads it too
     draft_lengths: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -125,7 +125,7 @@ class Scheduler:
                     spec_token_ids.pop(request.request_id, None)
                     break
             else:
-                if ahead:
+                if ahead or (not samples and self._mirrors_prompt(request)):
                     draft_lengths[request.request_id] = ahead
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
@@ -152,12 +152,15 @@ class Scheduler:
                     and not self.config.chunked_pooling):
                 break  # an encoder sees a whole sequence at once: it waits for room
             ahead = 0
-            if hit.num_tokens + num_new == request.num_tokens:  # samples: drafts after it?
+            samples = hit.num_tokens + num_new == request.num_tokens
+            if samples:  # drafts after it?
                 ahead = self._lookahead(request, num_new, hit.num_tokens)
             if ahead and self.kv.allocate_slots(request, num_new + ahead, hit.blocks):
                 draft_lengths[request.request_id] = ahead
             elif not self.kv.allocate_slots(request, num_new, hit.blocks):
                 break
+            elif not samples and self._mirrors_prompt(request):
+                draft_lengths[request.request_id] = 0
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = hit.num_tokens
@@ -217,6 +220,13 @@ class Scheduler:
                 request, num_new + k):
             return 0
         return k
+
+    def _mirrors_prompt(self, request: Request) -> bool:
+        """With a draft model, whether the runner's draft reads this request's prompt chunk
+        as the target does (draft_lengths 0): it will draft for the request."""
+        speculator = self.speculator
+        return (speculator is not None and speculator.drafts_in_runner
+                and request.pooling_params is None and speculator.num_to_draft(request) > 0)
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """Whether the request's adapter (if any) fits beside the running ones: at most

@@ -13,10 +13,12 @@ output) and proposes what followed them there. A draft model would implement the
     verify     positions of d x y z, one pass     -> target samples t0 t1 t2 t3
     kept       x if t0 == x, then y if t1 == y ... and the first t that differs (or t3)
 
-Each request's k follows its own acceptance: all drafts kept -> k grows by one (up to
-num_speculative_tokens); some rejected -> k is what was kept plus one. A request whose recent
-acceptance rate falls under min_acceptance_rate stops proposing for PAUSE_TOKENS tokens, since
-a verify pass that keeps nothing costs more than the plain decode step it replaces.
+Each request starts at num_speculative_tokens; after each verify its k is the one that
+gives the most tokens per second for its own acceptance and what a verify row costs here
+(core/spec_cost.py, fitted on the engine's steps). A request for which no k pays, or whose
+acceptance falls under min_acceptance_rate, stops proposing for PAUSE_TOKENS tokens, since a
+verify pass that keeps nothing costs more than the plain decode step it replaces; then it
+tries one draft again.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.core.spec_cost import (DECAY, DEFAULT_ROW_COST, PRIOR_KEPT, PRIOR_MISSED,
+                                     StepCost, best_draft_length)
 
 PAUSE_TOKENS = 32  # output tokens a request with a low acceptance rate decodes plainly
-RATE_DECAY = 0.7  # weight of the past in a request's acceptance rate (per verify step)
 
 
 class Proposer(Protocol):
@@ -94,11 +98,18 @@ class RunnerDraftProposer:
 
 @dataclass
 class SpecRequestState:
-    """One request's speculation: its current draft length and recent acceptance."""
+    """One request's speculation: its current draft length and recent acceptance (drafts
+    kept, and verifies that refused one, decayed per verify: a draft's chance to be kept)."""
 
     num_tokens: int  # drafts to ask for next time
-    rate: float = 1.0  # recent fraction of drafts kept (decayed per verify step)
+    kept: float = PRIOR_KEPT
+    missed: float = PRIOR_MISSED
     paused_until: int = 0  # output length from which it proposes again
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft is kept, given the ones before it were."""
+        return self.kept / (self.kept + self.missed)
 
 
 @dataclass
@@ -145,12 +156,17 @@ class SpecStats:
 class Speculator:
     """The scheduler's speculation: per-request draft lengths, proposals, acceptance stats."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Optional[Proposer] = None,
+                 draft_cost: float = 0.0) -> None:
+        """draft_cost: a draft model's step against the target's (its share of the target's
+        parameters), added to a verify row's prior cost."""
         self.config = config
         if proposer is None:
             proposer = RunnerDraftProposer() if config.uses_draft_model else NgramProposer(config)
         self.proposer = proposer
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+        # what a verify row (and its draft) costs here, from the engine's steps
+        self.cost = StepCost(DEFAULT_ROW_COST + draft_cost)
         self._states: dict[str, SpecRequestState] = {}
 
     @property
@@ -182,20 +198,31 @@ class Speculator:
         return state
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verify step's result for one request: adapt its k, count the stats."""
+        """A verify step's result for one request: its acceptance, its next k (or a pause
+        when none pays), the stats."""
         stats, state = self.stats, self._states[request.request_id]
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             stats.accepted_per_pos[pos] += 1
+        state.kept = DECAY * state.kept + num_accepted
+        state.missed = DECAY * state.missed + (1.0 if num_accepted < num_drafts else 0.0)
         limit = self.config.num_speculative_tokens
-        state.num_tokens = min(limit, num_accepted + 1)
-        state.rate = RATE_DECAY * state.rate + (1 - RATE_DECAY) * num_accepted / num_drafts
-        if state.rate < self.config.min_acceptance_rate:
+        state.num_tokens = best_draft_length(state.acceptance, self.cost.row_cost, limit)
+        if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
             state.paused_until = request.num_output_tokens + PAUSE_TOKENS
-            state.rate = self.config.min_acceptance_rate  # one more chance after the pause
+            state.kept, state.missed = PRIOR_KEPT, PRIOR_MISSED  # a fresh try after the pause
             state.num_tokens = 1
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """The time of a step the runner computed: a decode-only one (each request its last
+        token and its drafts) feeds the fit of what a verify row costs."""
+        spec = sched.spec_token_ids
+        if any(n != 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+            return  # a prompt chunk's rows cost otherwise
+        self.cost.observe(sum(sched.num_scheduled_tokens.values()),
+                          len(sched.num_scheduled_tokens), seconds)
 
     def reset_stats(self) -> None:
         """Start counting again (bench: the timed requests only)."""

@@ -14,6 +14,7 @@ from the watch's own thread, since the waiting thread is the one that is stuck.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Protocol
@@ -55,7 +56,11 @@ class EngineCore:
             raise
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
-        speculator = None if config.speculative is None else Speculator(config.speculative)
+        speculator = None
+        if config.speculative is not None:
+            draft = config.draft  # a draft step costs about its share of the parameters
+            speculator = Speculator(config.speculative, draft_cost=0.0 if draft is None else
+                                    draft.arch.num_params() / config.arch.num_params())
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.arch.vocab_size,
                                    speculator)
         # batches submitted and not updated yet, oldest first; None: one step at a time
@@ -92,8 +97,12 @@ class EngineCore:
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
         sched = self.scheduler.schedule()
+        started = time.perf_counter()
         with self._timed(sched):
             out = self.executor.execute_model(sched)
+        speculator = self.scheduler.speculator
+        if speculator is not None and not sched.is_empty:  # what a verify row costs here
+            speculator.observe_step(sched, time.perf_counter() - started)
         return self.scheduler.update_from_output(sched, out)
 
     @contextmanager

@@ -38,7 +38,9 @@ class StepDeadline:
         """The deadline config.step_timeout asks for; None: steps are not timed."""
         if not config.step_timeout:
             return None
-        return cls(float(config.step_timeout), 2.0 * config.arch.num_params())
+        # a draft model runs in the step too, over about as many tokens as the target
+        draft = 0 if config.draft is None else config.draft.arch.num_params()
+        return cls(float(config.step_timeout), 2.0 * (config.arch.num_params() + draft))
 
     def seconds(self, tokens: int, steps_done: int) -> float:
         """How long a step of `tokens` tokens may take, after `steps_done` steps."""

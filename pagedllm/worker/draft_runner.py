@@ -14,10 +14,12 @@ fed after them; at the next call the prefix of those drafts the target kept is c
     target   keeps d1, samples x: the sequence is t0..t9 d1 x
     call 2   d1 was fed and kept: cached t0..t9 d1; catch up x -> e1; feed e1 -> e2 ...
 
-A catch-up (a new request's whole prompt, or the kept tokens) runs as a prompt chunk, many
-requests' in one pass (at most the step's token capacity a pass); the feeds after it are
-decode steps of all drafting requests at once, through the C++ decode stack where the draft
-model can take it.
+A request's prompt is brought into the draft's cache chunk by chunk, in the steps the target
+prefills it (the scheduler asks 0 drafts of those), so a step's draft work follows its
+scheduled tokens; the catch-up after a verify (the kept drafts it did not feed, and the
+target's token) runs as decode rows. Each catch-up pass takes many requests (at most the
+step's token capacity a pass); the feeds after it are decode steps of all drafting requests
+at once, through the C++ decode stack where the draft model can take it.
 """
 from __future__ import annotations
 
@@ -116,16 +118,19 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, jobs: list[DraftJob]) -> dict[str, list[int]]:
         """Each job's drafts (at most num_drafts, fewer where its blocks end: the draft writes
-        the keys of every draft but the last)."""
+        the keys of every draft but the last). A job of 0 drafts (a prompt chunk of a request
+        that will draft) only brings the cache up to its tokens, as the target's step did."""
         seqs: list[tuple[_Seq, int]] = []
         for job in jobs:
             room = len(job.block_ids) * self.block_size - len(job.token_ids) + 1
             k = min(job.num_drafts, room)
-            if k <= 0 or not job.token_ids:
+            if k < 0 or not job.token_ids or (job.num_drafts > 0 and k == 0):
                 continue
-            seqs.append((_Seq(job.req_id, list(job.token_ids), job.block_ids,
-                              self._cached_prefix(job.req_id, job.token_ids)), k))
-        drafts: dict[str, list[int]] = {s.req_id: [] for s, _ in seqs}
+            computed = self._cached_prefix(job.req_id, job.token_ids, k > 0)
+            if computed < len(job.token_ids):
+                seqs.append((_Seq(job.req_id, list(job.token_ids), job.block_ids, computed), k))
+        drafting = frozenset(s.req_id for s, k in seqs if k > 0)
+        drafts: dict[str, list[int]] = {r: [] for r in drafting}
         known = {s.req_id: len(s.token_ids) for s, _ in seqs}
         pending = [s for s, _ in seqs]
         while pending:  # catch up: the tokens the cache lacks, up to capacity rows a pass
@@ -137,38 +142,40 @@ class DraftRunner:
                 batch.append(s)
                 nums.append(n)
                 room -= n
-            for req_id, token in self._run(batch, nums).items():
+            for req_id, token in self._run(batch, nums, drafting).items():
                 drafts[req_id].append(token)
             pending = [s for s in pending if s.num_computed_tokens < len(s.token_ids)]
         for j in range(1, max((k for _, k in seqs), default=0)):  # feed draft j, get j + 1
             active = [s for s, k in seqs if k > j]
             for s in active:
                 s.token_ids.append(drafts[s.req_id][-1])
-            for req_id, token in self._run(active, [1] * len(active)).items():
+            for req_id, token in self._run(active, [1] * len(active), drafting).items():
                 drafts[req_id].append(token)
         for s, _ in seqs:
             n = known[s.req_id]
             self._cached[s.req_id] = _Cached(n, s.token_ids[n:])
         return drafts
 
-    def _cached_prefix(self, req_id: str, token_ids: list[int]) -> int:
+    def _cached_prefix(self, req_id: str, token_ids: list[int], leave_last: bool) -> int:
         """How many of the sequence's first tokens the draft's cache holds: what it caught up
-        to, then the drafts it fed that the sequence kept (at most all but the last token,
-        whose logits give the first draft)."""
+        to, then the drafts it fed that the sequence kept (leave_last: at most all but the
+        last token, whose logits give the first draft)."""
         cached = self._cached.get(req_id)
         if cached is None:
             return 0
-        n = min(cached.computed, len(token_ids) - 1)
+        limit = len(token_ids) - 1 if leave_last else len(token_ids)
+        n = min(cached.computed, limit)
         if n == cached.computed:
             for fed in cached.fed:
-                if n >= len(token_ids) - 1 or token_ids[n] != fed:
+                if n >= limit or token_ids[n] != fed:
                     break
                 n += 1
         return n
 
-    def _run(self, seqs: list[_Seq], nums: list[int]) -> dict[str, int]:
+    def _run(self, seqs: list[_Seq], nums: list[int], drafting: frozenset[str]
+             ) -> dict[str, int]:
         """One forward pass of the draft over nums[i] tokens of seqs[i]; the greedy next token
-        of each sequence whose rows reach its last token."""
+        of each drafting sequence whose rows reach its last token."""
         # a few tokens (the kept drafts and the target's token) go as decode rows, each seeing
         # the keys up to its position: the decode path (the C++ stack) rather than a prompt's
         rows = frozenset(s.req_id for s, n in zip(seqs, nums) if 1 < n <= DECODE_ROWS)
@@ -179,7 +186,7 @@ class DraftRunner:
                 hidden = self.captured(step.input_ids, step.positions, self.kv_cache, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, None)
-        ends = [seq for seq in step.seqs if seq.samples]
+        ends = [seq for seq in step.seqs if seq.samples and seq.state.req_id in drafting]
         for seq in step.seqs:
             seq.state.num_computed_tokens += seq.num_tokens
         if not ends:

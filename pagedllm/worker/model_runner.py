@@ -193,14 +193,19 @@ class ModelRunner:
 
     def _propose(self, lengths: dict[str, int], out: ModelRunnerOutput) -> None:
         """The draft model's next drafts for the requests that sampled in this step, after
-        their tokens and the ones just sampled (kept drafts and the target's token)."""
+        their tokens and the ones just sampled (kept drafts and the target's token); a
+        request asked 0 (a prompt chunk) brings the draft's cache up to the target's."""
         jobs = []
         for req_id, k in lengths.items():
+            st = self.requests[req_id]
+            if k == 0:
+                jobs.append(DraftJob(req_id, st.token_ids[:st.num_computed_tokens],
+                                     st.block_ids, 0))
+                continue
             new = out.spec_token_ids.get(req_id)
             if new is None and req_id in out.sampled:
                 new = [out.sampled[req_id]]
             if new and req_id not in out.errors:
-                st = self.requests[req_id]
                 jobs.append(DraftJob(req_id, st.token_ids + new, st.block_ids, k))
         out.draft_token_ids.update(self.drafter.propose(jobs))
 

@@ -182,21 +182,37 @@ def test_no_drafts_when_the_blocks_are_not_free():
     assert s.num_preemptions == 0
 
 
-def test_low_acceptance_pauses_a_request():
+def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
     spec = Speculator(SpeculativeConfig.from_dict(NGRAM))
     r = req("a", PROMPT + [3])
-    assert spec.drafts(r, 8) == [4, 5, 6]
+    assert spec.drafts(r, 8) == [4, 5, 6]  # num_speculative_tokens at first
     spec.record(r, 3, 3)
-    assert spec.drafts(r, 8) == [4, 5, 6]  # all kept: as many again (at most 3)
-    for _ in range(3):  # rate 1 -> 0.7 -> 0.49 -> 0.34: still above 0.25
+    assert spec.drafts(r, 8) == [4, 5]  # all kept: acceptance 0.83, 2 pay (3 gives < 2 % more)
+    spec.record(r, 3, 1)  # one kept, then refused: 0.71
+    assert spec.drafts(r, 8) == [4, 5]
+    spec.record(r, 1, 0)  # 0.58: one pays
+    assert spec.drafts(r, 8) == [4]
+    misses = 0
+    while spec.drafts(r, 8) and misses < 5:  # refused again and again: under ~0.37 none pays
         spec.record(r, 1, 0)
-        assert spec.drafts(r, 8) == [4]  # one kept of none: one next
-    spec.record(r, 1, 0)  # 0.24: paused for PAUSE_TOKENS output tokens
-    assert spec.drafts(r, 8) == []
+        misses += 1
+    assert spec.drafts(r, 8) == [] and misses <= 3  # paused for PAUSE_TOKENS output tokens
     r.output_token_ids.extend([7] * (PAUSE_TOKENS - 1))
     assert spec.drafts(r, 8) == []
     r.output_token_ids.extend([1, 2, 3])
-    assert spec.drafts(r, 8) == [4]
+    assert spec.drafts(r, 8) == [4]  # then one draft again
+
+
+def test_a_costly_row_pauses_sooner():
+    """Where a verify row costs as much as a plain step (a compute-bound 7B), a request
+    whose drafts are kept 2 times in 3 stops speculating; at the default cost it goes on."""
+    for prior, expect_paused in ((0.35, False), (1.0, True)):
+        spec = Speculator(SpeculativeConfig.from_dict(NGRAM), draft_cost=prior - 0.35)
+        r = req("a", PROMPT + [3])
+        for _ in range(6):
+            spec.drafts(r, 8)
+            spec.record(r, 3, 2)
+        assert (spec.drafts(r, 8) == []) == expect_paused
 
 
 # ---- a draft model: drafts asked for a step ahead, with KV slots for them ------------------
@@ -221,7 +237,7 @@ def test_a_draft_model_is_asked_for_drafts_with_slots_ahead():
     r = s.requests["a"]
     assert r.output_token_ids == [7, 8, 11] and r.num_computed_tokens == 8
     assert s.speculator.stats.num_accepted_tokens == 1
-    assert s.schedule().spec_token_ids == {"a": [12, 13]}
+    assert s.schedule().spec_token_ids == {"a": [12]}  # acceptance 0.5: one pays
 
 
 def test_a_draft_model_is_not_asked_past_max_tokens_or_without_free_blocks():
@@ -233,3 +249,13 @@ def test_a_draft_model_is_not_asked_past_max_tokens_or_without_free_blocks():
     s.add_request(req("b", [1, 2, 3, 4, 5, 6, 7], max_tokens=20))
     sched = s.schedule()  # 7 tokens fill 2 blocks of 4: the drafts' slots are not free
     assert "b" not in sched.draft_lengths and sched.num_scheduled_tokens == {"b": 7}
+
+
+def test_a_draft_model_reads_the_prompt_chunks_of_a_request_it_will_draft_for():
+    s, _ = make(budget=4, spec=DRAFT)
+    s.add_request(req("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=20))
+    sched = s.schedule()  # 4 of 7 prompt tokens: no sample, the draft reads the chunk (0)
+    assert sched.num_scheduled_tokens == {"a": 4} and sched.draft_lengths == {"a": 0}
+    s.update_from_output(sched, ModelRunnerOutput(sampled={}))
+    sched = s.schedule()  # the last 3: samples, drafts after it
+    assert sched.num_scheduled_tokens == {"a": 3} and sched.draft_lengths == {"a": 3}

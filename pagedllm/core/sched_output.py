@@ -37,7 +37,9 @@ class CachedRequestData:
 
 @dataclass(frozen=True)
 class GrammarBitmask:
-    """The ids each constrained request may sample this step."""
+    """The ids each constrained request may sample this step: one row after its last token,
+    and with drafts one more after each (a verify's rows: after the last token, after draft
+    1, ..., after draft k), a request's rows consecutive and in that order."""
 
     req_ids: list[str]  # row r of the bitmask belongs to req_ids[r]
     bitmask: Any  # torch int32 [rows, ceil(vocab / 32)], bit set = allowed

@@ -22,7 +22,9 @@ vector, its blocks freed; many short ones pack into one step.
 
 With a speculator (speculative_config), a decoding request's step also carries draft tokens
 (core/spec_decode.py): they count in the budget and get KV slots, and at the update the
-computed count keeps only the drafts the runner kept (docs/speculative_decoding.md).
+computed count keeps only the drafts the runner kept (docs/speculative_decoding.md). A
+constrained request's drafts are cut at the first its grammar refuses, and its bitmask has a row
+after each kept draft besides the one after its last token.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from pagedllm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (CachedRequestData, GrammarBitmask, NewRequestData,
                                         SchedulerOutput)
-from pagedllm.core.spec_decode import Speculator
+from pagedllm.core.spec_decode import Speculator, grammar_allowed
 from pagedllm.structured_output.bitmask import allocate_bitmask
 
 logger = logging.getLogger("pagedllm")
@@ -185,8 +187,8 @@ class Scheduler:
         else:
             finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, finished,
-                               self._grammar_bitmask(num_scheduled), spec_token_ids,
-                               draft_lengths)
+                               self._grammar_bitmask(num_scheduled, spec_token_ids),
+                               spec_token_ids, draft_lengths)
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Draft tokens to verify with a decoding request's last token: they count in the
@@ -196,7 +198,7 @@ class Scheduler:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
                    self.config.max_model_len - request.num_tokens - 1)
-        drafts = self.speculator.drafts(request, room)
+        drafts = grammar_allowed(request, self.speculator.drafts(request, room))
         if drafts and not self.kv.can_allocate(request, 1 + len(drafts)):
             return []
         return drafts
@@ -251,21 +253,40 @@ class Scheduler:
         num_requests = min(len(self.running) + len(self.waiting), limit)
         return max(1, -(-num_requests // num_micro_batches))
 
-    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> Optional[GrammarBitmask]:
+    def _grammar_bitmask(self, num_scheduled: dict[str, int],
+                         spec_token_ids: dict[str, list[int]]) -> Optional[GrammarBitmask]:
         """The allowed ids of each constrained request that samples this step (its grammar has
-        consumed every output token so far, preemption or not)."""
+        consumed every output token so far, preemption or not): one row after its last token,
+        and with drafts one more after each draft (the grammar's check_drafts), as the runner's
+        verify rows. Drafts whose masks the request's mask budget has no room for are dropped
+        here, from num_scheduled and spec_token_ids (their KV slots stay with the request, as
+        a rejected draft's do)."""
         rows = [r for r in (self.requests[i] for i in num_scheduled) if r.grammar is not None
-                and r.num_computed_tokens + num_scheduled[r.request_id] == r.num_tokens]
+                and r.num_computed_tokens + num_scheduled[r.request_id]
+                - len(spec_token_ids.get(r.request_id, ())) == r.num_tokens]
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)
-        for row, request in enumerate(rows):
+        bitmask = allocate_bitmask(
+            sum(1 + len(spec_token_ids.get(r.request_id, ())) for r in rows), self.vocab_size)
+        req_ids: list[str] = []
+        for request in rows:
+            req_id, row = request.request_id, len(req_ids)
+            drafts = spec_token_ids.get(req_id, [])
             try:
                 request.grammar.fill_bitmask(bitmask, row)
+                kept = request.grammar.check_drafts(drafts, bitmask, row) if drafts else 0
             except Exception as err:  # that request fails at the update; the batch goes on
                 bitmask[row] = -1  # any token: it is discarded
-                self._errors[request.request_id] = f"structured output: {err!r}"
-        return GrammarBitmask([r.request_id for r in rows], bitmask)
+                kept = 0
+                self._errors[req_id] = f"structured output: {err!r}"
+            if kept < len(drafts):
+                num_scheduled[req_id] -= len(drafts) - kept
+                if kept:
+                    spec_token_ids[req_id] = drafts[:kept]
+                else:
+                    del spec_token_ids[req_id]
+            req_ids += [req_id] * (1 + kept)
+        return GrammarBitmask(req_ids, bitmask[:len(req_ids)])
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -234,6 +234,19 @@ class Speculator:
 
 
 def eligible(request: Request) -> bool:
-    """Whether the runner verifies this request's drafts exactly: not under a grammar (drafts
-    are not checked against it yet), not a pooling request."""
-    return request.grammar is None and request.pooling_params is None
+    """Whether the runner verifies this request's drafts exactly: not a pooling request (one
+    under a grammar is: its drafts are checked against it, see grammar_allowed)."""
+    return request.pooling_params is None
+
+
+def grammar_allowed(request: Request, drafts: list[int]) -> list[int]:
+    """The drafts up to the first one the request's grammar refuses, none after one that
+    completes it (all of them for a free request); the grammar's state is unchanged. The
+    scheduler then fills a mask row after each kept draft (Scheduler._grammar_bitmask).
+    A grammar that raises here gives no drafts: the scheduler goes on."""
+    if not drafts or request.grammar is None:
+        return drafts
+    try:
+        return drafts[:request.grammar.check_drafts(drafts)]
+    except Exception:  # one request's broken grammar must not stop the scheduler
+        return []

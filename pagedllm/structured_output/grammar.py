@@ -52,6 +52,7 @@ class MaskBudget:
         self.limit_s = limit_s
         self._step: Optional[weakref.ref] = None
         self._spent = 0.0
+        self._draft_spent = 0.0  # speculative decoding: the drafts' masks of this step
         self._over: Optional[str] = None
 
     def check(self) -> None:
@@ -61,8 +62,7 @@ class MaskBudget:
 
     def charge(self, bitmask: torch.Tensor, seconds: float) -> None:
         """Count one mask of this step; MaskTooSlowError once the step's total is over."""
-        if self._step is None or self._step() is not bitmask:
-            self._step, self._spent = weakref.ref(bitmask), 0.0
+        self._enter(bitmask)
         self._spent += seconds
         if self._spent > self.limit_s:
             self._over = (f"the grammar's allowed-token masks took {self._spent * 1e3:.0f} ms of "
@@ -70,6 +70,24 @@ class MaskBudget:
                           f"{self.limit_s * 1e3:g} (--max-grammar-mask-ms); the request was "
                           "stopped so that it does not slow the others")
             self.check()
+
+    def draft_room(self, bitmask: torch.Tensor) -> bool:
+        """Whether one more draft's mask may be computed in this step: the step's masks, the
+        drafts' included, are still under the limit. A draft's mask never stops the request
+        (speculation must not fail one that plain decoding serves): past the limit, its
+        drafts stop."""
+        self._enter(bitmask)
+        return self._over is None and self._spent + self._draft_spent < self.limit_s
+
+    def charge_draft(self, bitmask: torch.Tensor, seconds: float) -> None:
+        """Count one draft's mask of this step (see draft_room)."""
+        self._enter(bitmask)
+        self._draft_spent += seconds
+
+    def _enter(self, bitmask: torch.Tensor) -> None:
+        """Start counting afresh when bitmask is a new step's."""
+        if self._step is None or self._step() is not bitmask:
+            self._step, self._spent, self._draft_spent = weakref.ref(bitmask), 0.0, 0.0
 
 
 class GrammarState:
@@ -87,16 +105,62 @@ class GrammarState:
 
         What llguidance.torch.fill_next_token_bitmask does, without importing that module: it
         pulls in torch's compiler (torch._dynamo), ~1.9 s of every start-up."""
-        words = bitmask[row]
-        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
-            raise ValueError("the grammar bitmask must be contiguous int32 rows on the CPU")
+        words = self._row(bitmask, row)
         if self._first_mask is not None:  # the first step: the compile worker's mask
             words.copy_(self._first_mask)
             return
         self._budget.check()
-        started = time.thread_time()  # CPU time: a busy machine's waits are not the grammar's
+        self._budget.charge(bitmask, self._compute_mask(words))
+
+    def check_drafts(self, drafts: list[int], bitmask: Optional[torch.Tensor] = None,
+                     row: int = 0) -> int:
+        """Speculative decoding: how many of drafts (the tokens proposed to follow this state)
+        the grammar allows, in order: up to the first it refuses, and none after one that
+        completes it (only end-of-sequence may follow that one). With a bitmask, also write
+        into bitmask[row + j] the ids allowed after drafts[:j] (bitmask[row] is fill_bitmask's)
+        for each draft kept, as long as the mask budget leaves room this step (past it the
+        drafts stop, not the request). The state is unchanged after: the matcher goes through
+        the drafts and is rolled back, so accept stays the one thing that advances it.
+
+            drafts        d1   d2   d3   d4        (d3 refused)
+            rows    row   +1   +2                  (mask after d1; after d1 d2) -> returns 2
+        """
+        matcher = self._matcher
+        if not drafts or matcher.is_stopped():  # stopped: complete, or in error
+            return 0
+        allowed = matcher.validate_tokens(drafts)  # refused tokens would put it in error
+        kept = 0
+        try:
+            for token in drafts[:allowed]:
+                if bitmask is not None and not self._budget.draft_room(bitmask):
+                    break
+                if not matcher.consume_token(token):  # not after validate_tokens; if it did,
+                    break  # the matcher's error fails the request at its update
+                kept += 1
+                if bitmask is not None:
+                    words = self._row(bitmask, row + kept)
+                    self._budget.charge_draft(bitmask, self._compute_mask(words))
+                if matcher.is_stopped():
+                    break
+        finally:
+            matcher.rollback(kept)
+        return kept
+
+    def _compute_mask(self, words: torch.Tensor) -> float:
+        """Write the matcher's allowed ids into words; the CPU seconds it took (a busy
+        machine's waits are not the grammar's)."""
+        started = time.thread_time()
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        self._budget.charge(bitmask, time.thread_time() - started)
+        return time.thread_time() - started
+
+    @staticmethod
+    def _row(bitmask: torch.Tensor, row: int) -> torch.Tensor:
+        """bitmask[row], checked to be contiguous int32 words on the CPU (the matcher writes
+        them through a pointer)."""
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not words.is_contiguous():
+            raise ValueError("the grammar bitmask must be contiguous int32 rows on the CPU")
+        return words
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar rejects it."""

@@ -171,6 +171,24 @@ class ReasoningGate:
             # int32 words: set the bit and wrap back into the signed range
             bitmask[row, start // 32] = ((word | bit) + (1 << 31)) % (1 << 32) - (1 << 31)
 
+    def check_drafts(self, drafts: list[int], bitmask: Optional[torch.Tensor] = None,
+                     row: int = 0) -> int:
+        """GrammarState.check_drafts through the gate. Answering: the answer's grammar checks
+        them. Thinking: every id is allowed, so the drafts are kept up to the end tag (not
+        included: the answer's grammar would start after it, and its masks are not computed
+        for a draft), each row after them allowing every id. Before a possible start tag
+        (OPENING, the output's first token): none."""
+        phase = self.tracker.phase
+        if phase is Phase.ANSWER:
+            return self.inner.check_drafts(drafts, bitmask, row)
+        if phase is Phase.OPENING:
+            return 0
+        end = self.tracker.tokens.end_id
+        kept = drafts.index(end) if end in drafts else len(drafts)
+        if bitmask is not None:
+            bitmask[row + 1:row + 1 + kept] = -1
+        return kept
+
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the answer's grammar rejects it."""
         if self.tracker.advance(token_id):

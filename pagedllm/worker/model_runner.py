@@ -20,6 +20,7 @@ TP rank 0 samples.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -374,13 +375,22 @@ class ModelRunner:
 
 def _bitmask_rows(grammar: GrammarBitmask, req_ids: list[str], vocab_size: int,
                   device: torch.device) -> torch.Tensor:
-    """The scheduler's bitmask rows in the order of this step's sampling rows; rows of free
-    requests allow every id."""
-    where = {r: i for i, r in enumerate(grammar.req_ids)}
+    """The scheduler's bitmask rows in the order of this step's sampling rows (req_ids: the
+    request of each); rows of free requests allow every id. A request's sampling rows take
+    its bitmask rows in order: [last token, draft 1, ..., draft k] of a verify."""
+    where: dict[str, list[int]] = {}
+    for i, req_id in enumerate(grammar.req_ids):
+        where.setdefault(req_id, []).append(i)
+    targets = [i for i, req_id in enumerate(req_ids) if req_id in where]
+    sources = [i for req_id in dict.fromkeys(req_ids) for i in where.get(req_id, ())]
+    counts = Counter(req_ids)
+    wrong = [r for r, mine in where.items() if counts[r] and counts[r] != len(mine)]
+    if wrong:
+        raise RuntimeError(f"request {wrong[0]} has {len(where[wrong[0]])} grammar bitmask "
+                           f"rows for {counts[wrong[0]]} sampling rows")
     rows = allocate_bitmask(len(req_ids), vocab_size)
-    for i, req_id in enumerate(req_ids):
-        if req_id in where:
-            rows[i] = grammar.bitmask[where[req_id]]
+    if targets:
+        rows[targets] = grammar.bitmask[sources]
     return rows.to(device)
 
 

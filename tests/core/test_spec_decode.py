@@ -8,7 +8,12 @@ from pagedllm.core.outputs import ModelRunnerOutput
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.spec_decode import PAUSE_TOKENS, NgramProposer, Speculator
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.loader.checkpoint import resolve_checkpoint
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.bitmask import bitmask_to_bool
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.grammar import MaskBudget
+from pagedllm.tokenizer.tokenizer import load_tokenizer
 
 EOS = 0
 BS = 4
@@ -259,3 +264,52 @@ def test_a_draft_model_reads_the_prompt_chunks_of_a_request_it_will_draft_for():
     s.update_from_output(sched, ModelRunnerOutput(sampled={}))
     sched = s.schedule()  # the last 3: samples, drafts after it
     assert sched.num_scheduled_tokens == {"a": 3} and sched.draft_lengths == {"a": 3}
+
+
+# ---- structured outputs -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(smollm_gguf):
+    return load_tokenizer(resolve_checkpoint(smollm_gguf).tokenizer_path)
+
+
+def constrained(tokenizer):
+    """A scheduler with one request under a three-word regex whose prompt repeats "to be or
+    not", after its prefill sampled "to": the n-gram drafts " be or not" follow."""
+    kv = KVCacheManager(32, BS, True)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    s = Scheduler(cfg, kv, len(tokenizer), Speculator(SpeculativeConfig.from_dict(NGRAM)))
+    words = tokenizer.encode("to be or not") * 2
+    r = Request("a", words, SamplingParams(temperature=0), 16,
+                frozenset({tokenizer.eos_token_id}), BS)
+    r.grammar = GrammarCompiler(tokenizer, len(tokenizer)).compile(
+        StructuredOutputsParams(regex="[a-z]+( [a-z]+){2}")).new_state()
+    s.add_request(r)
+    step(s, lambda rid, d: words[:1])
+    return s, words[1:4]  # " be", " or", " not"
+
+
+def test_constrained_drafts_are_cut_by_the_grammar_with_a_mask_row_each(tokenizer):
+    s, (be, or_, not_) = constrained(tokenizer)
+    eos = tokenizer.eos_token_id
+    sched, outs = step(s, lambda rid, d: d + [eos])
+    assert sched.spec_token_ids == {"a": [be, or_]}  # " not" would be a fourth word
+    assert sched.num_scheduled_tokens == {"a": 3}
+    assert sched.grammar.req_ids == ["a"] * 3  # after "to", after " be", after " or"
+    allowed = bitmask_to_bool(sched.grammar.bitmask, len(tokenizer))
+    assert allowed[0, be] and allowed[1, or_] and not allowed[2, not_] and allowed[2, eos]
+    assert not allowed[0, eos] and not allowed[1, eos]  # fewer than three words
+    # the grammar accepted each kept token once, at the update: the answer is complete
+    assert outs[0].new_token_ids == [be, or_, eos] and outs[0].finish_reason == "stop"
+
+
+def test_drafts_past_the_mask_budget_are_dropped_not_the_request(tokenizer, monkeypatch):
+    s, (be, or_, _) = constrained(tokenizer)
+    rooms = []
+    monkeypatch.setattr(MaskBudget, "draft_room",  # room for one draft's mask per step
+                        lambda self, bitmask: rooms.append(bitmask) or len(rooms) == 1)
+    sched, outs = step(s, lambda rid, d: d + [or_])
+    assert sched.spec_token_ids == {"a": [be]} and sched.num_scheduled_tokens == {"a": 2}
+    assert sched.grammar.req_ids == ["a"] * 2 and sched.grammar.bitmask.shape[0] == 2
+    assert outs[0].new_token_ids == [be, or_] and outs[0].finish_reason is None
+    r = s.requests["a"]
+    assert (r.num_computed_tokens, r.num_tokens) == (10, 11)  # 8 + "to" + 2

@@ -1,16 +1,18 @@
 """Speculative decoding (n-gram) on the real shipped GGUFs: greedy output and logprobs equal
 decoding without it, token for token, alone and composed with stops, penalties, min/max tokens,
-structured outputs, preemption and prefix caching."""
+structured outputs (drafts checked against the grammar), preemption and prefix caching."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core import scheduler as scheduler_module
 from pagedllm.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -80,12 +82,59 @@ def test_composes_with_sampling_options(smollm):
         _same(smollm, PROMPTS, params)
 
 
-def test_structured_outputs_are_not_speculated(smollm):
-    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=
-                            StructuredOutputsParams(regex=r"[a-z]+( [a-z]+){3}"))
-    before = _stats(smollm).num_drafts
-    _same(smollm, ["say four words: to be or not to be or not to be or"] * 2, params)
-    assert _stats(smollm).num_drafts == before
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                         "city": {"type": "string"}},
+          "required": ["name", "age", "city"]}
+# a prompt, its constraint, and a prediction made from its answer with a part the grammar refuses
+CONSTRAINED = [
+    ("A person: Bob Smith, 30 years old, lives in Paris. As JSON:", StructuredOutputsParams(
+        json=SCHEMA), lambda answer: answer.replace("30", '"thirty"')),
+    ("say four words: to be or not to be or not to be or", StructuredOutputsParams(
+        regex=r"[a-z]+( [a-z]+){3}"), lambda answer: answer[:8] + "!" + answer[8:]),
+    ("Is Paris the capital of France? Answer:", StructuredOutputsParams(
+        choice=["yes, it is the capital", "no, it is not the capital"]),
+     lambda answer: answer.replace(" is", " is not")),
+]
+
+
+@pytest.mark.parametrize("model", ["qwen_gguf", "smollm_gguf"])
+def test_structured_outputs_are_speculated_exactly(model, request, smollm, monkeypatch):
+    """A JSON schema, a regex and a choice speculated in a batch beside a free request, each
+    with a prediction that is its answer with a part its grammar refuses: each one's drafts
+    are checked against its grammar (some kept, some refused), and tokens, text and logprobs
+    equal decoding without speculation, bit for bit."""
+    llm = smollm if model == "smollm_gguf" else LLM(
+        model=str(request.getfixturevalue(model)), speculative_config=NGRAM)
+    prompts = [prompt for prompt, _, _ in CONSTRAINED] + PROMPTS[:1]
+    params = [dataclasses.replace(GREEDY, structured_outputs=so) for _, so, _ in CONSTRAINED]
+    with no_speculation(llm):  # the answers; both runs below then find the same prefix cache
+        answers = llm.generate(prompts, params + [GREEDY], use_tqdm=False)
+    params = [dataclasses.replace(p, prediction=depart(a.outputs[0].text))
+              for p, a, (_, _, depart) in zip(params, answers, CONSTRAINED)] + [GREEDY]
+    assert all(p.prediction != a.outputs[0].text for p, a in zip(params, answers))
+
+    def kind(r) -> str:
+        constraint = r.sampling_params.structured_outputs
+        return "free" if constraint is None else constraint.kind
+
+    speculator = llm.llm_engine.engine_core.scheduler.speculator
+    kept, refused = Counter(), Counter()
+    record, allowed = speculator.record, scheduler_module.grammar_allowed
+
+    def counting_record(r, num_drafts, num_accepted):
+        kept[kind(r)] += num_accepted
+        record(r, num_drafts, num_accepted)
+
+    def counting_allowed(r, drafts):
+        checked = allowed(r, drafts)
+        refused[kind(r)] += len(drafts) - len(checked)
+        return checked
+
+    monkeypatch.setattr(speculator, "record", counting_record)
+    monkeypatch.setattr(scheduler_module, "grammar_allowed", counting_allowed)
+    _same(llm, prompts, params)
+    assert all(kept[k] > 0 for k in ("json", "regex", "choice", "free")), kept
+    assert all(refused[k] > 0 for k in ("json", "regex", "choice")), refused
 
 
 def test_prefix_cache_after_speculation(smollm, smollm_gguf):

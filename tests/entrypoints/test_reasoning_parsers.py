@@ -1,7 +1,7 @@
 """Reasoning parsers on fixed texts (deterministic): whole and streamed in every split, the
 prompt's phase read through a real tokenizer with Qwen3's template, token counts; the grammar
 gate on the tiny thinking Qwen3 offline (LLM(reasoning_parser=...)): a constraint starts after
-</think>, and from the first token without a parser."""
+</think>, and from the first token without a parser; speculated, drafts in both phases."""
 from __future__ import annotations
 
 import pytest
@@ -120,6 +120,36 @@ def test_grammar_starts_after_the_thinking(thinking_llm):
     (out,) = thinking_llm.chat(ASK, params, use_tqdm=False,
                                chat_template_kwargs={"enable_thinking": False})
     assert out.outputs[0].text == '"yes"'
+
+
+def test_speculation_drafts_the_thinking_then_the_answer_under_its_grammar(thinking_dir):
+    """With a prediction of the whole output, drafts are kept while the model thinks (up to
+    </think>, every id allowed) and in the answer (checked against its grammar); the output is
+    plain decoding's. Its logprobs agree to float32 rounding only: this model's float32 head
+    is torch's matmul, whose sums round differently for one row and for a verify's k + 1 (the
+    GGUF models' kernels are exact: tests/e2e/test_spec_decode_exactness.py)."""
+    llm = LLM(model=str(thinking_dir), dtype="float32", max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    scheduler = llm.llm_engine.engine_core.scheduler
+    speculator, counts = scheduler.speculator, []
+    record = speculator.record
+    speculator.record = lambda r, n, a: counts.append((r.grammar.tracker.phase, n, a)) or \
+        record(r, n, a)
+    text = f'<think>{REASONING}</think>"yes"'
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=2,
+                            structured_outputs=YES_NO, prediction=text)
+    (spec,) = llm.chat(ASK, params, use_tqdm=False)
+    scheduler.speculator = None
+    (plain,) = llm.chat(ASK, params, use_tqdm=False)
+    assert spec.outputs[0].text == text and spec.outputs[0].finish_reason == "stop"
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    for got, expected in zip(spec.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert list(got) == list(expected)
+        assert [v.logprob for v in got.values()] == \
+            pytest.approx([v.logprob for v in expected.values()], rel=1e-6)
+    assert counts[0] == (Phase.THINKING, 2, 2)  # "," " okay", cut before </think>
+    assert any(phase is Phase.ANSWER and kept > 0 for phase, _, kept in counts)
 
 
 def test_without_a_parser_the_grammar_holds_from_the_first_token(thinking_dir):

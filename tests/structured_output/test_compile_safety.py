@@ -248,6 +248,24 @@ def test_the_mask_budget_is_per_request_and_per_step(tokenizer):
         states[0].fill_bitmask(allocate_bitmask(3, len(tokenizer)), 0)
 
 
+def test_draft_masks_stop_at_the_budget_without_failing_the_request(tokenizer):
+    """Speculative decoding: a draft's mask is computed only while the step's masks are under
+    the budget; past it the drafts stop (one mask here), the request goes on."""
+    grammar = GrammarCompiler(tokenizer, len(tokenizer),
+                              StructuredOutputsConfig(max_grammar_mask_ms=1e-6)).compile(
+        SO(regex="[a-z]+( [a-z]+){3}"))
+    state = grammar.new_state()
+    assert state.accept(tokenizer.encode("to")[0])
+    drafts = tokenizer.encode(" be or not")
+    assert state.check_drafts(drafts) == 3  # without masks: no budget spent
+    bitmask = allocate_bitmask(4, len(tokenizer))
+    assert state.check_drafts(drafts, bitmask, 0) == 1
+    assert state._budget._over is None and state._budget._spent == 0.0
+    assert state.check_drafts(drafts, bitmask, 0) == 0  # the same step: no room left
+    assert state.check_drafts(drafts, allocate_bitmask(4, len(tokenizer)), 0) == 1  # next step
+    assert all(state.accept(t) for t in drafts)
+
+
 def test_allowed_ids_are_checked_against_the_first_mask(compiler, tokenizer):
     grammar = compiler.compile(SO(choice=["yes", "no"]))
     assert grammar.allows_any([tokenizer.encode("yes")[0]])

@@ -102,6 +102,71 @@ def test_json_options_compact_whitespace_and_closed_objects(compiler, tokenizer)
     assert not accepts(SO(json_object=True, whitespace_pattern="[ ]?"), '{\n"b": 2}')
 
 
+def _mask(state, vocab: int) -> torch.Tensor:
+    bitmask = allocate_bitmask(1, vocab)
+    state.fill_bitmask(bitmask, 0)
+    return bitmask[0]
+
+
+def test_drafts_are_cut_at_the_first_refused_and_the_state_is_unchanged(compiler, tokenizer):
+    """Speculative decoding: drafts checked against the grammar are kept up to the first one it
+    refuses; row j after the request's own row is the mask after the first j drafts; the
+    matcher is rolled back, so the state masks and accepts as before the check."""
+    vocab, spec = len(tokenizer), SO(regex="[a-z]+( [a-z]+){2}")  # three words
+    state = compiler.compile(spec).new_state()
+    assert state.accept(tokenizer.encode("to")[0])
+    before = _mask(state, vocab)
+    drafts = tokenizer.encode(" be or not")  # " not" would be a fourth word
+    assert len(drafts) == 3 and state.check_drafts(drafts) == 2
+    assert state.check_drafts(tokenizer.encode("!") + drafts) == 0
+    assert _mask(state, vocab).equal(before)
+    bitmask = allocate_bitmask(1 + len(drafts), vocab)
+    state.fill_bitmask(bitmask, 0)
+    assert state.check_drafts(drafts, bitmask, 0) == 2
+    reference = compiler.compile(spec).new_state()  # the same tokens, accepted one by one
+    for j, token in enumerate(tokenizer.encode("to") + drafts[:2]):
+        assert reference.accept(token)
+        assert bitmask[j].equal(before if j == 0 else _mask(reference, vocab))
+    assert bitmask_to_bool(bitmask, vocab)[1, drafts[1]]
+    assert not bitmask_to_bool(bitmask, vocab)[2, drafts[2]]
+    assert (bitmask[3] == -1).all()  # no row after a refused draft
+    assert _mask(state, vocab).equal(before)
+    assert all(state.accept(t) for t in drafts[:2]) and not state.is_terminated
+
+
+def test_drafts_stop_after_the_one_that_completes_the_grammar(compiler, tokenizer):
+    state = compiler.compile(SO(choice=["yes", "no"])).new_state()  # at its start (first mask)
+    eos = tokenizer.eos_token_id
+    bitmask = allocate_bitmask(3, len(tokenizer))
+    state.fill_bitmask(bitmask, 0)
+    assert state.check_drafts(tokenizer.encode("yes") + [eos], bitmask, 0) == 1
+    assert bitmask_to_bool(bitmask, len(tokenizer))[1].nonzero().flatten().tolist() == [eos]
+    assert not state.is_terminated and state.check_drafts(tokenizer.encode(" no")) == 0
+    assert state.accept(tokenizer.encode("yes")[0]) and state.is_terminated
+    assert state.check_drafts([eos]) == 0  # nothing is drafted after the end
+
+
+def test_a_thinking_request_drafts_up_to_its_end_tag(compiler, tokenizer):
+    """Under a reasoning gate: while thinking every id is allowed, so drafts are kept up to
+    the end tag (its answer's grammar is not drafted into); answering, the grammar checks."""
+    from pagedllm.structured_output.reasoning import (Phase, PhaseTracker, ReasoningGate,
+                                                      ReasoningTokens)
+
+    start, end = tokenizer.encode("{")[0], tokenizer.encode("}")[0]  # as the tags here
+    tags = ReasoningTokens("qwen3", "{", "}", start, end, True)
+    words = tokenizer.encode(" be or not")
+    inner = compiler.compile(SO(regex="[a-z]+( [a-z]+){2}")).new_state()
+    gate = ReasoningGate(inner, PhaseTracker(tags, Phase.THINKING))
+    bitmask = allocate_bitmask(4, len(tokenizer))
+    bitmask[1:] = 0
+    assert gate.check_drafts(words[:2] + [end] + words[2:], bitmask, 0) == 2
+    assert (bitmask[1:3] == -1).all() and (bitmask[3] == 0).all()
+    assert ReasoningGate(inner, PhaseTracker(tags, Phase.OPENING)).check_drafts(words) == 0
+    answering = ReasoningGate(inner, PhaseTracker(tags, Phase.ANSWER))
+    assert answering.accept(tokenizer.encode("to")[0])
+    assert answering.check_drafts(words) == 2 and gate.tracker.phase is Phase.THINKING
+
+
 def test_bitmask_bits_and_apply():
     bitmask = allocate_bitmask(2, 70)  # 3 words a row
     assert bitmask.shape == (2, 3) and bitmask_to_bool(bitmask, 70).all()

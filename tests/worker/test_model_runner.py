@@ -123,3 +123,17 @@ def test_persistent_buffers_are_not_reallocated(runner):
     ptrs = (runner.buffers.input_ids.data_ptr(), runner.buffers.block_table.data_ptr())
     _generate(runner, {"x": (PROMPT, [30, 31, 32])}, steps=3)
     assert (runner.buffers.input_ids.data_ptr(), runner.buffers.block_table.data_ptr()) == ptrs
+
+
+def test_bitmask_rows_follow_the_sampling_rows_of_a_verify():
+    """A constrained request's bitmask rows (after its last token, then after each draft) go
+    to its sampling rows in order; a free request's rows allow every id."""
+    from pagedllm.core.sched_output import GrammarBitmask
+    from pagedllm.worker.model_runner import _bitmask_rows
+
+    bitmask = torch.arange(4 * 2, dtype=torch.int32).view(4, 2)  # rows: a, c0, c1, c2
+    grammar = GrammarBitmask(["a", "c", "c", "c"], bitmask)
+    rows = _bitmask_rows(grammar, ["a", "b", "b", "c", "c", "c"], 64, torch.device("cpu"))
+    assert rows.tolist() == [[0, 1], [-1, -1], [-1, -1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(RuntimeError, match="request c has 3 grammar bitmask rows for 2"):
+        _bitmask_rows(grammar, ["a", "c", "c"], 64, torch.device("cpu"))

@@ -410,8 +410,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
-    # a request whose drafts are accepted less often than this (over its recent drafts) stops
-    # speculating for a while: a verify step that keeps nothing costs more than a decode step
+    # a request whose drafts are accepted less often than this (over its recent drafts), or
+    # for which no draft length pays (core/spec_cost.py), stops speculating for a while: a
+    # verify step that keeps nothing costs more than a decode step. 0: never stop, always
+    # num_speculative_tokens (vLLM's behaviour)
     min_acceptance_rate: float = 0.25
     model: Optional[str] = None  # draft_model: the draft's name, path or GGUF
     quantization: Optional[str] = None  # draft_model: the draft's (None: as for any model)

@@ -209,6 +209,9 @@ class Speculator:
         state.kept = DECAY * state.kept + num_accepted
         state.missed = DECAY * state.missed + (1.0 if num_accepted < num_drafts else 0.0)
         limit = self.config.num_speculative_tokens
+        if self.config.min_acceptance_rate == 0:  # asked never to stop: vLLM's fixed k
+            state.num_tokens = limit
+            return
         state.num_tokens = best_draft_length(state.acceptance, self.cost.row_cost, limit)
         if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
             state.paused_until = request.num_output_tokens + PAUSE_TOKENS

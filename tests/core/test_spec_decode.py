@@ -208,6 +208,14 @@ def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
     assert spec.drafts(r, 8) == [4]  # then one draft again
 
 
+def test_min_acceptance_rate_0_keeps_num_speculative_tokens():
+    spec = Speculator(SpeculativeConfig.from_dict({**NGRAM, "min_acceptance_rate": 0.0}))
+    r = req("a", PROMPT + [3])
+    for _ in range(5):
+        assert spec.drafts(r, 8) == [4, 5, 6]
+        spec.record(r, 3, 0)
+
+
 def test_a_costly_row_pauses_sooner():
     """Where a verify row costs as much as a plain step (a compute-bound 7B), a request
     whose drafts are kept 2 times in 3 stops speculating; at the default cost it goes on."""

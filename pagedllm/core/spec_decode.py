@@ -212,7 +212,11 @@ class Speculator:
         if self.config.min_acceptance_rate == 0:  # asked never to stop: vLLM's fixed k
             state.num_tokens = limit
             return
-        state.num_tokens = best_draft_length(state.acceptance, self.cost.row_cost, limit)
+        # a seeded request's draws follow its verify rows, so its k must not follow timing:
+        # it takes the prior cost (reproducible), the others the fitted one
+        seeded = request.sampling_params.seed is not None
+        cost = self.cost.prior if seeded else self.cost.row_cost
+        state.num_tokens = best_draft_length(state.acceptance, cost, limit)
         if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
             state.paused_until = request.num_output_tokens + PAUSE_TOKENS
             state.kept, state.missed = PRIOR_KEPT, PRIOR_MISSED  # a fresh try after the pause

@@ -92,3 +92,23 @@ def test_log_line_has_the_acceptance():
     assert "Mean acceptance length: 2.00" in spec and "Accepted: 2 tokens" in spec
     assert "Drafted: 8 tokens" in spec and "Avg Draft acceptance rate: 25.0%" in spec
     assert "Per-position acceptance rate: 0.500, 0.500, 0.000, 0.000" in spec
+
+
+def test_a_draft_model_behind_the_server(spec_server, smollm_hf_dir):
+    """serve --speculative-config with a draft model (the float checkpoint, int4 at load):
+    the answer is the plain server's, and the drafts are counted."""
+    draft = json.dumps({"model": str(smollm_hf_dir), "quantization": "int4",
+                        "num_speculative_tokens": 3, "min_acceptance_rate": 0})
+    srv = Server("--speculative-config", draft, "--max-num-seqs", "2", "--max-model-len", "1024")
+    try:
+        body = _chat("Write a haiku about the sea.")
+        plain = httpx.post(f"{spec_server.url}/v1/chat/completions", json=body,
+                           timeout=120).json()
+        got = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["message"]["content"] == \
+            plain["choices"][0]["message"]["content"]
+        metrics = srv.metrics()
+        assert metrics["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        assert "the draft model's" in srv.log_tail(20000)
+    finally:
+        srv.stop()

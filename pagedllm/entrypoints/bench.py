@@ -197,7 +197,9 @@ def _spec_report(llm) -> dict[str, Any]:
     return {"spec_num_drafts": stats.num_drafts, "spec_num_draft_tokens": stats.num_draft_tokens,
             "spec_num_accepted_tokens": stats.num_accepted_tokens,
             "spec_acceptance_rate": stats.acceptance_rate or 0.0,
-            "spec_mean_acceptance_length": 1 + stats.num_accepted_tokens / max(1, stats.num_drafts)}
+            "spec_mean_acceptance_length": 1 + stats.num_accepted_tokens / max(1, stats.num_drafts),
+            # what one more verify row costs against a plain step, as the speculator fitted it
+            "spec_row_cost": llm.llm_engine.engine_core.scheduler.speculator.cost.row_cost}
 
 
 def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float, float]:

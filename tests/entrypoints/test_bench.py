@@ -51,6 +51,7 @@ def test_speculation_on_the_code_edit_workload(tmp_path, smollm_gguf):
     assert result["workload"] == "code-edit" and result["mean_input_len"] > 1000
     assert result["spec_num_drafts"] > 0 and 0 < result["spec_acceptance_rate"] <= 1
     assert result["spec_mean_acceptance_length"] > 1
+    assert 0.01 <= result["spec_row_cost"] <= 4.0
 
 
 def test_throughput_of_a_pooling_model(tmp_path, minilm_dir):

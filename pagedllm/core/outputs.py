@@ -29,6 +29,7 @@ class ModelRunnerOutput:
     # a draft model's proposals (SchedulerOutput.draft_lengths): each request's drafts for its
     # next step, continuing its tokens with this step's sampled ones
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # of the step's time, the draft model's
 
 
 @dataclass

@@ -12,9 +12,11 @@ give 1 + a + ... + a^k tokens for 1 + k c steps' time; the best k maximises thei
     a = 0.87, c = 0.35: k = 3, 1.6x        a = 0.5: k = 1, 1.1x        a = 0.3: k = 0
 
 c is fitted online, t = fixed + per_row * rows over the engine's recent decode-only steps
-(StepCost), c = per_row * requests / t_plain; until steps of several widths were seen (and
-blended with them after) it is DEFAULT_ROW_COST, plus with a draft model the draft's share
-of the target's parameters (a draft step reads about that share of the bytes). a is each request's own, decayed estimate
+(StepCost, the target's time only), c = per_row * requests / t_plain; until steps of several
+widths were seen (and blended with them after) it is DEFAULT_ROW_COST. With a draft model each
+draft also costs a draft step: the draft's share of the target's parameters is added (a draft
+step reads about that share of the bytes: a Q2_K of the same model ~0.85 of a step here, and
+then no k pays). a is each request's own, decayed estimate
 (SpecRequestState), from a prior of PRIOR_KEPT kept and PRIOR_MISSED refused drafts.
 """
 from __future__ import annotations
@@ -41,17 +43,21 @@ def best_draft_length(acceptance: float, row_cost: float, limit: int) -> int:
 
 
 class StepCost:
-    """A running least-squares fit of a decode-only step's seconds against its rows, recent
-    steps weighted most, giving the relative cost of one more row."""
+    """A running least-squares fit of a decode-only step's seconds (without a draft model's
+    time) against its rows, recent steps weighted most, giving the relative cost of one more
+    row; plus a draft model's step, as its share of the target's parameters (draft_cost)."""
 
-    def __init__(self, prior: float = DEFAULT_ROW_COST) -> None:
-        """prior: the row cost before (and blended with) the fit."""
+    def __init__(self, prior: float = DEFAULT_ROW_COST, draft_cost: float = 0.0) -> None:
+        """prior: the row cost before (and blended with) the fit; draft_cost: a draft step's
+        time against a plain step's, added to each draft's cost."""
         self.prior = prior
+        self.draft_cost = draft_cost
         self._w = self._r = self._rr = self._t = self._rt = 0.0
         self._requests = 1.0  # recent requests per step (decayed mean)
 
     def observe(self, rows: int, requests: int, seconds: float) -> None:
-        """One decode-only step: its rows (drafts included), its requests, its seconds."""
+        """One decode-only step: its rows (drafts included), its requests, its seconds (the
+        target's: a draft model's time is not in them)."""
         f = FORGET
         self._w = f * self._w + 1.0
         self._r = f * self._r + rows
@@ -61,9 +67,18 @@ class StepCost:
         self._requests = f * self._requests + (1 - f) * requests
 
     @property
+    def prior_cost(self) -> float:
+        """A draft's cost before any step is timed (reproducible: no timing in it)."""
+        return self.prior + self.draft_cost
+
+    @property
     def row_cost(self) -> float:
-        """One more row's time over a plain step's (per request of the step), blended with
-        the prior; the prior alone until the rows have varied."""
+        """A draft's cost against a plain step: one more verify row's time over a plain
+        step's (per request of the step), blended with the prior (the prior alone until the
+        rows have varied), plus draft_cost."""
+        return self._fitted_row() + self.draft_cost
+
+    def _fitted_row(self) -> float:
         w = self._w
         if w < 2.0:
             return self.prior

@@ -166,7 +166,7 @@ class Speculator:
         self.proposer = proposer
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         # what a verify row (and its draft) costs here, from the engine's steps
-        self.cost = StepCost(DEFAULT_ROW_COST + draft_cost)
+        self.cost = StepCost(DEFAULT_ROW_COST, draft_cost)
         self._states: dict[str, SpecRequestState] = {}
 
     @property
@@ -215,7 +215,7 @@ class Speculator:
         # a seeded request's draws follow its verify rows, so its k must not follow timing:
         # it takes the prior cost (reproducible), the others the fitted one
         seeded = request.sampling_params.seed is not None
-        cost = self.cost.prior if seeded else self.cost.row_cost
+        cost = self.cost.prior_cost if seeded else self.cost.row_cost
         state.num_tokens = best_draft_length(state.acceptance, cost, limit)
         if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
             state.paused_until = request.num_output_tokens + PAUSE_TOKENS
@@ -223,8 +223,9 @@ class Speculator:
             state.num_tokens = 1
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """The time of a step the runner computed: a decode-only one (each request its last
-        token and its drafts) feeds the fit of what a verify row costs."""
+        """The time of a step the runner computed, without its draft model's: a decode-only
+        one (each request its last token and its drafts) feeds the fit of what a verify row
+        costs."""
         spec = sched.spec_token_ids
         if any(n != 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
             return  # a prompt chunk's rows cost otherwise

@@ -102,7 +102,7 @@ class EngineCore:
             out = self.executor.execute_model(sched)
         speculator = self.scheduler.speculator
         if speculator is not None and not sched.is_empty:  # what a verify row costs here
-            speculator.observe_step(sched, time.perf_counter() - started)
+            speculator.observe_step(sched, time.perf_counter() - started - out.draft_seconds)
         return self.scheduler.update_from_output(sched, out)
 
     @contextmanager

@@ -19,7 +19,9 @@ TP rank 0 samples.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections import Counter
 from typing import Optional
 
@@ -189,7 +191,10 @@ class ModelRunner:
             # with the request's next step, and its computed count without the rejected ones
             del self.requests[req_id].token_ids[-len(drafts):]
         if self.drafter is not None and sched.draft_lengths:
+            started = time.perf_counter()
             self._propose(sched.draft_lengths, out)
+            # the speculator fits a verify row's cost on the target's time alone
+            out = dataclasses.replace(out, draft_seconds=time.perf_counter() - started)
         return out
 
     def _propose(self, lengths: dict[str, int], out: ModelRunnerOutput) -> None:

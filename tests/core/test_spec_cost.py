@@ -31,3 +31,10 @@ def test_the_row_cost_is_fitted_from_steps_of_several_widths():
         dear.observe(1, 1, 0.17)
         dear.observe(2, 1, 0.34)
     assert dear.row_cost == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_draft_step_adds_its_share():
+    cost = StepCost(draft_cost=0.85)  # a Q2_K of the same model drafting
+    assert cost.row_cost == pytest.approx(DEFAULT_ROW_COST + 0.85)
+    assert cost.prior_cost == cost.row_cost
+    assert best_draft_length(0.89, cost.row_cost, 4) == 0  # it never pays

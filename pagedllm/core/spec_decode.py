@@ -13,8 +13,8 @@ output) and proposes what followed them there. A draft model would implement the
     verify     positions of d x y z, one pass     -> target samples t0 t1 t2 t3
     kept       x if t0 == x, then y if t1 == y ... and the first t that differs (or t3)
 
-Each request starts at num_speculative_tokens; after each verify its k is the one that
-gives the most tokens per second for its own acceptance and what a verify row costs here
+Each request starts with a cheap probe (one draft at the default cost); after each verify its
+k is the one that gives the most tokens per second for its own acceptance and what a verify row costs here
 (core/spec_cost.py, fitted on the engine's steps). A request for which no k pays, or whose
 acceptance falls under min_acceptance_rate, stops proposing for PAUSE_TOKENS tokens, since a
 verify pass that keeps nothing costs more than the plain decode step it replaces; then it
@@ -193,9 +193,18 @@ class Speculator:
     def _state(self, request: Request) -> SpecRequestState:
         state = self._states.get(request.request_id)
         if state is None:
-            state = self._states[request.request_id] = SpecRequestState(
-                self.config.num_speculative_tokens)
+            state = self._states[request.request_id] = SpecRequestState(self._first_k())
         return state
+
+    def _first_k(self) -> int:
+        """A new request's first draft length: what pays for the prior acceptance (0.5) at the
+        prior cost, at least one (a cheap probe that grows as drafts are kept); with
+        min_acceptance_rate 0, num_speculative_tokens (vLLM's fixed k)."""
+        limit = self.config.num_speculative_tokens
+        if self.config.min_acceptance_rate == 0:
+            return limit
+        prior = PRIOR_KEPT / (PRIOR_KEPT + PRIOR_MISSED)
+        return max(1, best_draft_length(prior, self.cost.prior_cost, limit))
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A verify step's result for one request: its acceptance, its next k (or a pause
@@ -220,7 +229,7 @@ class Speculator:
         if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
             state.paused_until = request.num_output_tokens + PAUSE_TOKENS
             state.kept, state.missed = PRIOR_KEPT, PRIOR_MISSED  # a fresh try after the pause
-            state.num_tokens = 1
+            state.num_tokens = self._first_k()
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """The time of a step the runner computed, without its draft model's: a decode-only

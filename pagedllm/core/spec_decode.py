@@ -16,12 +16,14 @@ output) and proposes what followed them there. A draft model would implement the
 Each request starts with a cheap probe (one draft at the default cost); after each verify its
 k is the one that gives the most tokens per second for its own acceptance and what a verify row costs here
 (core/spec_cost.py, fitted on the engine's steps). A request for which no k pays, or whose
-acceptance falls under min_acceptance_rate, stops proposing for PAUSE_TOKENS tokens, since a
-verify pass that keeps nothing costs more than the plain decode step it replaces; then it
-tries one draft again.
+acceptance falls under min_acceptance_rate, stops proposing for PAUSE_TOKENS tokens (twice as
+long after each pause in a row, up to 16 times), since a verify pass that keeps nothing costs
+more than the plain decode step it replaces; then it tries a cheap draft again. Where even an
+always-kept draft could not pay (a draft model as large as the target), nothing is proposed.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -34,7 +36,10 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.core.spec_cost import (DECAY, DEFAULT_ROW_COST, PRIOR_KEPT, PRIOR_MISSED,
                                      StepCost, best_draft_length)
 
+logger = logging.getLogger("pagedllm")
+
 PAUSE_TOKENS = 32  # output tokens a request with a low acceptance rate decodes plainly
+MAX_PAUSE_DOUBLINGS = 4  # each pause in a row twice the one before: 32, 64, ... 512 tokens
 
 
 class Proposer(Protocol):
@@ -105,6 +110,7 @@ class SpecRequestState:
     kept: float = PRIOR_KEPT
     missed: float = PRIOR_MISSED
     paused_until: int = 0  # output length from which it proposes again
+    pauses: int = 0  # pauses since its drafts were last all kept
 
     @property
     def acceptance(self) -> float:
@@ -168,6 +174,7 @@ class Speculator:
         # what a verify row (and its draft) costs here, from the engine's steps
         self.cost = StepCost(DEFAULT_ROW_COST, draft_cost)
         self._states: dict[str, SpecRequestState] = {}
+        self._told_cannot_pay = False
 
     @property
     def drafts_in_runner(self) -> bool:
@@ -181,7 +188,33 @@ class Speculator:
         if not eligible(request):
             return 0
         state = self._state(request)
-        return 0 if request.num_output_tokens < state.paused_until else state.num_tokens
+        if request.num_output_tokens < state.paused_until or not self._can_pay(request):
+            return 0
+        return state.num_tokens
+
+    def _cost(self, request: Request) -> float:
+        """A draft's cost against a plain step for this request: the fitted one, or for a
+        seeded request the prior (its draws follow its verify rows: its k must not follow
+        timing, or its output would not be reproducible)."""
+        if request.sampling_params.seed is not None:
+            return self.cost.prior_cost
+        return self.cost.row_cost
+
+    def _can_pay(self, request: Request) -> bool:
+        """Whether a draft could pay here at all: not when one costs as much as the tokens
+        even an always-kept draft gives (a draft model as large as the target: its catch-up
+        after each pause alone costs more than speculation could give back). Said once."""
+        if self.config.min_acceptance_rate == 0:
+            return True  # asked never to stop
+        cost = self._cost(request)
+        if best_draft_length(1.0, cost, self.config.num_speculative_tokens) > 0:
+            return True
+        if not self._told_cannot_pay:
+            self._told_cannot_pay = True
+            logger.warning("speculative decoding cannot pay here: a draft costs %.2f of a plain "
+                           "step (a verify row and, with a draft model, its step), more than an "
+                           "always-kept draft gives back; requests decode plainly", cost)
+        return False
 
     def drafts(self, request: Request, room: int) -> list[int]:
         """Draft tokens for a request about to decode its last token, at most `room` (what
@@ -217,17 +250,17 @@ class Speculator:
             stats.accepted_per_pos[pos] += 1
         state.kept = DECAY * state.kept + num_accepted
         state.missed = DECAY * state.missed + (1.0 if num_accepted < num_drafts else 0.0)
+        if num_accepted == num_drafts:
+            state.pauses = 0  # paying again: a next pause starts short
         limit = self.config.num_speculative_tokens
         if self.config.min_acceptance_rate == 0:  # asked never to stop: vLLM's fixed k
             state.num_tokens = limit
             return
-        # a seeded request's draws follow its verify rows, so its k must not follow timing:
-        # it takes the prior cost (reproducible), the others the fitted one
-        seeded = request.sampling_params.seed is not None
-        cost = self.cost.prior_cost if seeded else self.cost.row_cost
-        state.num_tokens = best_draft_length(state.acceptance, cost, limit)
+        state.num_tokens = best_draft_length(state.acceptance, self._cost(request), limit)
         if state.num_tokens == 0 or state.acceptance < self.config.min_acceptance_rate:
-            state.paused_until = request.num_output_tokens + PAUSE_TOKENS
+            state.paused_until = request.num_output_tokens + (
+                PAUSE_TOKENS << min(state.pauses, MAX_PAUSE_DOUBLINGS))
+            state.pauses += 1
             state.kept, state.missed = PRIOR_KEPT, PRIOR_MISSED  # a fresh try after the pause
             state.num_tokens = self._first_k()
 

@@ -206,6 +206,25 @@ def test_draft_length_follows_acceptance_and_low_acceptance_pauses():
     assert spec.drafts(r, 8) == [4]  # then one draft again
 
 
+def test_pauses_in_a_row_grow_and_a_draft_that_cannot_pay_is_never_asked():
+    spec = Speculator(SpeculativeConfig.from_dict(ADAPTIVE))
+    r = req("a", PROMPT + [3])
+    pauses = []
+    for _ in range(3):  # refused at every probe: 32, then 64, then 128 plain tokens
+        while spec.drafts(r, 8):
+            spec.record(r, len(spec.drafts(r, 8)), 0)
+        start = r.num_output_tokens
+        while not spec.drafts(r, 8):
+            r.output_token_ids.append(7)
+        pauses.append(r.num_output_tokens - start)
+    assert pauses == [PAUSE_TOKENS, 2 * PAUSE_TOKENS, 4 * PAUSE_TOKENS]
+    # a draft model as large as the target: no acceptance could pay for its steps
+    same = Speculator(SpeculativeConfig.from_dict(ADAPTIVE), draft_cost=1.0)
+    assert same.drafts(req("b", PROMPT + [3]), 8) == []
+    forced = Speculator(SpeculativeConfig.from_dict(NGRAM), draft_cost=1.0)
+    assert forced.drafts(req("b", PROMPT + [3]), 8) == [4, 5, 6]  # min_acceptance_rate 0
+
+
 def test_min_acceptance_rate_0_keeps_num_speculative_tokens():
     spec = Speculator(SpeculativeConfig.from_dict({**NGRAM, "min_acceptance_rate": 0.0}))
     r = req("a", PROMPT + [3])

@@ -209,3 +209,28 @@ def test_lora_adapters_with_speculation(smollm_gguf, smollm_lora_adapters):
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in plain]
     # the adapters change what is computed (their logprobs differ from the base's)
     assert spec[0].outputs[0].logprobs != spec[1].outputs[0].logprobs
+
+
+@pytest.mark.parametrize("variant", ["avx512vnni", "avxvnni", "avx512bw", "avx2", "generic"])
+def test_greedy_equals_plain_decoding_on_every_kernel_variant(smollm, variant):
+    """The kept-block kernels forced to each instruction-set variant this CPU runs (skipped,
+    naming the missing feature, where it cannot): speculated greedy output equals plain
+    decoding in that variant, and so do the logprobs, bit for bit, in the SIMD variants (each
+    makes the same float updates per row at every batch size); the generic variant (CPUs
+    without AVX2) sums a verify's rows in another order than one row's, so there its logprobs
+    agree to ~1e-6, not bit for bit."""
+    import torch
+
+    ops = torch.ops.pagedllm
+    before = ops.kernel_isa()[0]
+    try:
+        ops.set_kernel_isa(variant)
+    except RuntimeError as err:
+        pytest.skip(str(err).splitlines()[0])
+    try:
+        before_kept = _stats(smollm).num_accepted_tokens
+        _same(smollm, PROMPTS[:2], dataclasses.replace(GREEDY, max_tokens=24),
+              logprobs=variant != "generic")
+        assert _stats(smollm).num_accepted_tokens > before_kept
+    finally:
+        ops.set_kernel_isa(before)

@@ -15,8 +15,11 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core import scheduler as scheduler_module
 from pagedllm.sampling_params import StructuredOutputsParams
 
+# a fixed k of 4 (min_acceptance_rate 0: vLLM's behaviour), so that every verify carries as
+# many drafts as the text allows and drafts are both kept and refused in short generations;
+# the adaptive k (the default) is tested in tests/core/test_spec_decode.py and test_spec_cost.py
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-         "prompt_lookup_max": 4}
+         "prompt_lookup_max": 4, "min_acceptance_rate": 0.0}
 _CODE = Path(__file__).resolve().parents[2] / "pagedllm" / "core" / "kv_cache_manager.py"
 # a prompt whose answer repeats it (drafts are accepted), one that does not, a short one
 PROMPTS = ["Repeat this code exactly.\n\n" + _CODE.read_text()[:1500] + "\n\nRepeated:\n",

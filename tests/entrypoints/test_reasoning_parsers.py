@@ -130,7 +130,8 @@ def test_speculation_drafts_the_thinking_then_the_answer_under_its_grammar(think
     GGUF models' kernels are exact: tests/e2e/test_spec_decode_exactness.py)."""
     llm = LLM(model=str(thinking_dir), dtype="float32", max_model_len=512,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                                  "min_acceptance_rate": 0.0})  # a fixed k of 4
     scheduler = llm.llm_engine.engine_core.scheduler
     speculator, counts = scheduler.speculator, []
     record = speculator.record

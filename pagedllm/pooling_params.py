@@ -125,3 +125,13 @@ def check_pooling_params(value: Any) -> PoolingParams:
     if not isinstance(value, PoolingParams):
         raise ValueError(f"pooling_params must be a PoolingParams, got {type(value).__name__}")
     return value
+
+
+def resolve_truncation(keep: Optional[int], max_model_len: int) -> Optional[int]:
+    """truncate_prompt_tokens as a count of tokens to keep (-1: max_model_len; None: no cut);
+    a ValueError naming it when it is larger than max_model_len, as vLLM refuses it."""
+    keep = max_model_len if keep == -1 else keep
+    if keep is not None and keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens is {keep}, larger than max_model_len "
+                         f"({max_model_len})")
+    return keep

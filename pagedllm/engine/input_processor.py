@@ -9,7 +9,8 @@ from pagedllm.config import ModelArchConfig, StructuredOutputsConfig
 from pagedllm.core.request import Request
 from pagedllm.lora.request import LoRARequest
 from pagedllm.tokenizer.chat_messages import render_chat
-from pagedllm.pooling_params import PoolingParams, check_pooling_params, check_pooling_task
+from pagedllm.pooling_params import (PoolingParams, check_pooling_params, check_pooling_task,
+                                     resolve_truncation)
 from pagedllm.sampling_params import SEED_MIN, SamplingParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.grammar import CompiledGrammar
@@ -135,11 +136,7 @@ class InputProcessor:
         params = check_pooling_params(params).clone()
         params.task = check_pooling_task(params.task, arch)
         params.verify(arch.hidden_size, arch.is_matryoshka, arch.matryoshka_dimensions)
-        keep = params.truncate_prompt_tokens
-        keep = self.max_model_len if keep == -1 else keep
-        if keep is not None and keep > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens is {keep}, larger than max_model_len "
-                             f"({self.max_model_len})")
+        keep = resolve_truncation(params.truncate_prompt_tokens, self.max_model_len)
         text, ids = self._tokenize_pooling(prompt, keep)
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens long but max_model_len is "

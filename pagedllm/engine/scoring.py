@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch.nn import functional as F
 
-from pagedllm.pooling_params import SECOND_TEXT, PoolingParams
+from pagedllm.pooling_params import SECOND_TEXT, PoolingParams, resolve_truncation
 
 Texts = Union[str, Sequence[str]]
 
@@ -51,8 +51,7 @@ def pair_requests(tokenizer: Any, pairs: list[tuple[str, str]], max_model_len: i
     truncate_prompt_tokens (-1: max_model_len) if set."""
     base = PoolingParams(task="score") if params is None else params.clone()
     base.task = "score"
-    keep = base.truncate_prompt_tokens
-    keep = max_model_len if keep == -1 else keep
+    keep = resolve_truncation(base.truncate_prompt_tokens, max_model_len)
     base.truncate_prompt_tokens = None  # the pair is cut here, as one input
     out = []
     for a, b in pairs:

@@ -142,6 +142,22 @@ def test_rerank_and_score_by_the_cosine_of_embeddings(embed_server, reference):
     assert score["data"][0]["score"] == pytest.approx(cos[1], abs=1e-4)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/rerank", {"query": "q", "documents": ["a"]}),
+    ("/score", {"text_1": "q", "text_2": "a"}),
+    ("/v2/rerank", {"query": "q", "documents": ["a", "b"]}),
+])
+def test_a_truncation_past_max_model_len_is_a_400_on_the_scoring_endpoints(embed_server, path,
+                                                                           body):
+    # found by the API fuzzer: the embedding path of /rerank answered 500
+    resp = httpx.post(f"{embed_server.url}{path}", timeout=60,
+                      json={"model": NAME, **body, "truncate_prompt_tokens": 10 ** 25})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "truncate_prompt_tokens" and "larger than max_model_len" in \
+        err["message"], err
+
+
 def test_truncate_prompt_tokens_cuts_a_text_as_the_tokenizer_does(client, minilm_dir):
     from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.embeddings_protocol import EmbeddingRequest, Po
 from pagedllm.entrypoints.openai.serving_common import (OpenAIError, ServerContext, bad_request,
                                                         check_prompt_count, new_id, now)
 from pagedllm.outputs import PoolingRequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, resolve_truncation
 
 
 async def engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]],
@@ -26,10 +26,7 @@ async def engine_inputs(ctx: ServerContext, inputs: list[Union[str, list[int]]],
     kept, and the engine keeps the last `keep` of longer token ids (vLLM's rules); without it a
     longer input is refused (how_to_cut: what its message advises)."""
     fields = [field] if len(inputs) == 1 else [f"{field}[{i}]" for i in range(len(inputs))]
-    keep = ctx.max_model_len if keep == -1 else keep
-    if keep is not None and keep > ctx.max_model_len:
-        raise ValueError(f"truncate_prompt_tokens is {keep}, larger than max_model_len "
-                         f"({ctx.max_model_len})")
+    keep = resolve_truncation(keep, ctx.max_model_len)
     texts = [(f, p) for f, p in zip(fields, inputs) if isinstance(p, str)]
     for f, text in texts:
         if not text:

@@ -24,6 +24,15 @@ def _params(req: PoolingFields, task: str) -> PoolingParams:
         raise bad_request(err) from None
 
 
+async def _inputs(ctx: ServerContext, texts: list[str], params: PoolingParams) -> list[dict]:
+    """engine_inputs, its refusals (an empty text, truncate_prompt_tokens past max_model_len)
+    a 400 naming the field."""
+    try:
+        return await engine_inputs(ctx, texts, "input", params.truncate_prompt_tokens)
+    except ValueError as err:
+        raise bad_request(err) from None
+
+
 async def _scores(ctx: ServerContext, pairs: list[tuple[str, str]], req: PoolingFields,
                   fields: tuple[str, str]) -> tuple[list[float], int]:
     """Each pair's score and the prompt tokens read: a cross-encoder's, or the cosine of an
@@ -31,8 +40,11 @@ async def _scores(ctx: ServerContext, pairs: list[tuple[str, str]], req: Pooling
     check_prompt_count(ctx.engine, len(pairs))
     if ctx.labels:
         params = _params(req, "score")
-        prompts = await ctx.tokens.run(lambda: pair_requests(
-            ctx.engine.tokenizer, pairs, ctx.max_model_len, params))
+        try:  # a bad truncate_prompt_tokens is the request's fault: a 400 naming it
+            prompts = await ctx.tokens.run(lambda: pair_requests(
+                ctx.engine.tokenizer, pairs, ctx.max_model_len, params))
+        except ValueError as err:
+            raise bad_request(err) from None
         for i, (prompt, _) in enumerate(prompts):
             n = len(prompt["prompt_token_ids"])
             if n > ctx.max_model_len:
@@ -45,7 +57,7 @@ async def _scores(ctx: ServerContext, pairs: list[tuple[str, str]], req: Pooling
                 sum(len(o.prompt_token_ids) for o in outs))
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))
     params = _params(req, "embed")
-    inputs = await engine_inputs(ctx, texts, "input", params.truncate_prompt_tokens)
+    inputs = await _inputs(ctx, texts, params)
     outs = dict(zip(texts, await pool_all(ctx, [(p, params) for p in inputs], new_id("score"))))
     return ([cosine(outs[a].outputs.data, outs[b].outputs.data) for a, b in pairs],
             sum(len(o.prompt_token_ids) for o in outs.values()))
@@ -98,7 +110,7 @@ async def create_classify(ctx: ServerContext, req: ClassifyRequest) -> dict[str,
         params = _params(req, "classify")
     except ValueError as err:
         raise bad_request(err) from None
-    inputs = await engine_inputs(ctx, texts, "input", params.truncate_prompt_tokens)
+    inputs = await _inputs(ctx, texts, params)
     outs = await pool_all(ctx, [(p, params) for p in inputs], new_id("classify"))
     names = ctx.engine.engine.config.arch.classifier.labels
     data = []

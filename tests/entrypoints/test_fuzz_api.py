@@ -26,6 +26,10 @@ POOLING_ENDPOINTS = ("/v1/embeddings", "/v2/embed", "/pooling", "/score", "/rera
 POOLING_NAME = "minilm"
 EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
 MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
+# truncate_prompt_tokens past max_model_len is refused (test_embeddings_server.py checks the
+# 400): larger fuzzed values are folded into 1..256 (MiniLM's max_model_len) so that the
+# fuzz reaches the engine, not only that refusal
+TRUNCATE_LIMIT = 256
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -44,7 +48,14 @@ def _short(case):
             body["min_tokens"] = MAX_TOKENS
         if path == "/v2/embed":  # MiniLM defines no prompts: any input_type is a 400
             body.pop("input_type", None)
+        keep = body.get("truncate_prompt_tokens")
+        if _at_least(keep, TRUNCATE_LIMIT + 1):  # past max_model_len: a 400 (tested by name
+            body["truncate_prompt_tokens"] = keep % TRUNCATE_LIMIT + 1  # elsewhere); in range
     return case
+
+
+def _at_least(value, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= limit
 
 
 def _at_most(value, limit: int) -> bool:

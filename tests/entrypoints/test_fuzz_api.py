@@ -25,6 +25,7 @@ POOLING_ENDPOINTS = ("/v1/embeddings", "/v2/embed", "/pooling", "/score", "/rera
                      "/v2/rerank")
 POOLING_NAME = "minilm"
 EXAMPLES = 80  # per endpoint: about 40 s in all on two CPU cores, beside a running server
+POOLING_EXAMPLES = 320  # per pooling endpoint: about 4 s each
 MAX_TOKENS = 4  # generations stay short: fuzzing is about inputs
 # truncate_prompt_tokens past max_model_len is refused (test_embeddings_server.py checks the
 # 400): larger fuzzed values are folded into 1..256 (MiniLM's max_model_len) so that the
@@ -134,12 +135,12 @@ def pooling_server(minilm_dir):
     srv.stop()
 
 
-def _fuzz(server, api_schema, path: str) -> None:
+def _fuzz(server, api_schema, path: str, examples: int = EXAMPLES, reached: int = 3) -> None:
     operation = api_schema[path]["POST"]
     cases = st.one_of(operation.as_strategy(mode) for mode in schemathesis.GenerationMode)
     started, slowest, statuses = time.monotonic(), 0.0, Counter()
 
-    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=cases.map(_short))
     def fuzz(case):
@@ -153,7 +154,7 @@ def _fuzz(server, api_schema, path: str) -> None:
 
     fuzz()
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert statuses[200] >= 3, statuses  # the fuzz got past validation, into the engine
+    assert statuses[200] >= reached, statuses  # the fuzz got past validation, into the engine
     print(f"{path}: {sum(statuses.values())} cases in {time.monotonic() - started:.1f} s "
           f"(slowest {slowest:.2f} s), statuses {dict(statuses)}")
 
@@ -165,4 +166,8 @@ def test_fuzzed_endpoint_answers_4xx_error_objects_and_stays_up(server, api_sche
 
 @pytest.mark.parametrize("path", POOLING_ENDPOINTS)
 def test_fuzzed_pooling_endpoint_answers_4xx_error_objects_and_stays_up(pooling_server, path):
-    _fuzz(pooling_server, _schema(pooling_server, POOLING_NAME), path)
+    # a pooling case takes ~10 ms: more cases, since few pass these endpoints' validation (1-3 %
+    # of them: the generated cases differ from process to process; one /rerank case of 80
+    # reached the engine in a CI run), and at least one of them must reach the engine
+    _fuzz(pooling_server, _schema(pooling_server, POOLING_NAME), path, POOLING_EXAMPLES,
+          reached=1)

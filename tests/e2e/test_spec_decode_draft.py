@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
-from test_spec_decode_exactness import GREEDY, PROMPTS, _same, _stats
+from pagedllm import LLM
+from test_spec_decode_exactness import GREEDY, PROMPTS, SAMPLING_CASES, _same, _stats
 
 
 def _draft(smollm_hf_dir, **extra) -> dict:
@@ -35,14 +35,7 @@ def test_greedy_equals_plain_decoding_with_drafts_kept_and_rejected(drafted):
 
 
 def test_composes_with_sampling_options(drafted):
-    cases = [
-        dataclasses.replace(GREEDY, stop=["return"], include_stop_str_in_output=True),
-        dataclasses.replace(GREEDY, max_tokens=5),
-        dataclasses.replace(GREEDY, min_tokens=30, repetition_penalty=1.3,
-                            frequency_penalty=0.4, presence_penalty=0.2),
-        SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=30),  # drawn, one candidate
-    ]
-    for params in cases:
+    for params in SAMPLING_CASES:
         _same(drafted, PROMPTS, params)
 
 

@@ -72,16 +72,19 @@ def test_greedy_equals_plain_decoding(model, request):
     assert stats.num_drafts > 0 and stats.accepted_per_pos[0] >= stats.accepted_per_pos[-1]
 
 
+# the sampling options speculation must compose with (the draft-model tests use them too)
+SAMPLING_CASES = [
+    dataclasses.replace(GREEDY, stop=["return"], include_stop_str_in_output=True),
+    dataclasses.replace(GREEDY, max_tokens=7),
+    dataclasses.replace(GREEDY, min_tokens=30, repetition_penalty=1.3,
+                        frequency_penalty=0.4, presence_penalty=0.2),
+    dataclasses.replace(GREEDY, logit_bias={198: -5.0}, stop_token_ids=[28]),
+    SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40),  # drawn, one candidate
+]
+
+
 def test_composes_with_sampling_options(smollm):
-    cases = [
-        dataclasses.replace(GREEDY, stop=["return"], include_stop_str_in_output=True),
-        dataclasses.replace(GREEDY, max_tokens=7),
-        dataclasses.replace(GREEDY, min_tokens=30, repetition_penalty=1.3,
-                            frequency_penalty=0.4, presence_penalty=0.2),
-        dataclasses.replace(GREEDY, logit_bias={198: -5.0}, stop_token_ids=[28]),
-        SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=40),  # drawn, one candidate
-    ]
-    for params in cases:
+    for params in SAMPLING_CASES:
         _same(smollm, PROMPTS, params)
 
 

@@ -24,8 +24,9 @@ from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.structured_output.compile_pool import CompileBusyError, CompilePool
-from pagedllm.structured_output.grammar import (PARSER_LIMITS, CompiledGrammar, grammar_text,
-                                                tokenizer_json)
+from pagedllm.structured_output.grammar import (PARSER_LIMITS, CompiledGrammar,
+                                                check_spellable, grammar_text,
+                                                spellable_bytes, tokenizer_json)
 from pagedllm.structured_output.spec_caps import SpecKey, check_spec, spec_key
 
 CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
@@ -53,6 +54,7 @@ class GrammarCompiler:
         self._hf_tokenizer, self._vocab_size = tokenizer, vocab_size
         self.config = config or StructuredOutputsConfig()
         self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
+        self._spellable: frozenset[int] = frozenset(range(256))  # with _ll_tokenizer
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._cache_size, self._cache_bytes = cache_size, 0
         self._in_flight: dict[str, Future] = {}  # one compile per spec, however many ask
@@ -72,6 +74,7 @@ class GrammarCompiler:
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     tokenizer_json(self._hf_tokenizer), n_vocab=self._vocab_size,
                     eos_token=self._hf_tokenizer.eos_token_id)
+                self._spellable = spellable_bytes(self._ll_tokenizer)
             return self._ll_tokenizer
 
     def warm_up(self) -> None:
@@ -143,6 +146,7 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()
         started = time.monotonic()
         spec = grammar_text(params)
+        check_spellable(params, self._spellable)
         # log_level 0: its errors reach the request's error (and pagedllm's log) instead
         matcher = LLMatcher(tokenizer, spec, log_level=0, limits=LLParserLimits(**PARSER_LIMITS))
         first_mask = allocate_bitmask(1, self._vocab_size)[0]

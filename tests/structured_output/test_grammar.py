@@ -1,6 +1,8 @@
 """Constraint checks, grammar compilation (errors name the field; the cache), and bitmasks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -60,6 +62,27 @@ def test_sampling_params_takes_only_structured_outputs_params():
 def test_invalid_specs_are_value_errors_naming_the_field(compiler, params, message):
     with pytest.raises(ValueError, match=message):
         compiler.compile(params)
+
+
+# SmolLM2's byte-level BPE has no token with the byte 0xF2 (the lead byte of U+80000-U+BFFFF)
+# nor 0x04: a constraint that needs one would make the grammar engine force a byte the
+# tokenizer drops, and fail mid-request (a fuzzed guided_choice did: a 500)
+@pytest.mark.parametrize("params,message", [
+    (SO(choice=["ok", "\U000b7105\u00a2"]), "structured_outputs.choice holds '\\U000b7105' "
+     "(U+B7105), which this model's vocabulary cannot write: no token holds the byte 0xF2"),
+    (SO(regex="a\x04b", field_name="guided_regex"), "guided_regex holds '\\x04' (U+0004)"),
+    (SO(json={"const": "\U000b7105"}), "structured_outputs.json holds '\\U000b7105'"),
+    (SO(grammar='root ::= "\U000b7105"'), "structured_outputs.grammar holds '\\U000b7105'"),
+])
+def test_characters_the_vocabulary_cannot_write_are_refused_by_name(compiler, params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compiler.compile(params)
+
+
+def test_non_ascii_characters_the_vocabulary_writes_are_kept(compiler, tokenizer):
+    state = compiler.compile(SO(choice=["caf\u00e9 \u00a2", "\u4e2d"])).new_state()
+    assert all(state.accept(t) for t in tokenizer.encode("\u4e2d")) and state.error is None
+    assert state.is_terminated
 
 
 def test_compiled_grammars_are_cached_by_spec_and_bounded(compiler):

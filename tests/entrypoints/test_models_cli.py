@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.paths import cache_dir
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hub"))  # the fake Hub's module
 from fake_hub import FakeHub, FakeRepo  # noqa: E402
 
@@ -22,7 +24,13 @@ OTHER_REPO = "test/other-GGUF"
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """A store under tmp_path (SmolLM2 copied in, so nothing is downloaded) and an empty HF cache."""
+    """A store under tmp_path (SmolLM2 copied in, so nothing is downloaded) and an empty HF cache.
+    The compiled kernels are the suite's own (a link): built afresh in each store, every `run`
+    here compiled them again first (~45 s on two cores)."""
+    kernels = cache_dir() / "kernels"
+    if kernels.is_dir() and not (tmp_path / "store" / "kernels").exists():
+        (tmp_path / "store").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "store" / "kernels").symlink_to(kernels, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "PAGEDLLM_LOGGING_LEVEL")}
     env.update({"PAGEDLLM_CACHE_DIR": str(tmp_path / "store"), "HF_HOME": str(tmp_path / "hf"),
                 "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "HF_HUB_OFFLINE": "0", **extra})

@@ -273,7 +273,9 @@ def check_spellable(params: StructuredOutputsParams, spellable: frozenset[int]) 
 
 
 def _strings(value: Any) -> Iterable[str]:
-    """Every string in a constraint's value (a schema's keys and values included)."""
+    """Every string in a constraint's value (a schema's keys and values included). Not
+    spec_caps' _value_text: its json.dumps writes control characters as \\u escapes. Recursion
+    is bounded: a schema object is held to MAX_SCHEMA_DEPTH by spec_key before a compile."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):

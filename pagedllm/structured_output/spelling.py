@@ -32,10 +32,11 @@ from pagedllm.structured_output.lark_reader import (Group, Item, Literal, Patter
                                                     Schema, read_lark)
 
 # Rust-only spellings, turned into Python's: \x{HEX} \u{HEX} \U{HEX}; \p{..} / \pL (a Unicode
-# class: it always has writable members, so a writable stand-in); \z. Escapes Rust refuses but
-# Python decodes (\0, \1.., \N{..}) make the regex unreadable: llguidance refuses it anyway
-_RUST_ESCAPE = re.compile(r"\\(?:([xuU])\{([0-9a-fA-F]{1,8})\}|([pP])(?:\{[^}]*\}|[A-Za-z])|(.))",
-                          re.DOTALL)
+# class: it always has writable members, so a writable stand-in); \z; a (?<name>...) group.
+# Escapes Rust refuses but Python decodes (\0, \1.., \N{..}) make the regex unreadable:
+# llguidance refuses it anyway
+_RUST_ONLY = re.compile(r"\\(?:([xuU])\{([0-9a-fA-F]{1,8})\}|([pP])(?:\{[^}]*\}|[A-Za-z])|(.))"
+                          r"|(\(\?<)(?=[A-Za-z_])", re.DOTALL)
 
 
 class Needed(NamedTuple):
@@ -266,7 +267,9 @@ def _python_regex(pattern: str) -> Optional[str]:
 
     def python(match: re.Match) -> str:
         nonlocal refused
-        kind, digits, unicode_class, other = match.groups()
+        kind, digits, unicode_class, other, named = match.groups()
+        if named is not None:
+            return "(?P<"
         if kind is not None:
             code = int(digits, 16)
             refused |= code > 0x10FFFF
@@ -276,7 +279,7 @@ def _python_regex(pattern: str) -> Optional[str]:
         refused |= other.isdigit() or other == "N"
         return "\\Z" if other == "z" else match.group(0)
 
-    converted = _RUST_ESCAPE.sub(python, pattern)
+    converted = _RUST_ONLY.sub(python, pattern)
     return None if refused else converted
 
 

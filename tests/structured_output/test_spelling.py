@@ -29,6 +29,7 @@ def test_first_writable_skips_the_blocks_of_a_missing_byte():
     (r"(?:\x04|\x06)++", "\x04"),
     (r"\pL\P{Lu}\x04", "\x04"),  # a Unicode class is writable; the \x04 after it is not
     ("a\x04b", "\x04"),  # written out
+    (r"(?<name>a|\x{6})\x04[(?<]", "\x04"),  # Rust's named group
     (r"a\x04|b", None),
     (r"a\x04{0,3}", None),
     (r"[^a]\x{41}", None),  # a negated class has writable members

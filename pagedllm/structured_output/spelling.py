@@ -125,7 +125,7 @@ def grammar_needs(grammar: str, spelling: Spelling) -> Optional[Needed]:
     worth another look. A grammar the reader does not follow is read literally."""
     try:
         rules = read_lark(any_to_lark(grammar))
-    except RecursionError:
+    except Exception:  # as llguidance's grammar_from catches (grammar_text has refused those)
         rules = None
     if rules is None or "start" not in rules:
         return _literal(grammar, spelling)

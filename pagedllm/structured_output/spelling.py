@@ -94,19 +94,20 @@ def check_spellable(params: StructuredOutputsParams, spellable: frozenset[int]) 
     a grammar's literals and /terminals/, a schema's strings and patterns. The grammar engine
     would force that byte and fail mid-request."""
     spelling = Spelling(spellable)
-    needed = _needed(params, spelling)
-    if needed is None:
+    found = needed(params, spelling)
+    if found is None:
         return
-    char = needed.char
+    char = found.char
     why = ("; every output the constraint allows needs it (or another character the vocabulary "
-           "cannot write)" if needed.unavoidable else "")
+           "cannot write)" if found.unavoidable else "")
     raise ValueError(
         f"{params.label} holds {char!r} (U+{ord(char):04X}), which this model's vocabulary "
         f"cannot write: no token holds the byte 0x{spelling.missing(char):02X}{why}; leave "
         "the character out of the constraint")
 
 
-def _needed(params: StructuredOutputsParams, spelling: Spelling) -> Optional[Needed]:
+def needed(params: StructuredOutputsParams, spelling: Spelling) -> Optional[Needed]:
+    """The unwritable character the constraint holds (read for its structure where it can be)."""
     kind, value = params.kind, getattr(params, params.kind)
     if kind == "regex":
         return regex_needs(value, spelling)
@@ -219,8 +220,8 @@ def _schema_needs(value: Any, spelling: Spelling) -> Optional[Needed]:
             found = regex_needs(item, spelling)
         elif key in ("const", "enum"):
             found = _first_literal(item, spelling)
-        else:
-            found = _literal(key, spelling) or _schema_needs(item, spelling)
+        else:  # a key that is not a string (offline: a Python dict) is written as one
+            found = _literal(str(key), spelling) or _schema_needs(item, spelling)
         if found is not None:
             return found
     return None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedllm.sampling_params import StructuredOutputsParams as SO
 from pagedllm.structured_output.spelling import (Needed, Spelling, grammar_needs,
-                                                 regex_needs)
+                                                 needed, regex_needs)
 
 # SmolLM2's missing bytes, with those UTF-8 never uses
 MISSING = {0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xF1, 0xF2, 0xC0, 0xC1, *range(0xF5, 0x100)}
@@ -57,3 +58,13 @@ def test_grammars_are_refused_only_when_start_needs_the_character():
     # a grammar the reader does not follow is read literally
     assert grammar_needs('%override x: "\\x04"\nstart: "\U000b7105"', SPELLING) == \
         Needed("\U000b7105", False)
+
+
+def test_a_schema_is_read_with_its_patterns_and_json_escapes():
+    def needs(schema):
+        return needed(SO(json=schema), SPELLING)
+
+    assert needs({"type": "string", "pattern": "^(\U000b7105|a)$"}) is None
+    assert needs({"type": "string", "pattern": "^a\\x{4}", "const": "a\x04"}) is None
+    assert needs({1: {"pattern": "^\\U000b7105"}}) == Needed("\U000b7105", True)
+    assert needs({"const": {"pattern": "a|\U000b7105"}}) == Needed("\U000b7105", False)

@@ -24,10 +24,10 @@ from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.structured_output.compile_pool import CompileBusyError, CompilePool
-from pagedllm.structured_output.grammar import (PARSER_LIMITS, CompiledGrammar,
-                                                check_spellable, grammar_text,
-                                                spellable_bytes, tokenizer_json)
+from pagedllm.structured_output.grammar import (PARSER_LIMITS, CompiledGrammar, grammar_text,
+                                                tokenizer_json)
 from pagedllm.structured_output.spec_caps import SpecKey, check_spec, spec_key
+from pagedllm.structured_output.spelling import check_spellable, spellable_bytes
 
 CACHE_SIZE = 128  # compiled grammars kept, least recently used dropped first
 # a compiled grammar's memory, fitted to the RSS growth of compiles of known sizes (choice,

@@ -246,47 +246,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise ValueError(f"{params.label} is not a valid {kind}: {err}") from None
 
 
-def spellable_bytes(tokenizer: llguidance.LLTokenizer) -> frozenset[int]:
-    """The bytes that occur in some token: what the model can write at all. A byte-level BPE
-    trained without the full byte alphabet lacks some (SmolLM2: six control characters and
-    the lead bytes 0xF1/0xF2 of planes 4-11, besides the bytes UTF-8 never uses); ~20 ms for
-    a 49k vocabulary."""
-    seen: set[int] = set()
-    for token in range(tokenizer.vocab_size):
-        seen.update(tokenizer.decode_bytes([token]))
-    return frozenset(seen)
-
-
-def check_spellable(params: StructuredOutputsParams, spellable: frozenset[int]) -> None:
-    """ValueError naming the field when the constraint's text holds a character the model
-    cannot write (one of its UTF-8 bytes is in no token): a choice, a regex or grammar literal,
-    a schema's const or enum. The grammar engine would force that byte and fail mid-request."""
-    value = getattr(params, params.kind)
-    for text in _strings(value):
-        for char in dict.fromkeys(text):
-            missing = [b for b in char.encode("utf-8", "surrogatepass") if b not in spellable]
-            if missing:
-                raise ValueError(
-                    f"{params.label} holds {char!r} (U+{ord(char):04X}), which this model's "
-                    f"vocabulary cannot write: no token holds the byte 0x{missing[0]:02X}; "
-                    "leave the character out of the constraint")
-
-
-def _strings(value: Any) -> Iterable[str]:
-    """Every string in a constraint's value (a schema's keys and values included). Not
-    spec_caps' _value_text: its json.dumps writes control characters as \\u escapes. Recursion
-    is bounded: a schema object is held to MAX_SCHEMA_DEPTH by spec_key before a compile."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _strings(item)
-
-
 def tokenizer_json(tokenizer: Any) -> str:
     """The tokenizer's Rust backend as JSON, without padding or truncation: what llguidance
     builds its vocabulary view from (llguidance.hf does the same, but takes only a

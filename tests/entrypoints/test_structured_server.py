@@ -100,3 +100,21 @@ def test_invalid_constraints_are_400_naming_the_field(client, body, param):
                                        extra_body=body)
     assert err.value.status_code == 400
     assert err.value.body["param"] == param, err.value.body
+
+
+# characters SmolLM2's vocabulary cannot write, written as escapes: each stopped its request
+# mid-way (a 500) before the compile read the escapes
+@pytest.mark.parametrize("body,param,char", [
+    ({"guided_regex": r"a\x{4}b"}, "guided_regex", r"'\x04' (U+0004)"),
+    ({"guided_grammar": r'start: "a" "\u0004"'}, "guided_grammar", r"'\x04' (U+0004)"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": r"^\U000b7105$"}}}},
+     "response_format.json_schema.schema", r"'\U000b7105' (U+B7105)"),
+])
+def test_unwritable_characters_as_escapes_are_400_naming_the_field(client, body, param, char):
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                       extra_body=body)
+    assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
+    assert f"{param} holds {char}, which this model's vocabulary cannot write" in \
+        err.value.body["message"], err.value.body

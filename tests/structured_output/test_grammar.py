@@ -66,17 +66,79 @@ def test_invalid_specs_are_value_errors_naming_the_field(compiler, params, messa
 
 # SmolLM2's byte-level BPE has no token with the byte 0xF2 (the lead byte of U+80000-U+BFFFF)
 # nor 0x04: a constraint that needs one would make the grammar engine force a byte the
-# tokenizer drops, and fail mid-request (a fuzzed guided_choice did: a 500)
+# tokenizer drops, and fail mid-request (a fuzzed guided_choice did: a 500). Each escaped form
+# below failed so before it was read (the regexes and grammars after their first "a")
+NEEDS = "; every output the constraint allows needs it"
+BYTE_04 = ("'\\x04' (U+0004), which this model's vocabulary cannot write: no token holds the "
+           "byte 0x04")
+
+
 @pytest.mark.parametrize("params,message", [
     (SO(choice=["ok", "\U000b7105\u00a2"]), "structured_outputs.choice holds '\\U000b7105' "
      "(U+B7105), which this model's vocabulary cannot write: no token holds the byte 0xF2"),
-    (SO(regex="a\x04b", field_name="guided_regex"), "guided_regex holds '\\x04' (U+0004)"),
+    (SO(regex="a\x04b", field_name="guided_regex"), "guided_regex holds " + BYTE_04 + NEEDS),
     (SO(json={"const": "\U000b7105"}), "structured_outputs.json holds '\\U000b7105'"),
     (SO(grammar='root ::= "\U000b7105"'), "structured_outputs.grammar holds '\\U000b7105'"),
+    # the escapes Rust's regex (llguidance's) takes, in a regex
+    (SO(regex=r"a\x04b"), "regex holds " + BYTE_04 + NEEDS),
+    (SO(regex=r"a\x{4}b"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"a\u0004b"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"a\u{4}b"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"a\U{4}b"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"a\U000b7105b"), "regex holds '\\U000b7105' (U+B7105), which this model's "
+     "vocabulary cannot write: no token holds the byte 0xF2" + NEEDS),
+    (SO(regex=r"a\x{b7105}b"), "regex holds '\\U000b7105' (U+B7105)"),
+    # a class or alternation with no writable choice, a required repeat, a case-blind group
+    (SO(regex=r"a[\x04\x06]b"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"a(\x06|\x04)b"), "regex holds '\\x06' (U+0006)"),
+    (SO(regex=r"a[\x{80000}-\x{bffff}]b"), "regex holds '\\U00080000' (U+80000)"),
+    (SO(regex=r"a\x04+b"), "regex holds '\\x04' (U+0004)"),  # was llguidance's NoExtensionBias
+    (SO(regex=r"(?i:a\x04)|b\x{4}"), "regex holds '\\x04' (U+0004)"),
+    (SO(regex=r"\p{L}+\x04"), "regex holds '\\x04' (U+0004)"),
+    # a Lark grammar's string escapes (JSON's and \xHH) and /regex/ terminals; GBNF's
+    (SO(grammar=r'start: "a" "\x04" "b"'), "grammar holds " + BYTE_04 + NEEDS),
+    (SO(grammar=r'start: "a" "\u0004"i "b"'), "grammar holds '\\x04' (U+0004)"),
+    (SO(grammar='start: "a" /[\\x04\\x06]/ "b"'), "grammar holds '\\x04' (U+0004)"),
+    (SO(grammar='start: "a" x\nx: "\\x04" | y+\ny: "b" "\\x06"'),
+     "grammar holds '\\x04' (U+0004)"),
+    (SO(grammar=r'root ::= "a" [\x04] "b"'), "grammar holds '\\x04' (U+0004)"),
+    (SO(grammar='start: "a" %json {"type": "string", "pattern": "^\\\\U000b7105$"}'),
+     "grammar holds '\\U000b7105' (U+B7105)"),
+    # a JSON schema's pattern (a control character would be written as a \u escape)
+    (SO(json={"type": "string", "pattern": r"^a\x{b7105}b$"}),
+     "structured_outputs.json holds '\\U000b7105' (U+B7105), which this model's "
+     "vocabulary cannot write: no token holds the byte 0xF2" + NEEDS),
+    (SO(json='{"type": "string", "pattern": "^a[\\\\U000b7105\\\\U000b7106]"}'),
+     "structured_outputs.json holds '\\U000b7105' (U+B7105)"),
 ])
 def test_characters_the_vocabulary_cannot_write_are_refused_by_name(compiler, params, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         compiler.compile(params)
+
+
+@pytest.mark.parametrize("params,text", [
+    (SO(regex=r"a(\x04|c)b"), "acb"),  # a writable choice is left
+    (SO(regex=r"a[\x00-\x7f]b"), "arb"),
+    (SO(regex=r"a\x04?b|\x06"), "ab"),
+    (SO(regex=r"a.\xF2\x{e9}"), "a\u4e2d\u00f2\u00e9"),  # \xF2 is U+00F2, not the byte
+    (SO(regex="caf\u00e9 \u00a2+"), "caf\u00e9 \u00a2"),
+    (SO(regex=r"a\004"), None),  # an escape Rust refuses: llguidance's own error, not ours
+    (SO(grammar=r'start: "a" | "\x04" | /\x06/'), "a"),
+    (SO(grammar='start: "a" x?\nx: "\U000b7105"'), "a"),
+    (SO(grammar=r'root ::= "a" [\x04]* "b"'), "ab"),
+    (SO(json={"type": "string", "pattern": r"^a\x04b$"}), '"a\\u0004b"'),
+    (SO(json={"type": "string", "const": "a\x04b"}), '"a\\u0004b"'),
+    (SO(json={"type": "string", "pattern": r"^a(\U000b7105|c)b$"}), '"acb"'),
+])
+def test_constraints_a_writable_output_satisfies_are_kept(compiler, tokenizer, params, text):
+    if text is None:
+        with pytest.raises(ValueError, match="(?s)is not a valid regex: .*backreference"):
+            compiler.compile(params)
+        return
+    state = compiler.compile(params).new_state()
+    assert all(state.accept(t) for t in tokenizer.encode(text)) and state.error is None
+    other = compiler.compile(params).new_state()  # and it still constrains: "x" is refused
+    assert not other.accept(tokenizer.encode("x")[0])
 
 
 def test_non_ascii_characters_the_vocabulary_writes_are_kept(compiler, tokenizer):

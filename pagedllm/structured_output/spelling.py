@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-import re._parser as sre_parse  # re.compile's parser; private: any failure of it is caught
 import warnings
 from dataclasses import dataclass, replace
-from re._constants import (ATOMIC_GROUP, BRANCH, IN, LITERAL, MAX_REPEAT, MIN_REPEAT,
-                           POSSESSIVE_REPEAT, RANGE, SRE_FLAG_IGNORECASE, SUBPATTERN)
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import llguidance
@@ -30,6 +27,22 @@ from llguidance.gbnf_to_lark import any_to_lark
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.lark_reader import (Group, Item, Literal, Pattern, Ref,
                                                     Schema, read_lark)
+
+try:  # re.compile's parser and its opcodes: private (any failure of the parser is caught), and
+    import re._constants as sre_constants  # so named from Python 3.11 on
+    import re._parser as sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants  # type: ignore[no-redef]
+    import sre_parse  # type: ignore[no-redef]
+
+BRANCH, IN, LITERAL, RANGE, SUBPATTERN = (sre_constants.BRANCH, sre_constants.IN,
+                                          sre_constants.LITERAL, sre_constants.RANGE,
+                                          sre_constants.SUBPATTERN)
+SRE_FLAG_IGNORECASE = sre_constants.SRE_FLAG_IGNORECASE
+# (?>...) and x*+ came with Python 3.11: None (no node is) where the parser has neither
+ATOMIC_GROUP = getattr(sre_constants, "ATOMIC_GROUP", None)
+REPEATS = tuple(op for op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT,
+                              getattr(sre_constants, "POSSESSIVE_REPEAT", None)) if op is not None)
 
 # Rust-only spellings, turned into Python's: \x{HEX} \u{HEX} \U{HEX}; \p{..} / \pL (a Unicode
 # class: it always has writable members, so a writable stand-in); \z; a (?<name>...) group.
@@ -306,10 +319,10 @@ def _node(op: Any, arg: Any, spelling: Spelling, icase: bool) -> Optional[str]:
         icase = bool((icase or add_flags & SRE_FLAG_IGNORECASE)
                      and not del_flags & SRE_FLAG_IGNORECASE)
         return _sequence(list(sub), spelling, icase)
-    if op in (MAX_REPEAT, MIN_REPEAT, POSSESSIVE_REPEAT):
+    if op in REPEATS:
         low, _, sub = arg
         return _sequence(list(sub), spelling, icase) if low >= 1 else None
-    if op is ATOMIC_GROUP:
+    if ATOMIC_GROUP is not None and op is ATOMIC_GROUP:
         return _sequence(list(arg), spelling, icase)
     return None  # ., \d, anchors, a negated class...: writable choices, or nothing to write
 

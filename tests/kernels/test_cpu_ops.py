@@ -163,6 +163,40 @@ def test_paged_decode_attention_soft_caps_the_scores_as_masked_attention(d, wind
         ops.paged_decode_attention(q, kv, table, lens, 0.25, 0, -1.0)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # the plain path, then the vector ones
+def test_one_stream_with_fewer_kv_heads_than_threads_splits_its_query_heads_bit_for_bit(d, isa):
+    """One sequence whose K/V heads are fewer than the threads (Gemma 3 270M: one K/V head of
+    four query heads) has its query heads split over the threads; each head's numbers are the
+    ones it gets in a batch that splits nothing (one task per sequence)."""
+    if isa not in ops.kernel_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    hq, hk, bs, n = 4, 1, 16, 45
+    kv = torch.randn(2, 16, bs, hk, d)
+    table = torch.randperm(16)[:4].view(1, 4)
+    q = torch.randn(8, hq, d)
+    before = ops.kernel_isa()[0]
+    torch.set_num_threads(2)
+    try:
+        ops.set_kernel_isa(isa)
+        batch = ops.paged_decode_attention(q, kv, table.expand(8, 4).contiguous(),
+                                           torch.full((8,), n), d ** -0.5)
+        for i in (0, 5):
+            alone = ops.paged_decode_attention(q[i:i + 1], kv, table, torch.tensor([n]), d ** -0.5)
+            assert torch.equal(alone[0], batch[i])
+    finally:
+        ops.set_kernel_isa(before)
+
+
+def test_gelu_tanh_mul_does_not_depend_on_where_a_value_falls():
+    """A value is the same whether it fell in an 8-wide vector or in the scalar tail."""
+    gate, up = torch.randn(2048) * 5, torch.randn(2048)
+    whole = ops.gelu_tanh_mul(gate, up)
+    pieces = torch.cat([ops.gelu_tanh_mul(g.contiguous(), u.contiguous())
+                        for g, u in zip(gate.split(7), up.split(7))])
+    assert torch.equal(whole, pieces)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     """An AVX-512 CPU runs the AVX-512 path unless the avx2 kernels are forced; both give the

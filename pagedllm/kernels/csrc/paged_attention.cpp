@@ -314,25 +314,33 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool avx512 = attention_avx512();
   // one task per sequence, its K/V heads together (their rows are adjacent in the cache), when the
-  // batch alone keeps the threads busy; else one per (sequence, K/V head), as one stream needs
+  // batch alone keeps the threads busy; else one per (sequence, K/V head), as one stream needs;
+  // and where even those are fewer than the threads (one stream of Gemma 3 270M: one K/V head),
+  // each K/V head's query heads split too (each head's numbers are computed alone either way)
   const bool pow2 = (bs & (bs - 1)) == 0;
   const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
-  const int64_t split = b >= 2 * at::get_num_threads() ? 1 : hk, nkv = hk / split;
-  at::parallel_for(0, b * split, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = b >= 2 * threads ? 1 : hk, nkv = hk / split;
+  const int64_t hsplit = nkv == 1 && b * hk < threads ? std::min(group, (threads + b * hk - 1) / (b * hk)) : 1;
+  const int64_t per = (group + hsplit - 1) / hsplit;  // query heads of a task (nkv == 1 when hsplit > 1)
+  at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / split, g0 = task % split * nkv;
+      const int64_t i = task / (split * hsplit), g0 = task / hsplit % split * nkv;
+      const int64_t h0 = task % hsplit * per, nh = hsplit == 1 ? group : std::min(group - h0, per);
+      if (nh <= 0) continue;
       // the query at position lens[i] - 1 sees keys first..lens[i] - 1
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;
       const int64_t* blocks = table + i * max_blocks;
-      scores.resize(nkv * group * len);
+      scores.resize(nkv * nh * len);
       const auto row_offset = [&](int64_t p) {
         const int64_t pos = first + p;  // a shift, not a division, for the usual block sizes
         const int64_t blk = pow2 ? pos >> shift : pos / bs, off = pow2 ? pos & (bs - 1) : pos % bs;
         return ((blocks[blk] * bs + off) * hk + g0) * d;
       };
-      attend_heads(qp + (i * hq + g0 * group) * d, kc, vc, row_offset, len, nkv, group, d, sc,
-                   cap, scores.data(), op + (i * hq + g0 * group) * d, avx512);
+      const int64_t head = i * hq + g0 * group + h0;  // the task's first query head
+      attend_heads(qp + head * d, kc, vc, row_offset, len, nkv, nh, d, sc, cap, scores.data(), op + head * d,
+                   avx512);
     }
   });
   return out;

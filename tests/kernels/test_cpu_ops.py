@@ -171,19 +171,22 @@ def test_one_stream_with_fewer_kv_heads_than_threads_splits_its_query_heads_bit_
     ones it gets in a batch that splits nothing (one task per sequence)."""
     if isa not in ops.kernel_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
-    hq, hk, bs, n = 4, 1, 16, 45
-    kv = torch.randn(2, 16, bs, hk, d)
-    table = torch.randperm(16)[:4].view(1, 4)
+    hq, hk, bs = 4, 1, 16
+    kv = torch.randn(2, 160, bs, hk, d)
     q = torch.randn(8, hq, d)
     before = ops.kernel_isa()[0]
     torch.set_num_threads(2)
     try:
         ops.set_kernel_isa(isa)
-        batch = ops.paged_decode_attention(q, kv, table.expand(8, 4).contiguous(),
-                                           torch.full((8,), n), d ** -0.5)
-        for i in (0, 5):
-            alone = ops.paged_decode_attention(q[i:i + 1], kv, table, torch.tensor([n]), d ** -0.5)
-            assert torch.equal(alone[0], batch[i])
+        # 45 keys split; 2,100 (2,100 x d x 8 bytes: past the 1 MiB bound at d 64 and up) do not
+        for n in (45, 2100):
+            table = torch.randperm(160)[:-(-n // bs)].view(1, -1)
+            batch = ops.paged_decode_attention(q, kv, table.expand(8, -1).contiguous(),
+                                               torch.full((8,), n), d ** -0.5)
+            for i in (0, 5):
+                alone = ops.paged_decode_attention(q[i:i + 1], kv, table, torch.tensor([n]),
+                                                   d ** -0.5)
+                assert torch.equal(alone[0], batch[i])
     finally:
         ops.set_kernel_isa(before)
 

@@ -316,12 +316,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   // one task per sequence, its K/V heads together (their rows are adjacent in the cache), when the
   // batch alone keeps the threads busy; else one per (sequence, K/V head), as one stream needs;
   // and where even those are fewer than the threads (one stream of Gemma 3 270M: one K/V head),
-  // each K/V head's query heads split too (each head's numbers are computed alone either way)
+  // each K/V head's query heads split too (each head's numbers are computed alone either way),
+  // while a K/V head's rows fit kSharedRows: every task of the head then reads all of them, which
+  // from the cache is cheap and from memory would cost more than one thread reading them once
+  constexpr int64_t kSharedRows = int64_t(1) << 20;  // bytes of one K/V head's keys and values
   const bool pow2 = (bs & (bs - 1)) == 0;
   const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
   const int64_t threads = at::get_num_threads();
   const int64_t split = b >= 2 * threads ? 1 : hk, nkv = hk / split;
-  const int64_t hsplit = nkv == 1 && b * hk < threads ? std::min(group, (threads + b * hk - 1) / (b * hk)) : 1;
+  int64_t longest = 0;  // the most rows a sequence reads
+  for (int64_t i = 0; i < b; ++i) longest = std::max(longest, window > 0 ? std::min(lens[i], window) : lens[i]);
+  const bool shared = longest * d * 2 * static_cast<int64_t>(sizeof(float)) <= kSharedRows;
+  const int64_t hsplit =
+      nkv == 1 && b * hk < threads && shared ? std::min(group, (threads + b * hk - 1) / (b * hk)) : 1;
   const int64_t per = (group + hsplit - 1) / hsplit;  // query heads of a task (nkv == 1 when hsplit > 1)
   at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;

@@ -174,7 +174,7 @@ def test_one_stream_with_fewer_kv_heads_than_threads_splits_its_query_heads_bit_
     hq, hk, bs = 4, 1, 16
     kv = torch.randn(2, 160, bs, hk, d)
     q = torch.randn(8, hq, d)
-    before = ops.kernel_isa()[0]
+    before, threads = ops.kernel_isa()[0], torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         ops.set_kernel_isa(isa)
@@ -189,6 +189,7 @@ def test_one_stream_with_fewer_kv_heads_than_threads_splits_its_query_heads_bit_
                 assert torch.equal(alone[0], batch[i])
     finally:
         ops.set_kernel_isa(before)
+        torch.set_num_threads(threads)
 
 
 def test_gelu_tanh_mul_does_not_depend_on_where_a_value_falls():

@@ -301,8 +301,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const int64_t group = hq / hk, max_blocks = block_table.size(1);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
+  int64_t longest = 0;  // the most rows a sequence reads
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(lens[i] > 0 && lens[i] <= max_blocks * bs, "context length ", lens[i], " out of range");
+    longest = std::max(longest, window > 0 ? std::min(lens[i], window) : lens[i]);
     for (int64_t j = 0; j < (lens[i] + bs - 1) / bs; ++j)
       TORCH_CHECK(table[i * max_blocks + j] >= 0 && table[i * max_blocks + j] < nblocks, "block id out of range");
   }
@@ -317,16 +319,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   // batch alone keeps the threads busy; else one per (sequence, K/V head), as one stream needs;
   // and where even those are fewer than the threads (one stream of Gemma 3 270M: one K/V head),
   // each K/V head's query heads split too (each head's numbers are computed alone either way),
-  // while a K/V head's rows fit kSharedRows: every task of the head then reads all of them, which
+  // while a K/V head's rows fit kSharedBytes: every task of the head then reads all of them, which
   // from the cache is cheap and from memory would cost more than one thread reading them once
-  constexpr int64_t kSharedRows = int64_t(1) << 20;  // bytes of one K/V head's keys and values
+  constexpr int64_t kSharedBytes = int64_t(1) << 20;  // one K/V head's keys and values
   const bool pow2 = (bs & (bs - 1)) == 0;
   const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
   const int64_t threads = at::get_num_threads();
   const int64_t split = b >= 2 * threads ? 1 : hk, nkv = hk / split;
-  int64_t longest = 0;  // the most rows a sequence reads
-  for (int64_t i = 0; i < b; ++i) longest = std::max(longest, window > 0 ? std::min(lens[i], window) : lens[i]);
-  const bool shared = longest * d * 2 * static_cast<int64_t>(sizeof(float)) <= kSharedRows;
+  const bool shared = longest * d * 2 * static_cast<int64_t>(sizeof(float)) <= kSharedBytes;
   const int64_t hsplit =
       nkv == 1 && b * hk < threads && shared ? std::min(group, (threads + b * hk - 1) / (b * hk)) : 1;
   const int64_t per = (group + hsplit - 1) / hsplit;  // query heads of a task (nkv == 1 when hsplit > 1)
@@ -334,7 +334,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
     std::vector<float> scores;
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t i = task / (split * hsplit), g0 = task / hsplit % split * nkv;
-      const int64_t h0 = task % hsplit * per, nh = hsplit == 1 ? group : std::min(group - h0, per);
+      const int64_t h0 = task % hsplit * per, nh = std::min(group - h0, per);  // group, h0 = 0 unsplit
       if (nh <= 0) continue;
       // the query at position lens[i] - 1 sees keys first..lens[i] - 1
       const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;

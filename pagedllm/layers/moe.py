@@ -9,6 +9,11 @@ groups its (token, choice) slots by expert:
     expert e: x[tokens of its slots] [n_e, H] -> gate/up/down -> * routing weight -> index_add_
 
 so an expert no token chose is never read, and the work is T*k expert rows, not T*E.
+
+Where every expert is an x8 matrix on the CPU (a GGUF's kept blocks, int8 or bf16 at load), the
+whole block is one C++ op instead (kernels/csrc/moe.cpp, `pagedllm::moe_forward`): the same
+routing and sums, each row computed alone whatever the batch, and the very op the C++ decode
+stack calls, so that the captured step equals this loop.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import MoEConfig
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.mlp import GatedMLP
 
 
@@ -54,6 +60,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
+        args = self.x8_args() if x.device.type == "cpu" else None
+        if args is not None:
+            return torch.ops.pagedllm.moe_forward(x, *args).to(x.dtype)
         routing = route(self.gate(x), self.top_k, self.norm_topk_prob)
         out = self.routed(x, routing)
         if self.shared_expert is not None:
@@ -80,5 +89,51 @@ class SparseMoeBlock(nn.Module):
             start += n
         return out
 
+    def x8_args(self) -> Optional[tuple]:
+        """moe_forward's arguments after x where every expert (and the shared one) is an x8
+        matrix without biases and the router and shared gate are x8 or float32, else None."""
+        router = _matrix_arg(self.gate)
+        experts = [x8_mlp_args(e) for e in self.experts]
+        if router is None or any(e is None for e in experts):
+            return None
+        shared: list[torch.Tensor] = []
+        shared_types: list[int] = []
+        if self.shared_expert is not None:
+            mlp, gate = x8_mlp_args(self.shared_expert), _matrix_arg(self.shared_expert_gate)
+            if mlp is None or gate is None:
+                return None
+            shared, shared_types = [*mlp[0], gate[0]], [*mlp[1], gate[1]]
+        return (router[0], router[1], [w for e in experts for w in e[0]],
+                [t for e in experts for t in e[1]], self.top_k, self.norm_topk_prob, shared,
+                shared_types)
+
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
+def _x8(module: nn.Module) -> bool:
+    """An x8 matrix module (a GGML block or bf16 weight regrouped by pack_x8) without a bias."""
+    return bool(getattr(module, "packed", False)) and getattr(module, "bias", None) is None
+
+
+def x8_mlp_args(mlp: nn.Module, gelu: bool = False
+                ) -> Optional[tuple[list[torch.Tensor], list[int]]]:
+    """A GatedMLP's gate, up, down x8 matrices (no biases) and their ggml types, or None; its
+    activation SwiGLU, or also GeGLU with gelu=True (the C++ decode stack's dense layers)."""
+    acts = (SiluAndMul, GeluTanhAndMul) if gelu else SiluAndMul
+    if not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, acts):
+        return None
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if not (_x8(gate_up) and _x8(down)):
+        return None
+    return [*gate_up.weights, down.weight], [int(t) for t in (*gate_up.qtypes, down.qtype)]
+
+
+def _matrix_arg(linear: nn.Module) -> Optional[tuple[torch.Tensor, int]]:
+    """A router or gate: an x8 matrix and its type, or a float32 nn.Linear's weight and -1."""
+    if _x8(linear):
+        return linear.weight, int(linear.qtype)
+    if (type(linear) is nn.Linear and linear.bias is None
+            and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"):
+        return linear.weight, -1
+    return None

@@ -13,8 +13,9 @@ It takes every dense layer shape the models have: q/k/v biases (Qwen2), per-head
 (Qwen3, Gemma 3), sliding windows (Mistral, Qwen2/3, Phi-3, Gemma), soft-capped attention
 (Gemma 2), Gemma's (1 + w) norms (the 1 added at capture) and its post-attention / post-FFN
 norms, GeGLU, query_pre_attn_scalar (the attention's scale), one RoPE table per layer (Gemma 3's
-local and global ones), NoPE layers (SmolLM3), partial rotary and LongRoPE (Phi: in the tables).
-Routed experts (Qwen2/Qwen3-MoE) stay in the layer loop.
+local and global ones), NoPE layers (SmolLM3), partial rotary and LongRoPE (Phi: in the tables),
+and routed experts in place of the MLP (Qwen2-MoE, Qwen3-MoE: the op layers/moe.py calls for x8
+experts, kernels/csrc/moe.cpp).
 
 Whether a model takes it is decided once, at load (decide()), with the reason the kernels log
 line gives; the step itself checks nothing.
@@ -32,10 +33,10 @@ import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
+from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.ggml_linear import GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.lora import LoRALinear
-from pagedllm.layers.mlp import GatedMLP
+from pagedllm.layers.moe import SparseMoeBlock, x8_mlp_args
 from pagedllm.layers.norm import GemmaRMSNorm
 from pagedllm.models.pipeline import IntermediateTensors
 
@@ -49,8 +50,10 @@ def _float32(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 # Registry keys whose decoder layers the C++ stack reproduces op for op: the Llama layer (Llama,
-# Mistral, Qwen2, Qwen3, Phi-3 once its fused tensors are split, SmolLM3) and Gemma 2/3's.
-STACK_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3", "smollm3")
+# Mistral, Qwen2, Qwen3, Phi-3 once its fused tensors are split, SmolLM3; with routed experts,
+# Qwen2-MoE and Qwen3-MoE) and Gemma 2/3's.
+STACK_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen2_moe", "qwen3",
+                       "qwen3_moe", "smollm3")
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
@@ -69,16 +72,16 @@ def _norms(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def _layer_args(layer: nn.Module, rope_index: dict[int, int]) -> Optional[tuple]:
-    """DecodeStack.add_layer() arguments for a dense decoder layer whose weights are all x8
-    blocks and whose norms and biases are float32, or None; rope_index maps each RoPE table
-    module (by id) to its index in the stack."""
+    """DecodeStack.add_layer() arguments for a decoder layer whose weights are all x8 blocks
+    and whose norms and biases are float32, or None; rope_index maps each RoPE table module (by
+    id) to its index in the stack. A routed-experts layer gives q, k, v, o only."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, (SiluAndMul, GeluTanhAndMul)):
+    moe = isinstance(mlp, SparseMoeBlock)
+    ffn = ([], []) if moe else x8_mlp_args(mlp, gelu=True)
+    if ffn is None:
         return None
-    qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
-    if not _packed(qkv, attn.o_proj, gate_up, mlp.down_proj):
-        return None
-    if attn.o_proj.bias is not None or mlp.down_proj.bias is not None or gate_up.bias is not None:
+    qkv = attn.qkv_proj
+    if not _packed(qkv, attn.o_proj) or attn.o_proj.bias is not None:
         return None
     norms = _norms(layer)
     qk_norms = [] if attn.q_norm is None else [_norm_weight(attn.q_norm),
@@ -86,12 +89,12 @@ def _layer_args(layer: nn.Module, rope_index: dict[int, int]) -> Optional[tuple]
     if not _float32(qkv.bias, *norms, *qk_norms):
         return None
     biases = [] if qkv.bias is None else list(qkv.bias.split(qkv.output_sizes))
-    weights = [*qkv.weights, attn.o_proj.weight, *gate_up.weights, mlp.down_proj.weight]
-    qtypes = [*qkv.qtypes, attn.o_proj.qtype, *gate_up.qtypes, mlp.down_proj.qtype]
+    weights = [*qkv.weights, attn.o_proj.weight, *ffn[0]]
+    qtypes = [*(int(t) for t in (*qkv.qtypes, attn.o_proj.qtype)), *ffn[1]]
     rope = -1 if attn.rope is None else rope_index[id(attn.rope[0])]
     a = attn.attn
-    return (weights, [int(t) for t in qtypes], biases, qk_norms, norms, rope,
-            a.sliding_window or 0, float(a.softcap or 0.0), isinstance(mlp.act, GeluTanhAndMul))
+    return (weights, qtypes, biases, qk_norms, norms, rope, a.sliding_window or 0,
+            float(a.softcap or 0.0), not moe and isinstance(mlp.act, GeluTanhAndMul))
 
 
 def _own_layers(model: nn.Module) -> Optional[list[nn.Module]]:
@@ -114,9 +117,6 @@ class DecodeChoice(NamedTuple):
 def decide(model: nn.Module, kernels_ready: bool) -> DecodeChoice:
     """The captured step where the model can take it, else the layer loop, with the reason."""
     arch = model.config.architecture
-    if model.config.moe is not None:
-        return DecodeChoice(None, f"the model's layer loop (the C++ decode stack has no routed "
-                                  f"experts: {arch} layers pick their experts per token)")
     if arch not in STACK_ARCHITECTURES:
         return DecodeChoice(None, f"the model's layer loop (the C++ decode stack does not run "
                                   f"{arch} layers)")
@@ -156,7 +156,9 @@ class CapturedDecode:
                for lay in layers):
             return None
         args = [_layer_args(layer, rope_index) for layer in layers]
-        if any(a is None for a in args):
+        moes = {i: layer.mlp.x8_args() for i, layer in enumerate(layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+        if any(a is None for a in args) or any(m is None for m in moes.values()):
             return None
         stack = torch.classes.pagedllm.DecodeStack(attn.num_heads, attn.num_kv_heads,
                                                    attn.head_dim, norm.eps, attn.attn.scale,
@@ -165,14 +167,17 @@ class CapturedDecode:
             stack.add_rope(table.cos, table.sin)
         for a in args:
             stack.add_layer(*a)
+        for i, m in moes.items():
+            stack.set_moe(i, *m)
         return cls(model, stack)
 
     def take_lora(self) -> bool:
         """Give the stack the LoRA slots of the model's wrapped projections (after
         lora_slots.wrap_projections); False, giving none, unless every one of them adds its
         deltas with the C++ op (forward_cpu), which the stack's numbers must equal."""
-        per_layer = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj,
-                      lay.mlp.down_proj) for lay in _own_layers(self.model)]
+        per_layer = [(lay.self_attn.qkv_proj, lay.self_attn.o_proj,
+                      getattr(lay.mlp, "gate_up_proj", None), getattr(lay.mlp, "down_proj", None))
+                      for lay in _own_layers(self.model)]  # routed experts carry no LoRA
         wrappers = [m for mods in per_layer for m in mods if isinstance(m, LoRALinear)]
         if not wrappers or any(w.impl != "cpu" for w in wrappers):
             return False

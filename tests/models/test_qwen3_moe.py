@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import gguf
 import pytest
+import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.layers.ggml_linear import GGMLMergedLinear
-from pagedllm.layers.moe import SparseMoeBlock
+from pagedllm.layers.moe import SparseMoeBlock, route
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf.weights import arch_from_gguf
-from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_float32, check_q8_0,
+from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_captured_equals_loop_exactly,
+                         check_float32, check_q8_0,
                          gguf_tensors, hf_reference, prompts, random_init, save_checkpoints,
                          save_hf_dir, write_gguf)
 
@@ -70,18 +72,34 @@ def test_float32_gguf_matches_transformers(qwen3_moe, reference):
     check_float32(llm, reference)
 
 
-def test_q8_0_gguf_keeps_each_experts_blocks_and_runs_the_layer_loop(qwen3_moe):
+def test_q8_0_gguf_keeps_each_experts_blocks_and_runs_the_captured_decode(qwen3_moe):
     llm = LLM(model=str(qwen3_moe.q8_0_gguf), tokenizer=str(qwen3_moe.hf_dir), **CHUNKED)
     runner = model_runner(llm)
     assert llm.llm_engine.config.quantization == "gguf"
-    assert runner.captured_decode is None
-    assert runner.decode_path.startswith("the model's layer loop (the C++ decode stack has no "
-                                         "routed experts: qwen3_moe"), runner.decode_path
+    assert runner.captured_decode is not None, runner.decode_path
+    assert runner.decode_path == "the C++ decode stack (qwen3_moe layers, one call a step)"
     block = runner.model.model.layers[0].mlp
     assert isinstance(block, SparseMoeBlock)
     assert all(isinstance(e.gate_up_proj, GGMLMergedLinear) and e.gate_up_proj.packed
                for e in block.experts)
     check_q8_0(llm, qwen3_moe)
+    # the router, top k with renormalised weights, each chosen expert on its rows, in C++
+    check_captured_equals_loop_exactly(llm, qwen3_moe.prompts)
+
+
+def test_int8_at_load_runs_dense_and_routed_layers_in_the_captured_decode(tmp_path):
+    """decoder_sparse_step=2 quantized at load: a dense MLP layer then a routed one, both in the
+    stack, equal to the layer loop."""
+    cfg = config(decoder_sparse_step=2)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    random_init(model, seed=2, scale=0.2)
+    save_hf_dir(model, tmp_path / "hf")
+    llm = LLM(model=str(tmp_path / "hf"), quantization="int8", **CHUNKED)
+    runner = model_runner(llm)
+    assert runner.captured_decode is not None, runner.decode_path
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers] == [
+        False, True]
+    check_captured_equals_loop_exactly(llm, prompts((7, 30, 45), seed=3))
 
 
 def test_q8_0_gguf_dequantized_matches_transformers(qwen3_moe):
@@ -117,3 +135,21 @@ def test_a_gguf_with_sigmoid_routing_is_refused_by_its_key(qwen3_moe, tmp_path):
                F32)
     with pytest.raises(ModelFileError, match="qwen3moe.expert_gating_func=2 is not supported"):
         arch_from_gguf(path)
+
+
+def test_the_x8_moe_op_equals_the_torch_block_and_is_the_same_row_alone_or_batched(qwen3_moe):
+    """moe_forward (the op the layer loop and the C++ stack call for x8 experts) computes what
+    route() + routed() compute in torch on the same matrices, and each row's output
+    is the same bits alone as inside a batch."""
+    llm = LLM(model=str(qwen3_moe.q8_0_gguf), tokenizer=str(qwen3_moe.hf_dir), **CHUNKED)
+    block = model_runner(llm).model.model.layers[0].mlp
+    assert block.x8_args() is not None
+    x = torch.randn(6, block.gate.in_features, generator=torch.Generator().manual_seed(4))
+    batched = block(x)
+    for i in range(len(x)):
+        assert torch.equal(block(x[i:i + 1])[0], batched[i]), i
+    routing = route(block.gate(x), block.top_k, block.norm_topk_prob)
+    expected = block.routed(x, routing)
+    if block.shared_expert is not None:
+        expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-5)

@@ -369,3 +369,38 @@ def check_captured_equals_loop(llm: LLM, token_prompts: list[list[int]]) -> None
     finally:
         runner.captured_decode = captured
     assert calls
+
+
+def check_captured_equals_loop_exactly(llm: LLM, token_prompts: list[list[int]]) -> None:
+    """Greedy tokens and their log-probabilities, bit for bit, through the captured C++ decode
+    step (counted: it must run) and through the model's layer loop: all prompts in one batch,
+    then the first alone (decode steps of one row). A first run fills the prefix cache, so that
+    both compared runs compute the same prompt chunks (a cached prefix changes a chunk's rows,
+    and with them the prompt's attention sums in their last bits)."""
+    runner = model_runner(llm)
+    captured = runner.captured_decode
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return captured(*args)
+
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=1, ignore_eos=True)
+
+    def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids),
+                 [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+
+    generate(token_prompts)
+    for prompts in (token_prompts, token_prompts[:1]):
+        runner.captured_decode = counting
+        try:
+            through_stack = generate(prompts)
+            runner.captured_decode = None
+            assert generate(prompts) == through_stack
+        finally:
+            runner.captured_decode = captured
+        assert calls
+        calls.clear()

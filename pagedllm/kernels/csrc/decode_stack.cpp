@@ -1,6 +1,7 @@
-// A decode step through every decoder layer of a dense model in one call, for steps where each
+// A decode step through every decoder layer of a model in one call, for steps where each
 // sequence adds one token and every weight is an x8 block matrix on the CPU: the Llama layer
-// (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3) and Gemma 2/3's.
+// (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3), Gemma 2/3's, and the Llama layer with routed
+// experts in place of its MLP (Qwen2-MoE, Qwen3-MoE: set_moe).
 //
 // It runs the very ops the Python layers run (the same kernels, in the same order, so the
 // numbers are identical); what it removes is the Python between them: at one token a step, the
@@ -11,6 +12,9 @@
 //   paged_decode_attention (the layer's window and soft-cap) -> o_proj (-> rms_norm, Gemma) ->
 //   add_rms_norm_ -> gate, up -> silu(gate) * up or gelu_tanh(gate) * up -> down (-> rms_norm,
 //   Gemma)
+//
+// A routed-experts layer's feed-forward is moe.cpp's op, the one layers/moe.py's SparseMoeBlock
+// calls for x8 experts.
 //
 // Gemma's (1 + w) norms arrive with the 1 added (the Python layers add it the same way before
 // calling the same op).
@@ -25,12 +29,25 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
+
+// A routed-experts feed-forward: moe_forward's arguments after x (moe.cpp)
+struct MoEWeights {
+  at::Tensor router;
+  int64_t router_type;
+  std::vector<at::Tensor> experts;
+  std::vector<int64_t> expert_types;
+  int64_t top_k;
+  bool norm_topk_prob;
+  std::vector<at::Tensor> shared;
+  std::vector<int64_t> shared_types;
+};
 
 struct LayerWeights {
   std::vector<at::Tensor> qkv, gate_up;
@@ -45,6 +62,7 @@ struct LayerWeights {
   int64_t window;                          // sliding window, or 0
   double softcap;                          // attention soft-cap, or 0
   bool gelu;                               // GeGLU (Gemma) rather than SwiGLU
+  std::shared_ptr<const MoEWeights> moe;   // routed experts in place of gate_up / down, or null
 };
 
 // One projection's LoRA slots (lora_add_'s a, bts and ranks); a undefined: no LoRA there.
@@ -85,10 +103,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // qk_norm: [] or the q and k head-norm weights, each [head_dim]; norms: the two pre-norms
   // (attention, feed-forward), or those and Gemma's two post-norms (attention, feed-forward);
   // rope: a table index or -1 (none); window, softcap: 0 for none; gelu: GeGLU, else SwiGLU.
+  // A routed-experts layer gives q k v o only, then its experts with set_moe.
   void add_layer(std::vector<at::Tensor> weights, std::vector<int64_t> qtypes, std::vector<at::Tensor> qkv_bias,
                  std::vector<at::Tensor> qk_norm, std::vector<at::Tensor> norms, int64_t rope, int64_t window,
                  double softcap, bool gelu) {
-    TORCH_CHECK(weights.size() == 7 && qtypes.size() == 7, "a layer has 7 weights: q k v o gate up down");
+    TORCH_CHECK((weights.size() == 7 || weights.size() == 4) && qtypes.size() == weights.size(),
+                "a layer has 7 weights (q k v o gate up down) or, with routed experts, 4 (q k v o), with one "
+                "qtype each; got ", weights.size(), " weights and ", qtypes.size(), " qtypes");
     TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == 3, "qkv_bias: none or q, k, v");
     TORCH_CHECK(qk_norm.empty() || qk_norm.size() == 2, "qk_norm: none or q, k");
     TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "norms: the 2 pre-norms, or those and the 2 post-norms, "
@@ -102,13 +123,30 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(w.dim() == 1 && w.numel() == d_, "qk_norm weights must be [head_dim] = [", d_, "], got ",
                   w.sizes());
     }
-    const bool post = norms.size() == 4;
-    layers_.push_back({{weights[0], weights[1], weights[2]}, {weights[4], weights[5]},
-                       {qtypes[0], qtypes[1], qtypes[2]}, {qtypes[4], qtypes[5]},
-                       weights[3], weights[6], qtypes[3], qtypes[6], std::move(qkv_bias),
-                       std::move(qk_norm), norms[0], norms[1], post ? norms[2] : at::Tensor(),
-                       post ? norms[3] : at::Tensor(), rope, window, softcap, gelu});
+    const bool post = norms.size() == 4, dense = weights.size() == 7;
+    layers_.push_back({{weights[0], weights[1], weights[2]},
+                       dense ? std::vector<at::Tensor>{weights[4], weights[5]} : std::vector<at::Tensor>{},
+                       {qtypes[0], qtypes[1], qtypes[2]},
+                       dense ? std::vector<int64_t>{qtypes[4], qtypes[5]} : std::vector<int64_t>{},
+                       weights[3], dense ? weights[6] : at::Tensor(), qtypes[3], dense ? qtypes[6] : -1,
+                       std::move(qkv_bias), std::move(qk_norm), norms[0], norms[1],
+                       post ? norms[2] : at::Tensor(), post ? norms[3] : at::Tensor(), rope, window, softcap, gelu,
+                       nullptr});
     lora_.emplace_back(kProjections);
+  }
+
+  // The routed experts of layer `layer` (added with 4 weights): moe_forward's arguments after x
+  // (moe.cpp), checked there at the first step
+  void set_moe(int64_t layer, at::Tensor router, int64_t router_type, std::vector<at::Tensor> experts,
+               std::vector<int64_t> expert_types, int64_t top_k, bool norm_topk_prob, std::vector<at::Tensor> shared,
+               std::vector<int64_t> shared_types) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "layer must be below ", layers_.size(),
+                ", got ", layer);
+    LayerWeights& lw = layers_[layer];
+    TORCH_CHECK(lw.gate_up.empty(), "layer ", layer, " was added with a dense MLP (7 weights)");
+    lw.moe = std::make_shared<MoEWeights>(MoEWeights{std::move(router), router_type, std::move(experts),
+                                                     std::move(expert_types), top_k, norm_topk_prob,
+                                                     std::move(shared), std::move(shared_types)});
   }
 
   // The LoRA slots of a layer's projection: 0 q/k/v, 1 o, 2 gate/up, 3 down (bts: one per shard).
@@ -120,6 +158,8 @@ class DecodeStack : public torch::CustomClassHolder {
     const size_t shards = projection == kQKV ? 3 : projection == kGateUp ? 2 : 1;
     TORCH_CHECK(bts.size() == shards, "projection ", projection, " has ", shards, " shards, got ", bts.size(),
                 " bts");
+    TORCH_CHECK(projection < kGateUp || !layers_[layer].gate_up.empty(), "layer ", layer,
+                " has routed experts, which carry no LoRA");
     lora_[layer][projection] = {std::move(a), std::move(bts), std::move(ranks)};
   }
 
@@ -169,6 +209,13 @@ class DecodeStack : public torch::CustomClassHolder {
       add_lora_(h, o2, slots, lora[kO]);
       if (w.attn_out_norm.defined()) h = pagedllm_ops::rms_norm(h, w.attn_out_norm, eps_);
       pagedllm_ops::add_rms_norm_(h, residual, w.norm2, eps_);
+      if (w.moe) {
+        const MoEWeights& m = *w.moe;
+        x = pagedllm_ops::moe_forward(h, m.router, m.router_type, m.experts, m.expert_types, m.top_k,
+                                      m.norm_topk_prob, m.shared, m.shared_types);
+        continue;
+      }
+      TORCH_CHECK(!w.gate_up.empty(), "layer ", l, " has neither an MLP nor routed experts (set_moe)");
       std::vector<at::Tensor> gu = pagedllm_ggml::linear_x8(h, w.gate_up, w.gate_up_types, hidden);
       add_lora_(gu, h, slots, lora[kGateUp]);
       at::Tensor act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
@@ -213,6 +260,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_rope", &DecodeStack::add_rope)
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_moe", &DecodeStack::set_moe)
       .def("set_lora", &DecodeStack::set_lora)
       .def("forward", &DecodeStack::forward);
 }

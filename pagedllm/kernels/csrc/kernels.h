@@ -27,6 +27,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
                                   const at::Tensor& context_lens, double scale, int64_t window = 0,
                                   double softcap = 0);
 std::string paged_attention_path();  // "avx512", "avx2" or "scalar": which path the op runs now
+// moe.cpp: a routed-experts feed-forward on x [T, H] (layers/moe.py's SparseMoeBlock): router
+// [E, H] float32 (type -1) or x8; experts: gate, up, down of each of the E experts (x8) with their
+// types; shared: [] or the shared expert's gate, up, down and its [1, H] gate, with 4 types
+at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& router, int64_t router_type, at::TensorList experts,
+                       at::IntArrayRef expert_types, int64_t top_k, bool norm_topk_prob, at::TensorList shared,
+                       at::IntArrayRef shared_types);
 // lora_delta.cpp: y_i[t] += (x[t] @ A[s, i R : i R + r]^T) @ Bt_i[s, :r] for each shard i, s = slots[t]
 // (-1: the row is left alone), r = ranks[s, i]
 void lora_add_(at::TensorList ys, const at::Tensor& x, const at::Tensor& slots, const at::Tensor& a,

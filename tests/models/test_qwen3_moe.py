@@ -87,14 +87,16 @@ def test_q8_0_gguf_keeps_each_experts_blocks_and_runs_the_captured_decode(qwen3_
     check_captured_equals_loop_exactly(llm, qwen3_moe.prompts)
 
 
-def test_int8_at_load_runs_dense_and_routed_layers_in_the_captured_decode(tmp_path):
-    """decoder_sparse_step=2 quantized at load: a dense MLP layer then a routed one, both in the
-    stack, equal to the layer loop."""
+@pytest.mark.parametrize("quantization", ["int8", "bf16"])
+def test_x8_at_load_runs_dense_and_routed_layers_in_the_captured_decode(tmp_path, quantization):
+    """decoder_sparse_step=2 regrouped at load (Q8_0 blocks, or bf16 matrices): a dense MLP
+    layer then a routed one, both in the stack, equal to the layer loop."""
     cfg = config(decoder_sparse_step=2)
     model = Qwen3MoeForCausalLM(cfg).eval()
     random_init(model, seed=2, scale=0.2)
     save_hf_dir(model, tmp_path / "hf")
-    llm = LLM(model=str(tmp_path / "hf"), quantization="int8", **CHUNKED)
+    llm = LLM(model=str(tmp_path / "hf"), quantization=quantization, **CHUNKED)
+    assert model_runner(llm).model.model.layers[1].mlp.x8_args() is not None
     runner = model_runner(llm)
     assert runner.captured_decode is not None, runner.decode_path
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers] == [

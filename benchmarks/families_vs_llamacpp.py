@@ -1,7 +1,7 @@
 """One-stream decode of the families with no shipped weights, beside llama.cpp on the same GGUF.
 
     .venv/bin/python benchmarks/families_vs_llamacpp.py --llama-cpp DIR [--families qwen3_moe phi3]
-        [--pairs 3] [--quant Q4_K_M] [--work /tmp/families]
+        [--pairs 3] [--quant Q4_K_M] [--work /tmp/pagedllm-families]
 
 DIR is llama.cpp's source tree with its build (the llama-cpp-python sdist's vendor/llama.cpp,
 built with -DGGML_NATIVE=ON): its `convert_hf_to_gguf.py` and `build/bin/llama-quantize` make
@@ -11,6 +11,8 @@ transformers' own class and random weights (decode speed does not depend on the 
 engines run the same file), saved as an HF directory in bfloat16, converted to an f16 GGUF by
 llama.cpp's converter and quantized by llama-quantize. Then, alternating, `pagedllm bench
 latency --input-len 16 --output-len 128` and `llama-bench -p 0 -n 128 -t 2`, --pairs times.
+llama.cpp's converter imports `sentencepiece` on SmolLM3's tokenizer path (pip install it into
+the environment that runs this script; pagedllm itself does not need it).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def build_model(family: str, vocab: int) -> torch.nn.Module:
                                 num_experts=32, num_experts_per_tok=4, norm_topk_prob=True,
                                 num_key_value_heads=2, head_dim=64, **COMMON)
         cls = tf.Qwen3MoeForCausalLM
-    elif family == "qwen2_moe":  # Qwen1.5-MoE's kinds: 4 of 60 routed experts and a gated shared expert
+    elif family == "qwen2_moe":  # Qwen1.5-MoE's kinds (it chooses 4 of 60): routed experts and a gated shared expert
         cfg = tf.Qwen2MoeConfig(vocab_size=vocab, intermediate_size=4864, moe_intermediate_size=256,
                                 shared_expert_intermediate_size=1024, num_experts=32, num_experts_per_tok=4,
                                 num_key_value_heads=2, **{**COMMON, "tie_word_embeddings": False})

@@ -74,7 +74,8 @@ def test_mp_rank_in_the_engine_process_cgroup_plans_without_its_runtime(tmp_path
         cg.mkdir()
         (cg / "memory.limit_in_bytes").write_text(str(3 * GiB))
     try:
-        env = dict(os.environ, PAGEDLLM_RANK_CGROUP=str(cgs[0]).replace("-0", "-{rank}"),
+        # only the name's last "-0": the random tag may start with 0 ("...-0a1b...-0")
+        env = dict(os.environ, PAGEDLLM_RANK_CGROUP=str(cgs[0])[:-len("-0")] + "-{rank}",
                    PYTHONPATH=str(Path(pagedllm.__file__).parents[1]))  # this checkout's
         script = tmp_path / "job.py"
         script.write_text(RANK_MEMORIES_JOB)

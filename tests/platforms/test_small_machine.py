@@ -386,7 +386,8 @@ def test_qwen7b_q4_k_pp2_runs_in_two_3_49_gib_cgroups(qwen7b_q4_k, seed_cgroups,
     Path("/proc/sys/vm/drop_caches").write_text("1")  # page cache charged elsewhere: none
     script = tmp_path / "pp.py"
     script.write_text(PP_JOB)
-    template = str(rank0).replace("-0", "-{rank}")
+    # only the name's last "-0": the random tag may hold a "-0" too (a tag starting with 0)
+    template = str(rank0)[:-len("-0")] + "-{rank}"
     env = dict(os.environ, PAGEDLLM_RANK_CGROUP=template)
     proc = subprocess.run([sys.executable, str(script), str(qwen7b_q4_k)], capture_output=True,
                           text=True, timeout=600, env=env)

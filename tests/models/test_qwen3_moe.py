@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import gguf
 import pytest
-import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from e2e.helpers import model_runner
 from pagedllm import LLM
 from pagedllm.layers.ggml_linear import GGMLMergedLinear
-from pagedllm.layers.moe import SparseMoeBlock, route
+from pagedllm.layers.moe import SparseMoeBlock
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.loader.errors import ModelFileError
 from pagedllm.loader.gguf.weights import arch_from_gguf
 from tiny_models import (CHUNKED, F32, VOCAB, base_fields, check_captured_equals_loop_exactly,
-                         check_float32, check_q8_0,
+                         check_float32, check_moe_op, check_q8_0,
                          gguf_tensors, hf_reference, prompts, random_init, save_checkpoints,
                          save_hf_dir, write_gguf)
 
@@ -140,18 +139,5 @@ def test_a_gguf_with_sigmoid_routing_is_refused_by_its_key(qwen3_moe, tmp_path):
 
 
 def test_the_x8_moe_op_equals_the_torch_block_and_is_the_same_row_alone_or_batched(qwen3_moe):
-    """moe_forward (the op the layer loop and the C++ stack call for x8 experts) computes what
-    route() + routed() compute in torch on the same matrices, and each row's output
-    is the same bits alone as inside a batch."""
     llm = LLM(model=str(qwen3_moe.q8_0_gguf), tokenizer=str(qwen3_moe.hf_dir), **CHUNKED)
-    block = model_runner(llm).model.model.layers[0].mlp
-    assert block.x8_args() is not None
-    x = torch.randn(6, block.gate.in_features, generator=torch.Generator().manual_seed(4))
-    batched = block(x)
-    for i in range(len(x)):
-        assert torch.equal(block(x[i:i + 1])[0], batched[i]), i
-    routing = route(block.gate(x), block.top_k, block.norm_topk_prob)
-    expected = block.routed(x, routing)
-    if block.shared_expert is not None:
-        expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
-    torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-5)
+    check_moe_op(model_runner(llm).model.model.layers[0].mlp)

@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerFast
 
 from e2e.helpers import last_logits, model_runner
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.moe import route
 
 VOCAB = 320
 NUM_TOKENS = 32
@@ -350,9 +351,9 @@ def check_q8_0(llm: LLM, ckpts: TinyCheckpoints) -> None:
     assert near_argmax_gap(ckpts.q8_0_model, ckpts.prompts, tokens) <= tol
 
 
-def check_captured_equals_loop(llm: LLM, token_prompts: list[list[int]]) -> None:
-    """Greedy tokens through the captured C++ decode step (counted: it must run) equal those
-    through the model's layer loop."""
+def _stack_equals_loop(llm: LLM, run: Callable[[], object]) -> None:
+    """run() through the captured C++ decode step (counted: it must run), then through the
+    model's layer loop: the same result."""
     runner = model_runner(llm)
     captured = runner.captured_decode
     calls = []
@@ -363,12 +364,18 @@ def check_captured_equals_loop(llm: LLM, token_prompts: list[list[int]]) -> None
 
     runner.captured_decode = counting
     try:
-        through_stack = greedy_tokens(llm, token_prompts)
+        through_stack = run()
         runner.captured_decode = None
-        assert greedy_tokens(llm, token_prompts) == through_stack
+        assert run() == through_stack
     finally:
         runner.captured_decode = captured
     assert calls
+
+
+def check_captured_equals_loop(llm: LLM, token_prompts: list[list[int]]) -> None:
+    """Greedy tokens through the captured C++ decode step (counted: it must run) equal those
+    through the model's layer loop."""
+    _stack_equals_loop(llm, lambda: greedy_tokens(llm, token_prompts))
 
 
 def check_captured_equals_loop_exactly(llm: LLM, token_prompts: list[list[int]]) -> None:
@@ -377,14 +384,6 @@ def check_captured_equals_loop_exactly(llm: LLM, token_prompts: list[list[int]])
     then the first alone (decode steps of one row). A first run fills the prefix cache, so that
     both compared runs compute the same prompt chunks (a cached prefix changes a chunk's rows,
     and with them the prompt's attention sums in their last bits)."""
-    runner = model_runner(llm)
-    captured = runner.captured_decode
-    calls = []
-
-    def counting(*args):
-        calls.append(1)
-        return captured(*args)
-
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=1, ignore_eos=True)
 
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -395,12 +394,19 @@ def check_captured_equals_loop_exactly(llm: LLM, token_prompts: list[list[int]])
 
     generate(token_prompts)
     for prompts in (token_prompts, token_prompts[:1]):
-        runner.captured_decode = counting
-        try:
-            through_stack = generate(prompts)
-            runner.captured_decode = None
-            assert generate(prompts) == through_stack
-        finally:
-            runner.captured_decode = captured
-        assert calls
-        calls.clear()
+        _stack_equals_loop(llm, lambda: generate(prompts))
+
+
+def check_moe_op(block: torch.nn.Module) -> None:
+    """A SparseMoeBlock with x8 experts: moe_forward (the op the layer loop and the C++ stack
+    call) computes what route() + routed() (+ the shared expert) compute in torch on the same
+    matrices, and each row's output is the same bits alone as inside a batch."""
+    assert block.x8_args() is not None
+    x = torch.randn(6, block.gate.in_features, generator=torch.Generator().manual_seed(4))
+    batched = block(x)
+    for i in range(len(x)):
+        assert torch.equal(block(x[i:i + 1])[0], batched[i]), i
+    expected = block.routed(x, route(block.gate(x), block.top_k, block.norm_topk_prob))
+    if block.shared_expert is not None:
+        expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    torch.testing.assert_close(batched, expected, rtol=1e-5, atol=1e-5)

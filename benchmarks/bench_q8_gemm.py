@@ -1,14 +1,15 @@
 """The Q8_0 x8 gemm (int8 at load) on the default model's shapes: G multiply-adds/s per thread.
 
     .venv/bin/python benchmarks/bench_q8_gemm.py [--rows 32 1024] [--threads 1] [--cold 24]
-        [--shapes g2 qkv o gu down head]
+        [--shapes g2 qkv o gu down head] [--isa avx512vnni avx512amx]
 
 Times ggml_linear_x8 (x quantized to int8 per 32 values, then the gemm) by CPU time
 (process_time: other processes do not count; with --threads 2 both threads' time), best of
 --rounds. The weights stay in the cache (L3) unless --cold N cycles through N copies (each call
 then streams its weights from memory, as a model's step does; the head is never copied). g2:
 gate and up as the model runs them, two [4864, 896] matrices in one call; gu: one [9728, 896]
-matrix. Compare with vpdpbusd's peak per thread (benchmarks/maddubs_peak.cpp).
+matrix. Compare with vpdpbusd's peak per thread (benchmarks/maddubs_peak.cpp). --isa: kernel
+variants (default: the one this process picks), alternated round by round on each shape.
 """
 from __future__ import annotations
 
@@ -27,16 +28,13 @@ SHAPES = {"g2": (4864, 896, 2), "qkv": (1152, 896, 1), "o": (896, 896, 1), "gu":
           "down": (896, 4864, 1), "head": (151936, 896, 1)}
 
 
-def best_seconds(call, rounds: int, min_time: float = 0.3) -> float:
-    """The least CPU seconds a call took, over rounds of at least min_time wall seconds."""
-    best = float("inf")
-    for _ in range(rounds):
-        n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
-        while time.perf_counter() - wall0 < min_time or n < 2:
-            call(n)
-            n += 1
-        best = min(best, (time.process_time() - cpu0) / n)
-    return best
+def seconds(call, min_time: float = 0.3) -> float:
+    """CPU seconds a call took, over at least min_time wall seconds."""
+    n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
+    while time.perf_counter() - wall0 < min_time or n < 2:
+        call(n)
+        n += 1
+    return (time.process_time() - cpu0) / n
 
 
 def main() -> None:
@@ -46,11 +44,13 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=0, help="copies of each matrix cycled (weights from memory)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", nargs="+", default=["g2", "qkv", "o", "down", "head"], choices=list(SHAPES))
+    ap.add_argument("--isa", nargs="+", default=None, help="kernel variants to alternate (kernel_isas())")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_kernels()
     keep_freed_memory()  # as the engine does: large outputs reused, not page-faulted anew
     ops = torch.ops.pagedllm
+    isas = args.isa or [ops.kernel_isa()[0]]
     for name in args.shapes:
         n, k, count = SHAPES[name]
         w = random_blocks(T.Q8_0, n, k)
@@ -58,11 +58,16 @@ def main() -> None:
         packs = [ops.ggml_pack_x8(w, int(T.Q8_0), k) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k)
-            s = best_seconds(lambda i: ops.ggml_linear_x8(x, [packs[i % copies]] * count,
-                                                         [int(T.Q8_0)] * count, k), args.rounds)
-            print(f"{name:5} {count}x{n}x{k} m={m:<5} {s * 1e3:9.3f} ms  "
-                  f"{count * m * n * k / s / 1e9:6.1f} G multiply-adds/s per thread "
-                  f"({args.threads} thread{'s' if args.threads > 1 else ''})", flush=True)
+            best = dict.fromkeys(isas, float("inf"))
+            for _ in range(args.rounds):
+                for isa in isas:
+                    ops.set_kernel_isa(isa)
+                    best[isa] = min(best[isa], seconds(lambda i: ops.ggml_linear_x8(
+                        x, [packs[i % copies]] * count, [int(T.Q8_0)] * count, k)))
+            for isa, s in best.items():
+                print(f"{name:5} {count}x{n}x{k} m={m:<5} {isa:10} {s * 1e3:9.3f} ms  "
+                      f"{count * m * n * k / s / 1e9:6.1f} G multiply-adds/s per thread "
+                      f"({args.threads} thread{'s' if args.threads > 1 else ''})", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from test_ggml_kernels import random_blocks, rel_error
 
 ops = torch.ops.pagedllm
 REPO = Path(__file__).resolve().parents[2]
-SIMD_VARIANTS = ("avx512vnni", "avxvnni", "avx512bw")  # each against avx2, the baseline
+SIMD_VARIANTS = ("avx512amx", "avx512vnni", "avxvnni", "avx512bw")  # each against avx2, the baseline
 # gemv tiles of 4, 2 and 1 (1-7 rows); the gemm from 8, in chunks of 64 rows
 ROWS = (1, 2, 3, 4, 7, 8, 9, 33, 64, 65)
 
@@ -58,6 +58,30 @@ def test_variant_gives_avx2_numbers_bit_for_bit(variant, qtype):
         y = ops.ggml_linear_x8(x[:m], [packed], [int(qtype)], k)[0]
         assert torch.equal(y, expected[m]), f"{variant} differs from avx2 at {m} rows"
         assert rel_error(y, x[:m].double() @ ref_w.t()) < 0.02
+
+
+def test_amx_q8_0_gemm_equals_avx512vnni_bit_for_bit_at_the_default_models_shapes():
+    """avx512amx runs Q8_0's gemm on the AMX-INT8 tiles for chunks (of up to 64 rows) of 32 rows
+    and more, in passes of 32 and 16 rows (so 16-17, 31-33, 48, 63-65, 100, 130 rows take every
+    path, the vpdpbusd kernel's for fewer rows among them), over pairs
+    of weight groups and a group alone (an odd group count per thread), with every weight at
+    -128 or 127 in two rows; its numbers are avx512vnni's bit for bit (the same int32 per block,
+    the same float update)."""
+    _use("avx512amx")
+    k = 896
+    raw = random_blocks(T.Q8_0, 88, k, seed=11).reshape(88, k // 32, 34)
+    raw[0, :, 2:] = 0x80
+    raw[9, :, 2:] = 0x7F
+    packed = ops.ggml_pack_x8(torch.from_numpy(raw.reshape(88, -1)), int(T.Q8_0), k)
+    other = ops.ggml_pack_x8(torch.from_numpy(random_blocks(T.Q4_0, 24, k, seed=12)), int(T.Q4_0), k)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(3))
+    x[5] = -1.0
+    rows = (16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 130)
+    amx = {m: ops.ggml_linear_x8(x[:m], [packed, other], [int(T.Q8_0), int(T.Q4_0)], k) for m in rows}
+    _use("avx512vnni")
+    for m in rows:
+        vnni = ops.ggml_linear_x8(x[:m], [packed, other], [int(T.Q8_0), int(T.Q4_0)], k)
+        assert torch.equal(amx[m][0], vnni[0]) and torch.equal(amx[m][1], vnni[1]), f"{m} rows"
 
 
 def test_generic_variant_matches_the_reference():

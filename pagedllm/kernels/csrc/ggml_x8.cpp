@@ -158,8 +158,10 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
   }
   // x quantized row-major for the gemv and block-major for the gemm (see XBlocks), in parallel:
   // at 512 rows of 4864 values this took ~10 % of a matmul on one thread
-  const std::unique_ptr<int8_t[]> xq(new int8_t[gemv ? m * k : 0]), bq(new int8_t[gemm ? m * k : 0]);
-  const std::unique_ptr<float[]> xd(new float[gemv ? 2 * m * nb : 0]), bd(new float[gemm ? 2 * m * nb : 0]);
+  // bq has 512 bytes of zeros after x: the AMX gemm reads 16-row tiles of a block (ggml_x8_kernels.inc)
+  const std::unique_ptr<int8_t[]> xq(new int8_t[gemv ? m * k : 0]), bq(new int8_t[gemm ? m * k + 512 : 0]);
+  if (gemm) std::memset(bq.get() + m * k, 0, 512);
+  const std::unique_ptr<float[]> xd(new float[gemv ? 2 * m * nb : 0]), bd(new float[gemm ? 2 * m * nb + 16 : 0]);
   const std::unique_ptr<int32_t[]> bh(new int32_t[gemm ? 2 * m * nb : 0]), xh(new int32_t[gemv ? 2 * m * nb : 0]);
   const XRows xr{xq.get(), xd.get(), xd.get() + m * nb, k, nb, xh.get()};
   const XBlocks xb{bq.get(), bd.get(), bd.get() + m * nb, bh.get(), m};

@@ -21,6 +21,7 @@ namespace x8 {
 namespace {
 
 TypeKernels avxvnni_kernels(int64_t qtype) { return isa_avxvnni::kernels_for(qtype); }
+TypeKernels avx512amx_kernels(int64_t qtype) { return isa_avx512amx::kernels_for(qtype); }
 
 // Best first: "auto" takes the first one this CPU executes. avx512vnni before avx2: on a Zen 4
 // its matmuls took 0.64-0.96 of avx2's time on the default model's shapes at 1, 32 and 128 rows
@@ -31,7 +32,12 @@ TypeKernels avxvnni_kernels(int64_t qtype) { return isa_avxvnni::kernels_for(qty
 // maddubs on two weight groups at once, which a CPU with two 512-bit FMA units issues at twice
 // the ymm rate (not measured: no such CPU was at hand; on a Zen 4, which splits zmm in two, it
 // runs at avx2's speed).
+// avx512amx first where the CPU has AMX-INT8: avx512vnni's kernels with Q8_0's gemm (32 x rows
+// and more) on the tiles, the same numbers. On a 2-vCPU Xeon with AMX (family 6 model 207) its
+// Q8_0 matmuls took 0.70-0.85 of avx512vnni's time at 64-512 rows and 0.78-0.93 at 32 (one
+// thread, benchmarks/bench_q8_gemm.py --isa, alternating, best of 5; docs/performance.md).
 const IsaVariant kVariants[] = {
+    {"avx512amx", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", avx512amx_kernels},
     {"avx512vnni", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", isa_avx512vnni::kernels_for},
     {"avxvnni", "avx2 fma f16c avx_vnni", avxvnni_kernels},
     {"avx512bw", "avx2 fma f16c avx512f avx512bw avx512vl", isa_avx512bw::kernels_for},
@@ -60,6 +66,7 @@ std::string missing(const IsaVariant& v) {
   std::istringstream needs(v.needs);
   for (std::string f; needs >> f;)
     if (!cpu_has(f)) return f;
+  if (v.kernels_for == avx512amx_kernels) return isa_avx512amx::missing();  // amx_tile, amx_int8, permission
   return "";
 }
 

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace pagedllm_ggml {
 namespace x8 {
@@ -57,6 +58,10 @@ struct TypeKernels {  // one ggml type's kernels in one variant; null where it h
 namespace isa_avx2 { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avx512vnni { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avx512bw { TypeKernels kernels_for(int64_t qtype); }
+namespace isa_avx512amx {
+TypeKernels kernels_for(int64_t qtype);
+std::string missing();  // "" when the build and this process can use the AMX-INT8 tiles, else what lacks
+}  // namespace isa_avx512amx
 namespace isa_avxvnni {
 TypeKernels kernels_for(int64_t qtype);
 bool compiled();  // false where the compiler cannot emit AVX-VNNI

@@ -1,0 +1,141 @@
+// The inner loop of the AMX Q8_0 gemm (ggml_x8_kernels.inc, amx_q8_0) alone, everything in L1:
+// per 32-value block, x tiles of 16 rows, a 16-row weight tile (8 x 64 bytes), tilezero +
+// tdpbssd, tilestored, then each x row's float update fma(float(sum), d * dx, acc). Times, per
+// 16 x 16 x 32 unit (8192 multiply-adds), the tiles alone, the update alone and both, for 16 and
+// 32 x rows a weight tile; and 16 rows with two blocks in flight (block b + 1's tiles issued
+// before block b's update). Skips, saying so, where the CPU lacks AMX-INT8 or the kernel refuses
+// the tile data permission. One thread.
+//
+//   g++ -O3 -march=native -mamx-tile -mamx-int8 benchmarks/amx_q8_block_loop.cpp -o /tmp/amx_q8_loop
+//   /tmp/amx_q8_loop
+//
+// 2-vCPU Intel Xeon with AMX (family 6 model 207; firecracker), 2026-12-05: see docs/performance.md.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+struct alignas(64) Cfg {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+alignas(64) int8_t xq[64 * 1024];
+alignas(64) uint8_t panel[64 * 512];
+alignas(64) float scales[64 * 16], xd[64 * 32];
+alignas(64) int32_t sums[4][256];
+volatile float sink;
+constexpr int kBlocks = 28;  // K = 896, the default model's hidden size
+
+#define UPDATE(ACC, S, D, XB)                                                                            \
+  for (int r = 0; r < 16; ++r)                                                                          \
+    ACC[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((S) + 16 * r)),                      \
+                             _mm512_mul_ps(D, _mm512_set1_ps((XB)[r])), ACC[r]);
+
+// kRows x rows (16 or 32) by one weight tile, block after block; kTiles / kUpdate: which half runs
+template <int kRows, bool kTiles, bool kUpdate>
+__attribute__((noinline)) void blocks(int reps) {
+  __m512 a0[16], a1[16];
+  for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int rep = 0; rep < reps; ++rep)
+    for (int b = 0; b < kBlocks; ++b) {
+      asm volatile("" ::: "memory");
+      if (kTiles) {
+        _tile_loadd(2, panel + 512 * b, 64);
+        _tile_loadd(0, xq + 1024 * b, 32);
+        _tile_zero(4);
+        _tile_dpbssd(4, 0, 2);
+        if (kRows == 32) {
+          _tile_loadd(1, xq + 1024 * b + 512, 32);
+          _tile_zero(5);
+          _tile_dpbssd(5, 1, 2);
+        }
+        _tile_stored(4, sums[0], 64);
+        if (kRows == 32) _tile_stored(5, sums[1], 64);
+      }
+      asm volatile("" ::: "memory");
+      if (kUpdate) {
+        const __m512 d = _mm512_load_ps(scales + 16 * b);
+        UPDATE(a0, sums[0], d, xd + 32 * b)
+        if (kRows == 32) { UPDATE(a1, sums[1], d, xd + 32 * b + 16) }
+      }
+    }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]) + _mm512_reduce_add_ps(a1[r]);
+  sink = s;
+}
+
+// 16 x rows, two blocks in flight: tiles 0, 2, 4 serve even blocks, 1, 3, 5 odd ones
+__attribute__((noinline)) void pipelined(int reps) {
+  __m512 a0[16];
+  for (int r = 0; r < 16; ++r) a0[r] = _mm512_setzero_ps();
+#define TILES(B, A, W, C, S)                                                                  \
+  _tile_loadd(W, panel + 512 * (B), 64); _tile_loadd(A, xq + 1024 * (B), 32); _tile_zero(C); \
+  _tile_dpbssd(C, A, W); _tile_stored(C, S, 64);
+  for (int rep = 0; rep < reps; ++rep) {
+    TILES(0, 0, 2, 4, sums[0])
+    for (int b = 0; b < kBlocks; b += 2) {
+      TILES(b + 1, 1, 3, 5, sums[1])
+      asm volatile("" ::: "memory");
+      { const __m512 d = _mm512_load_ps(scales + 16 * b); UPDATE(a0, sums[0], d, xd + 32 * b) }
+      asm volatile("" ::: "memory");
+      if (b + 2 < kBlocks) { TILES(b + 2, 0, 2, 4, sums[0]) }
+      asm volatile("" ::: "memory");
+      { const __m512 d = _mm512_load_ps(scales + 16 * b + 16); UPDATE(a0, sums[1], d, xd + 32 * b + 32) }
+      asm volatile("" ::: "memory");
+    }
+  }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]);
+  sink = s;
+}
+
+template <class F>
+void timed(const char* name, int units_per_block, F run) {
+  const int reps = 100000;
+  double best = 1e30;
+  for (int round = 0; round < 3; ++round) {
+    const auto t0 = std::chrono::steady_clock::now();
+    run(reps);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const double units = double(units_per_block) * kBlocks * reps;
+  std::printf("%-34s %6.2f ns per 16x16x32  %5.0f G multiply-adds/s\n", name, best / units * 1e9,
+              8192.0 * units / best / 1e9);
+}
+
+int main() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) {
+    std::printf("skipped: this CPU lacks amx_tile or amx_int8\n");
+    return 0;
+  }
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
+    std::printf("skipped: the kernel refused the tile data permission\n");
+    return 0;
+  }
+  Cfg cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = (t == 2 || t == 3) ? 8 : 16;
+    cfg.colsb[t] = t < 2 ? 32 : 64;
+  }
+  _tile_loadconfig(&cfg);
+  std::memset(xq, 1, sizeof xq);
+  std::memset(panel, 1, sizeof panel);
+  for (float& v : scales) v = 1e-3f;
+  for (float& v : xd) v = 1e-3f;
+  timed("16 rows: tiles only", 1, blocks<16, true, false>);
+  timed("16 rows: update only", 1, blocks<16, false, true>);
+  timed("16 rows: both", 1, blocks<16, true, true>);
+  timed("16 rows, two blocks in flight", 1, pipelined);
+  timed("32 rows: tiles only", 2, blocks<32, true, false>);
+  timed("32 rows: update only", 2, blocks<32, false, true>);
+  timed("32 rows: both (the kernel's)", 2, blocks<32, true, true>);
+  _tile_release();
+}

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -37,7 +39,7 @@ TypeKernels avx512amx_kernels(int64_t qtype) { return isa_avx512amx::kernels_for
 // Q8_0 matmuls took 0.70-0.85 of avx512vnni's time at 64-512 rows and 0.78-0.93 at 32 (one
 // thread, benchmarks/bench_q8_gemm.py --isa, alternating, best of 5; docs/performance.md).
 const IsaVariant kVariants[] = {
-    {"avx512amx", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", avx512amx_kernels},
+    {"avx512amx", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8", avx512amx_kernels},
     {"avx512vnni", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", isa_avx512vnni::kernels_for},
     {"avxvnni", "avx2 fma f16c avx_vnni", avxvnni_kernels},
     {"avx512bw", "avx2 fma f16c avx512f avx512bw avx512vl", isa_avx512bw::kernels_for},
@@ -56,6 +58,10 @@ bool cpu_has(const std::string& f) {
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (f == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
   if (f == "avx_vnni") return __builtin_cpu_supports("avxvnni");
+  if (f == "amx_tile" || f == "amx_int8") {  // cpuid leaf 7: edx bits 24 and 25
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << (f == "amx_tile" ? 24 : 25)));
+  }
   TORCH_CHECK(false, "unknown CPU feature ", f);
 }
 
@@ -66,7 +72,7 @@ std::string missing(const IsaVariant& v) {
   std::istringstream needs(v.needs);
   for (std::string f; needs >> f;)
     if (!cpu_has(f)) return f;
-  if (v.kernels_for == avx512amx_kernels) return isa_avx512amx::missing();  // amx_tile, amx_int8, permission
+  if (v.kernels_for == avx512amx_kernels) return isa_avx512amx::missing();  // the build, the tile permission
   return "";
 }
 

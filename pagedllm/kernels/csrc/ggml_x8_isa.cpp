@@ -36,7 +36,7 @@ TypeKernels avx512amx_kernels(int64_t qtype) { return isa_avx512amx::kernels_for
 // runs at avx2's speed).
 // avx512amx first where the CPU has AMX-INT8: avx512vnni's kernels with Q8_0's gemm (32 x rows
 // and more) on the tiles, the same numbers. On a 2-vCPU Xeon with AMX (family 6 model 207) its
-// Q8_0 matmuls took 0.70-0.85 of avx512vnni's time at 64-512 rows and 0.78-0.93 at 32 (one
+// Q8_0 matmuls took 0.69-0.81 of avx512vnni's time at 64-512 rows and 0.78-0.94 at 32 (one
 // thread, benchmarks/bench_q8_gemm.py --isa, alternating, best of 5; docs/performance.md).
 const IsaVariant kVariants[] = {
     {"avx512amx", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8", avx512amx_kernels},

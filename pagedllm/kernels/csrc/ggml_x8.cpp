@@ -158,7 +158,8 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
   }
   // x quantized row-major for the gemv and block-major for the gemm (see XBlocks), in parallel:
   // at 512 rows of 4864 values this took ~10 % of a matmul on one thread
-  // bq has 512 bytes of zeros after x: the AMX gemm reads 16-row tiles of a block (ggml_x8_kernels.inc)
+  // bq has 512 bytes of zeros after x and bd 16 floats after the scales: the AMX gemm reads whole
+  // 16-row tiles of a block and their rows' scales, past the last row (ggml_x8_kernels.inc)
   const std::unique_ptr<int8_t[]> xq(new int8_t[gemv ? m * k : 0]), bq(new int8_t[gemm ? m * k + 512 : 0]);
   if (gemm) std::memset(bq.get() + m * k, 0, 512);
   const std::unique_ptr<float[]> xd(new float[gemv ? 2 * m * nb : 0]), bd(new float[gemm ? 2 * m * nb + 16 : 0]);

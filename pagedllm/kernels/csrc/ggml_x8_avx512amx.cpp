@@ -1,20 +1,18 @@
 // The AVX512-AMX variant of the x8 kernels (ggml_x8_isa.h): the avx512vnni kernels, with Q8_0's
-// gemm (8 x rows and more) on the AMX-INT8 tiles (tdpbssd; Sapphire Rapids and later). A tile's
+// gemm (chunks of 32 x rows and more) on the AMX-INT8 tiles (tdpbssd; Sapphire Rapids and later). A tile's
 // int32 sums are the vpdpbusd kernels' integers, so the numbers are avx512vnni's bit for bit.
 // Q8_0 is the format of `quantization="int8"` and of Q8_0 GGUFs; the other types keep their
 // vpdpbusd kernels here. Compilers know the tile instructions from gcc 11 and clang 12; with an
 // older one the variant is left out of the build. The process asks the kernel for the tile data
 // permission (arch_prctl) before the variant counts as runnable.
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include <cpuid.h>
 #include <cstring>
 #include <string>
 
 #include "ggml_x8_isa.h"
 #include "ggml_x8_layout.h"
+#include "kernels.h"
 
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define PAGEDLLM_X8_AMX_BUILT 1
@@ -49,16 +47,7 @@ std::string missing() {
 #ifndef PAGEDLLM_X8_AMX_BUILT
   return "a compiler that emits AMX (gcc 11 or clang 12 and later)";
 #else
-  static const std::string lacks = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return std::string("amx_tile");
-    if (!(d & (1u << 25))) return std::string("amx_int8");
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
-      return std::string("amx_tile (the kernel refused the tile data permission)");
-    return std::string();
-  }();
-  return lacks;
+  return pagedllm_amx::tile_permission() ? "" : "amx_tile (the kernel refused the tile data permission)";
 #endif
 }
 

@@ -60,7 +60,7 @@ namespace isa_avx512vnni { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avx512bw { TypeKernels kernels_for(int64_t qtype); }
 namespace isa_avx512amx {
 TypeKernels kernels_for(int64_t qtype);
-std::string missing();  // "" when the build and this process can use the AMX-INT8 tiles, else what lacks
+std::string missing();  // past the CPU features (the variant's needs): "" when the build and the tile permission allow it
 }  // namespace isa_avx512amx
 namespace isa_avxvnni {
 TypeKernels kernels_for(int64_t qtype);

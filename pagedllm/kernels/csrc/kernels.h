@@ -49,3 +49,7 @@ std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::In
 namespace pagedllm_bf16 {  // x8_bf16.cpp: y_j = x @ W_j^T for bf16 x8 weights (ggml type BF16), by the active variant
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k);
 }  // namespace pagedllm_bf16
+
+namespace pagedllm_amx {  // x8_bf16.cpp: the AMX tile data permission, asked of the kernel once a
+bool tile_permission();   // process (arch_prctl); true once granted. The bf16 and int8 tile kernels ask.
+}  // namespace pagedllm_amx

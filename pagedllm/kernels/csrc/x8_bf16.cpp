@@ -286,7 +286,6 @@ struct Fma256 {
 // x is padded with zeros to whole tiles (16 rows, 32 values), and so are the weights past k.
 constexpr int64_t kAmxMinRows = 8;  // below: the vdpbf16ps kernels (weight reads bound there)
 constexpr int64_t kAmxRowsPerPass = 32;  // x rows sharing one pass over the weights (2 tiles)
-constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
 
 // "" when this process may use AMX-BF16 tiles, else what is missing, as /proc/cpuinfo spells it
 std::string amx_missing() {
@@ -295,8 +294,7 @@ std::string amx_missing() {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return std::string("amx_tile");
     if (!(d & (1u << 24))) return std::string("amx_tile");
     if (!(d & (1u << 22))) return std::string("amx_bf16");
-    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
-      return std::string("amx_tile (the kernel refused the tile data permission)");
+    if (!pagedllm_amx::tile_permission()) return std::string("amx_tile (the kernel refused the tile data permission)");
     return std::string();
   }();
   return missing;
@@ -683,6 +681,12 @@ at::Tensor bf16_embed_x8(const at::Tensor& wp, const at::Tensor& ids_in, int64_t
 }
 
 }  // namespace
+
+bool pagedllm_amx::tile_permission() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
 
 std::vector<at::Tensor> pagedllm_bf16::linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k) {
   const Variant v = active().v;  // one variant for the whole call

@@ -327,24 +327,54 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(con
   }
 }
 
+// Where a pass finds its weight tiles. Already regrouped (src == nullptr): block nb's kc tiles
+// of 1 KiB at panel[nb]. Or regrouped during the pass from the x8 groups src[2 nb], src[2 nb + 1]
+// (the second may be nullptr: zeros) into the same panel slots: tile t + 1 while tile t is on the
+// tiles, with the groups' records kAmxPrefetch tiles ahead asked for (one weight row of 8 groups
+// streams from memory while the tiles work, ~1.3-1.45x a pass regrouped whole first; see
+// docs/performance.md), so that the task's later passes find the panel as it was.
+struct AmxWeights {
+  uint8_t* const* panel;           // [2]: block nb's tiles
+  const uint8_t* const* src;       // [4] x8 groups to regroup from in this pass, or nullptr
+  int64_t nq;                      // quads a group row holds (k / 4)
+};
+constexpr int64_t kAmxPrefetch = 4;  // tiles ahead (4 x 512 bytes of each group)
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup_tile(const AmxWeights& w, int nblocks,
+                                                                                  int64_t t) {
+  for (int nb = 0; nb < nblocks; ++nb)
+    amx_regroup(w.src[2 * nb], w.src[2 * nb + 1], 8 * t, w.nq, w.panel[nb] + 1024 * t);
+}
+
 // c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x rows [16 * mblocks,
-// k32] (bf16, row stride ldx) @ the regrouped weight tiles of nblocks 16-row blocks (kc tiles of
-// 1 KiB each, block nb's at panel[nb]). Sums in tmm0-3 (mb, nb) = 2 mb + nb; x blocks in tmm4
-// and tmm6, weight blocks in tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
-void amx_block(const uint16_t* xb, int64_t ldx, int mblocks, int nblocks, const uint8_t* const panel[2],
-               int64_t kc, float* c) {
+// k32] (bf16, row stride ldx) @ the weight tiles of nblocks 16-row blocks (kc tiles, see
+// AmxWeights). Sums in tmm0-3 (mb, nb) = 2 mb + nb; x blocks in tmm4 and tmm6, weight blocks in
+// tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16_t* xb, int64_t ldx, int mblocks,
+                                                                    int nblocks, const AmxWeights& w, int64_t kc,
+                                                                    float* c) {
   const int64_t stride = 2 * ldx;
   const bool m2 = mblocks > 1, n2 = nblocks > 1;
+  const bool regroup = w.src != nullptr;
+  if (regroup) amx_regroup_tile(w, nblocks, 0);
   _tile_zero(0);
   if (n2) _tile_zero(1);
   if (m2) _tile_zero(2);
   if (m2 && n2) _tile_zero(3);
-  asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
   for (int64_t t = 0; t < kc; ++t) {
+    if (regroup) {
+      const int64_t ahead = 64 * 8 * (t + kAmxPrefetch);  // byte offset in each group's row of records
+      for (int g = 0; g < 2 * nblocks; ++g)
+        if (w.src[g] != nullptr && ahead < 64 * w.nq)
+          for (int line = 0; line < 8; ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(w.src[g] + ahead + 64 * line), _MM_HINT_T0);
+      if (t + 1 < kc) amx_regroup_tile(w, nblocks, t + 1);
+    }
+    asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
     const uint16_t* xt = xb + 32 * t;
     _tile_loadd(4, xt, stride);
-    _tile_loadd(5, panel[0] + 1024 * t, 64);
-    if (n2) _tile_loadd(7, panel[1] + 1024 * t, 64);
+    _tile_loadd(5, w.panel[0] + 1024 * t, 64);
+    if (n2) _tile_loadd(7, w.panel[1] + 1024 * t, 64);
     if (m2) _tile_loadd(6, xt + 16 * ldx, stride);
     _tile_dpbf16ps(0, 4, 5);
     if (n2) _tile_dpbf16ps(1, 4, 7);
@@ -394,7 +424,7 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
     amx_configure(cfg);
     std::vector<uint8_t> raw(2048 * kc + 64);
     uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
-    const uint8_t* const panel[2] = {tiles, tiles + 1024 * kc};
+    uint8_t* const panel[2] = {tiles, tiles + 1024 * kc};
     alignas(64) float c[4 * 256];
     for (int64_t t = t0; t < t1; ++t) {
       const Task& task = tasks[t];
@@ -402,17 +432,16 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
       const int64_t groups = w.size(0), n = groups * kRows, g = 4 * task.quad;
       const int64_t have = std::min<int64_t>(4, groups - g);  // x8 groups in this task: 1-4
       const uint8_t* base = w.data_ptr<uint8_t>() + g * 16 * k;
-      for (int nb = 0; nb < (have + 1) / 2; ++nb) {
-        const uint8_t* g0 = base + 2 * nb * 16 * k;
-        const uint8_t* g1 = 2 * nb + 1 < have ? g0 + 16 * k : nullptr;
-        for (int64_t i = 0; i < kc; ++i) amx_regroup(g0, g1, 8 * i, nq, tiles + 1024 * (nb * kc + i));
-      }
+      const uint8_t* src[4] = {};
+      for (int64_t i = 0; i < have; ++i) src[i] = base + i * 16 * k;
       const int nblocks = static_cast<int>((have + 1) / 2);
       float* out = outs[task.j].data_ptr<float>();
       for (int64_t pass = task.pass0; pass < task.pass1; ++pass) {
         const int64_t row0 = pass * kAmxRowsPerPass;
         const int mblocks = static_cast<int>(std::min<int64_t>(2, (m16 - row0) / 16));
-        amx_block(xb + row0 * k32, k32, mblocks, nblocks, panel, kc, c);
+        // the first pass regroups the weights as it goes; the later ones read its panel
+        const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq};
+        amx_block(xb + row0 * k32, k32, mblocks, nblocks, weights, kc, c);
         for (int mb = 0; mb < mblocks; ++mb)
           for (int nb = 0; nb < nblocks; ++nb) {
             const int cols = 2 * nb + 1 < have ? 16 : 8;

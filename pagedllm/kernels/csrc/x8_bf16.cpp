@@ -346,14 +346,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup_til
     amx_regroup(w.src[2 * nb], w.src[2 * nb + 1], 8 * t, w.nq, w.panel[nb] + 1024 * t);
 }
 
-// c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x rows [16 * mblocks,
-// k32] (bf16, row stride ldx) @ the weight tiles of nblocks 16-row blocks (kc tiles, see
+// c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x row blocks mb (16
+// rows, k32 values: kc whole 1 KiB tiles at xb + 16 ldx mb, as amx_linear lays them) @ the weight tiles of nblocks 16-row blocks (kc tiles, see
 // AmxWeights). Sums in tmm0-3 (mb, nb) = 2 mb + nb; x blocks in tmm4 and tmm6, weight blocks in
 // tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16_t* xb, int64_t ldx, int mblocks,
                                                                     int nblocks, const AmxWeights& w, int64_t kc,
                                                                     float* c) {
-  const int64_t stride = 2 * ldx;
   const bool m2 = mblocks > 1, n2 = nblocks > 1;
   const bool regroup = w.src != nullptr;
   if (regroup) amx_regroup_tile(w, nblocks, 0);
@@ -371,11 +370,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16
       if (t + 1 < kc) amx_regroup_tile(w, nblocks, t + 1);
     }
     asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
-    const uint16_t* xt = xb + 32 * t;
-    _tile_loadd(4, xt, stride);
+    const uint16_t* xt = xb + 512 * t;  // x tiles lie whole (see amx_linear)
+    _tile_loadd(4, xt, 64);
     _tile_loadd(5, w.panel[0] + 1024 * t, 64);
     if (n2) _tile_loadd(7, w.panel[1] + 1024 * t, 64);
-    if (m2) _tile_loadd(6, xt + 16 * ldx, stride);
+    if (m2) _tile_loadd(6, xt + 16 * ldx, 64);
     _tile_dpbf16ps(0, 4, 5);
     if (n2) _tile_dpbf16ps(1, 4, 7);
     if (m2) _tile_dpbf16ps(2, 6, 5);
@@ -395,14 +394,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16
 void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
   const int64_t m = x.size(0), nq = k / 4, kc = (k + 31) / 32, k32 = 32 * kc;
   const int64_t m16 = (m + 15) / 16 * 16;
-  // x in bf16, 64-byte aligned (a tile row is one cache line), zeros past m and k
+  // x in bf16, 64-byte aligned, zeros past m and k, tile by tile: 16 rows by 32 values (1 KiB, row
+  // after row) of one row block at xb + 512 (kc rb + t), so that a tile load reads 1 KiB in a row
   const at::Tensor xbuf = at::zeros({m16 * k32 + 32}, x.options().dtype(at::kShort));
   uint16_t* xb = reinterpret_cast<uint16_t*>(
       (reinterpret_cast<uintptr_t>(xbuf.data_ptr<int16_t>()) + 63) & ~uintptr_t(63));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < k; ++i) xb[r * k32 + i] = bf16_rne(xp[r * k + i]);
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* row = xb + (r & ~int64_t(15)) * k32 + 32 * (r & 15);  // row r's 64 bytes in its block's tile 0
+      for (int64_t i0 = 0; i0 < k; i0 += 32) {
+        const int64_t n = std::min<int64_t>(32, k - i0);
+        uint16_t* d = row + 16 * i0;
+        const float* src = xp + r * k + i0;
+        for (int64_t i = 0; i < n; ++i) d[i] = bf16_rne(src[i]);
+      }
+    }
   });
   // a task: 32 weight rows (4 x8 groups) of one weight over a group of passes, whose x rows stay
   // in L2 (~1 MiB of bf16) while the task's regrouped weight panels serve each pass

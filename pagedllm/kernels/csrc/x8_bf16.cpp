@@ -396,18 +396,19 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
   const int64_t m16 = (m + 15) / 16 * 16;
   // x in bf16, 64-byte aligned, zeros past m and k, tile by tile: 16 rows by 32 values (1 KiB, row
   // after row) of one row block at xb + 512 (kc rb + t), so that a tile load reads 1 KiB in a row
-  const at::Tensor xbuf = at::zeros({m16 * k32 + 32}, x.options().dtype(at::kShort));
+  const at::Tensor xbuf = at::empty({m16 * k32 + 32}, x.options().dtype(at::kShort));
   uint16_t* xb = reinterpret_cast<uint16_t*>(
       (reinterpret_cast<uintptr_t>(xbuf.data_ptr<int16_t>()) + 63) & ~uintptr_t(63));
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, m16, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       uint16_t* row = xb + (r & ~int64_t(15)) * k32 + 32 * (r & 15);  // row r's 64 bytes in its block's tile 0
-      for (int64_t i0 = 0; i0 < k; i0 += 32) {
-        const int64_t n = std::min<int64_t>(32, k - i0);
+      for (int64_t i0 = 0; i0 < k32; i0 += 32) {
+        const int64_t n = r < m ? std::clamp<int64_t>(k - i0, 0, 32) : 0;  // the rest of the 32: zeros
         uint16_t* d = row + 16 * i0;
         const float* src = xp + r * k + i0;
         for (int64_t i = 0; i < n; ++i) d[i] = bf16_rne(src[i]);
+        for (int64_t i = n; i < 32; ++i) d[i] = 0;
       }
     }
   });
@@ -429,7 +430,10 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
       cfg.colsb[t] = 64;
     }
     amx_configure(cfg);
-    std::vector<uint8_t> raw(2048 * kc + 64);
+    // a thread's panel, kept from call to call (grown as k needs) and not cleared: a task's first
+    // pass writes each tile before it reads it
+    static thread_local std::vector<uint8_t> raw;
+    if (raw.size() < static_cast<size_t>(2048 * kc + 64)) raw.resize(2048 * kc + 64);
     uint8_t* tiles = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
     uint8_t* const panel[2] = {tiles, tiles + 1024 * kc};
     alignas(64) float c[4 * 256];

@@ -330,9 +330,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(con
 // Where a pass finds its weight tiles. Already regrouped (src == nullptr): block nb's kc tiles
 // of 1 KiB at panel[nb]. Or regrouped during the pass from the x8 groups src[2 nb], src[2 nb + 1]
 // (the second may be nullptr: zeros) into the same panel slots: tile t + 1 while tile t is on the
-// tiles, with the groups' records kAmxPrefetch tiles ahead asked for (one weight row of 8 groups
-// streams from memory while the tiles work, ~1.3-1.45x a pass regrouped whole first; see
-// docs/performance.md), so that the task's later passes find the panel as it was.
+// tiles, with the groups' records kAmxPrefetch tiles ahead asked for, so that the task's weights
+// stream from memory while the tiles work (1.3-1.45x the rate of a panel regrouped whole first;
+// benchmarks/amx_bf16_regroup_loop.cpp) and its later passes find the panel as built.
 struct AmxWeights {
   uint8_t* const* panel;           // [2]: block nb's tiles
   const uint8_t* const* src;       // [4] x8 groups to regroup from in this pass, or nullptr
@@ -347,9 +347,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup_til
 }
 
 // c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x row blocks mb (16
-// rows, k32 values: kc whole 1 KiB tiles at xb + 16 ldx mb, as amx_linear lays them) @ the weight tiles of nblocks 16-row blocks (kc tiles, see
-// AmxWeights). Sums in tmm0-3 (mb, nb) = 2 mb + nb; x blocks in tmm4 and tmm6, weight blocks in
-// tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
+// rows, k32 values: kc whole 1 KiB tiles at xb + 16 ldx mb, as amx_linear lays them) @ the weight
+// tiles of nblocks 16-row blocks (kc tiles, see AmxWeights). Sums in tmm0-3 (mb, nb) = 2 mb + nb;
+// x blocks in tmm4 and tmm6, weight blocks in tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16_t* xb, int64_t ldx, int mblocks,
                                                                     int nblocks, const AmxWeights& w, int64_t kc,
                                                                     float* c) {
@@ -406,8 +406,7 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
       for (int64_t i0 = 0; i0 < k32; i0 += 32) {
         const int64_t n = r < m ? std::clamp<int64_t>(k - i0, 0, 32) : 0;  // the rest of the 32: zeros
         uint16_t* d = row + 16 * i0;
-        const float* src = xp + r * k + i0;
-        for (int64_t i = 0; i < n; ++i) d[i] = bf16_rne(src[i]);
+        for (int64_t i = 0; i < n; ++i) d[i] = bf16_rne(xp[r * k + i0 + i]);
         for (int64_t i = n; i < 32; ++i) d[i] = 0;
       }
     }

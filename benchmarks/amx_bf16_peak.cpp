@@ -20,26 +20,7 @@
 #include <thread>
 #include <vector>
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-static bool amx_ok() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-}
-
-static void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+#include "amx_bf16_tiles.h"
 
 // n rounds of 4 tdpbf16ps into tmm0-3 from tmm4 (x) and tmm5 (w); reload: x reloaded each time
 static double run(int64_t n, bool reload) {

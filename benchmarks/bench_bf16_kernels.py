@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import load_kernels
+from pagedllm.platforms.malloc import keep_freed_memory
 
 # (name, out_features, in_features) of Qwen2.5-Coder-0.5B
 SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864),
@@ -58,6 +59,7 @@ def main() -> None:
     if args.cpu_time:
         torch.set_num_threads(1)
         CLOCK[0] = time.thread_time
+    keep_freed_memory()  # as the engine does: outputs under 32 MiB reuse the heap, not fresh pages
     load_kernels()
     ops = torch.ops.pagedllm
     variants = args.variants or [v for v in ops.bf16_kernels() if v != "scalar"]

@@ -346,13 +346,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup_til
     amx_regroup(w.src[2 * nb], w.src[2 * nb + 1], 8 * t, w.nq, w.panel[nb] + 1024 * t);
 }
 
+// Where a pass's 16 x 16 float32 sums go: block (mb, nb) = 2 mb + nb to dst[i] with a row stride
+// of ld[i] floats (out itself for a whole block: 16 rows, 16 columns, so that the tile store writes
+// it there; else a scratch block that amx_store_part copies the rows and columns of out from).
+struct AmxOut {
+  float* dst[4];
+  int64_t ld[4];
+};
+
 // c[mb][nb] (16 x 16 float32 each, mb < mblocks <= 2, nb < nblocks <= 2) = x row blocks mb (16
 // rows, k32 values: kc whole 1 KiB tiles at xb + 16 ldx mb, as amx_linear lays them) @ the weight
-// tiles of nblocks 16-row blocks (kc tiles, see AmxWeights). Sums in tmm0-3 (mb, nb) = 2 mb + nb;
-// x blocks in tmm4 and tmm6, weight blocks in tmm5 and tmm7: each tile loaded serves two tdpbf16ps.
+// tiles of nblocks 16-row blocks (kc tiles, see AmxWeights), stored as o says. Sums in tmm0-3 (mb,
+// nb) = 2 mb + nb; x blocks in tmm4 and tmm6, weight blocks in tmm5 and tmm7: each tile loaded
+// serves two tdpbf16ps.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16_t* xb, int64_t ldx, int mblocks,
                                                                     int nblocks, const AmxWeights& w, int64_t kc,
-                                                                    float* c) {
+                                                                    const AmxOut& o) {
   const bool m2 = mblocks > 1, n2 = nblocks > 1;
   const bool regroup = w.src != nullptr;
   if (regroup) amx_regroup_tile(w, nblocks, 0);
@@ -380,11 +389,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16
     if (m2) _tile_dpbf16ps(2, 6, 5);
     if (m2 && n2) _tile_dpbf16ps(3, 6, 7);
   }
-  _tile_stored(0, c, 64);
-  if (n2) _tile_stored(1, c + 256, 64);
-  if (m2) _tile_stored(2, c + 512, 64);
-  if (m2 && n2) _tile_stored(3, c + 768, 64);
+  _tile_stored(0, o.dst[0], 4 * o.ld[0]);
+  if (n2) _tile_stored(1, o.dst[1], 4 * o.ld[1]);
+  if (m2) _tile_stored(2, o.dst[2], 4 * o.ld[2]);
+  if (m2 && n2) _tile_stored(3, o.dst[3], 4 * o.ld[3]);
   asm volatile("" ::: "memory");
+}
+
+// rows x cols of a scratch block (16 x 16, row stride 16) into out (row stride ld): one masked
+// store a row (a memcpy of 32 or 64 bytes a row compiled to rep movsq: ~8 % of a decode step's
+// matmul time in perf, for the 64-byte rows every whole block wrote that way before)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_store_part(const float* c, int rows, int cols,
+                                                                                float* out, int64_t ld) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * ld, keep, _mm512_load_ps(c + 16 * r));
 }
 
 // outs[j] [m, n_j] = x [m, k] @ W_j^T on the AMX tiles, in 32-row passes of x over 32 weight rows
@@ -451,14 +469,28 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
         const int mblocks = static_cast<int>(std::min<int64_t>(2, (m16 - row0) / 16));
         // the first pass regroups the weights as it goes; the later ones read its panel
         const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq};
-        amx_block(xb + row0 * k32, k32, mblocks, nblocks, weights, kc, c);
-        for (int mb = 0; mb < mblocks; ++mb)
-          for (int nb = 0; nb < nblocks; ++nb) {
-            const int cols = 2 * nb + 1 < have ? 16 : 8;
-            const float* cb = c + 256 * (2 * mb + nb);
-            for (int r = 0; r < 16 && row0 + 16 * mb + r < m; ++r)
-              std::memcpy(out + (row0 + 16 * mb + r) * n + 32 * task.quad + 16 * nb, cb + 16 * r, 4 * cols);
-          }
+        // whole blocks straight into out; a block with rows past m or a lone group's 8 columns
+        // into c, then its part into out
+        AmxOut o;
+        bool part = false;
+        for (int i = 0; i < 4; ++i) {
+          const int64_t r = row0 + 16 * (i / 2);
+          const bool whole = r + 16 <= m && 2 * (i % 2) + 1 < have;
+          o.dst[i] = whole ? out + r * n + 32 * task.quad + 16 * (i % 2) : c + 256 * i;
+          o.ld[i] = whole ? n : 16;
+          part = part || (!whole && i / 2 < mblocks && i % 2 < nblocks);
+        }
+        amx_block(xb + row0 * k32, k32, mblocks, nblocks, weights, kc, o);
+        if (part)
+          for (int mb = 0; mb < mblocks; ++mb)
+            for (int nb = 0; nb < nblocks; ++nb) {
+              const int i = 2 * mb + nb;
+              if (o.dst[i] != c + 256 * i) continue;  // whole: stored in place
+              const int64_t r = row0 + 16 * mb;
+              const int rows = static_cast<int>(std::min<int64_t>(16, m - r));
+              if (rows > 0) amx_store_part(c + 256 * i, rows, 2 * nb + 1 < have ? 16 : 8,
+                                           out + r * n + 32 * task.quad + 16 * nb, n);
+            }
       }
     }
     amx_release();

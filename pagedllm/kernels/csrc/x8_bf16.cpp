@@ -472,25 +472,21 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
         // whole blocks straight into out; a block with rows past m or a lone group's 8 columns
         // into c, then its part into out
         AmxOut o;
-        bool part = false;
         for (int i = 0; i < 4; ++i) {
           const int64_t r = row0 + 16 * (i / 2);
           const bool whole = r + 16 <= m && 2 * (i % 2) + 1 < have;
           o.dst[i] = whole ? out + r * n + 32 * task.quad + 16 * (i % 2) : c + 256 * i;
           o.ld[i] = whole ? n : 16;
-          part = part || (!whole && i / 2 < mblocks && i % 2 < nblocks);
         }
         amx_block(xb + row0 * k32, k32, mblocks, nblocks, weights, kc, o);
-        if (part)
-          for (int mb = 0; mb < mblocks; ++mb)
-            for (int nb = 0; nb < nblocks; ++nb) {
-              const int i = 2 * mb + nb;
-              if (o.dst[i] != c + 256 * i) continue;  // whole: stored in place
-              const int64_t r = row0 + 16 * mb;
-              const int rows = static_cast<int>(std::min<int64_t>(16, m - r));
-              if (rows > 0) amx_store_part(c + 256 * i, rows, 2 * nb + 1 < have ? 16 : 8,
-                                           out + r * n + 32 * task.quad + 16 * nb, n);
-            }
+        for (int mb = 0; mb < mblocks; ++mb)
+          for (int nb = 0; nb < nblocks; ++nb) {
+            const int i = 2 * mb + nb;
+            if (o.dst[i] != c + 256 * i) continue;  // whole: stored in place
+            const int64_t r = row0 + 16 * mb;  // < m: a block starts below m16, and m16 - 16 < m
+            amx_store_part(c + 256 * i, static_cast<int>(std::min<int64_t>(16, m - r)), 2 * nb + 1 < have ? 16 : 8,
+                           out + r * n + 32 * task.quad + 16 * nb, n);
+          }
       }
     }
     amx_release();

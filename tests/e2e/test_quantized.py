@@ -141,6 +141,28 @@ def test_float_checkpoint_quantized_at_load(smollm_hf_dir, smollm_float32, metho
     assert abs(ppl - ref) / ref < bound, (ppl, ref)
 
 
+def test_int8_at_load_on_the_amx_bf16_tiles_keeps_float32s_perplexity(smollm_hf_dir, smollm_float32):
+    """PAGEDLLM_KERNEL_ISA=avx512amx_bf16 (asked for only; forced here in-process): int8 at load's
+    prompt chunks run on the AMX-BF16 tiles with x in bf16, as good as float32 as the integer
+    kernels are."""
+    ops = torch.ops.pagedllm
+    before = ops.kernel_isa()[0]
+    try:
+        ops.set_kernel_isa("avx512amx_bf16")
+    except RuntimeError as err:
+        pytest.skip(str(err).splitlines()[0])
+    try:
+        llm = LLM(model=str(smollm_hf_dir), dtype="float32", quantization="int8", max_model_len=2048)
+        ppl = perplexity(llm, max_tokens=PPL_TOKENS)
+        del llm
+        gc.collect()
+    finally:
+        ops.set_kernel_isa(before)
+    ref = smollm_float32[0]
+    print(f"SmolLM2-135M int8 on the bf16 tiles: perplexity {ppl:.3f} vs float32 {ref:.3f}")
+    assert abs(ppl - ref) / ref < 0.02, (ppl, ref)
+
+
 def test_quantization_choices_are_checked(smollm_gguf, smollm_hf_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(model=str(smollm_gguf), quantization="fp8")

@@ -84,6 +84,45 @@ def test_amx_q8_0_gemm_equals_avx512vnni_bit_for_bit_at_the_default_models_shape
         assert torch.equal(amx[m][0], vnni[0]) and torch.equal(amx[m][1], vnni[1]), f"{m} rows"
 
 
+Q8_TILE_ROWS = 16  # ggml_x8_isa.h's kQ8TileRows
+
+
+def test_amx_bf16_runs_q8_0_on_the_bf16_tiles_and_every_other_type_as_avx512amx():
+    """avx512amx_bf16 (asked for only) sends Q8_0 from 16 rows on to the AMX-BF16 tiles: x rounded
+    to bf16 times each block dequantized to bf16 (q d rounded once), summed in float32, so within
+    float32 summation error of that product in float64 (weights at -128 and 127, a lone 8-row
+    group, chunks past 64 rows), a row's bits the same in any call of 16 rows or more, and below
+    16 rows avx512amx's integer numbers. A Q4_0 weight in the same call keeps avx512amx's numbers
+    bit for bit."""
+    _use("avx512amx_bf16")
+    k = 896
+    raw = random_blocks(T.Q8_0, 88, k, seed=11).reshape(88, k // 32, 34)
+    raw[0, :, 2:] = 0x80
+    raw[9, :, 2:] = 0x7F
+    raw = raw.reshape(88, -1)
+    packed = ops.ggml_pack_x8(torch.from_numpy(raw), int(T.Q8_0), k)
+    w = torch.from_numpy(gguf_dequantize(raw, T.Q8_0).reshape(88, k)).to(torch.bfloat16).double()
+    other = ops.ggml_pack_x8(torch.from_numpy(random_blocks(T.Q4_0, 24, k, seed=12)), int(T.Q4_0), k)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(3))
+    rows = (1, 7, 15, 16, 17, 31, 32, 33, 64, 65, 130)
+    tiles = {m: ops.ggml_linear_x8(x[:m], [packed, other], [int(T.Q8_0), int(T.Q4_0)], k) for m in rows}
+    ops.set_kernel_isa("avx512amx")
+    exact = {m: ops.ggml_linear_x8(x[:m], [packed, other], [int(T.Q8_0), int(T.Q4_0)], k) for m in rows}
+    xb = x.to(torch.bfloat16).double()
+    ref, bound = xb @ w.t(), (xb.abs() @ w.abs().t()) * k * 2 ** -24
+    for m in rows:
+        assert torch.equal(tiles[m][1], exact[m][1]), f"Q4_0 at {m} rows"
+        if m < Q8_TILE_ROWS:
+            assert torch.equal(tiles[m][0], exact[m][0]), f"Q8_0 at {m} rows"
+            continue
+        assert ((tiles[m][0].double() - ref[:m]).abs() <= bound[:m]).all(), f"Q8_0 at {m} rows"
+        assert torch.equal(tiles[m][0], tiles[130][0][:m]), f"Q8_0 at {m} rows: other bits than in 130"
+        assert not torch.equal(tiles[m][0], exact[m][0])  # x in bf16, not int8: other numbers
+    ops.set_kernel_isa("avx512amx_bf16")
+    later = ops.ggml_linear_x8(x[40:70], [packed], [int(T.Q8_0)], k)[0]
+    assert torch.equal(later, tiles[130][0][40:70])  # rows from the middle of a batch, alone
+
+
 def test_generic_variant_matches_the_reference():
     _use("generic")  # dequantize, then a float32 matmul: what a CPU without AVX2 runs
     raw = torch.from_numpy(random_blocks(T.Q4_K, 16, 256))
@@ -96,7 +135,7 @@ def test_generic_variant_matches_the_reference():
 def test_auto_takes_the_first_runnable_variant():
     runnable = ops.kernel_isas()
     assert runnable[-1] == "generic" and "avx2" in runnable  # the suite runs on AVX2 machines
-    assert ops.set_kernel_isa("auto") == runnable[0]
+    assert ops.set_kernel_isa("auto") == runnable[0] != "avx512amx_bf16"  # asked for only
     name, reason = ops.kernel_isa()
     assert name == runnable[0] and reason.startswith("set_kernel_isa('auto'): the CPU has avx2")
 

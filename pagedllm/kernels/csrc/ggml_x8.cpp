@@ -233,6 +233,19 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
   for (const at::Tensor& w : ws) outs.push_back(at::empty({x.size(0), w.size(0) * kRows}, x.options()));
   const IsaVariant& isa = active_isa();  // one variant for the whole call (see ggml_x8_isa.h)
 #ifdef PAGEDLLM_AVX2
+  if (isa.q8_bf16_tiles && x.size(0) >= kQ8TileRows) {  // Q8_0 on the bf16 tiles, the rest as avx512amx
+    std::vector<at::Tensor> tw, to, iw, io;
+    std::vector<int64_t> it;
+    for (size_t j = 0; j < ws.size(); ++j) {
+      const bool tile = qtypes[j] == kQ8_0;
+      (tile ? tw : iw).push_back(ws[j]);
+      (tile ? to : io).push_back(outs[j]);
+      if (!tile) it.push_back(qtypes[j]);
+    }
+    if (!tw.empty()) pagedllm_bf16::amx_q8_linear(x, tw, k, to);
+    if (!iw.empty()) linear_simd(isa, x, iw, it, k, io);
+    return outs;
+  }
   if (isa.kernels_for != nullptr) {
     linear_simd(isa, x, ws, qtypes, k, outs);
     return outs;

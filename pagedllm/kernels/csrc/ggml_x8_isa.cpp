@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ggml_x8_isa.h"
+#include "kernels.h"
 
 namespace pagedllm_ggml {
 namespace x8 {
@@ -40,6 +41,13 @@ TypeKernels avx512amx_kernels(int64_t qtype) { return isa_avx512amx::kernels_for
 // thread, benchmarks/bench_q8_gemm.py --isa, alternating, best of 5; docs/performance.md).
 const IsaVariant kVariants[] = {
     {"avx512amx", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni amx_tile amx_int8", avx512amx_kernels},
+    // avx512amx_bf16: asked for only (PAGEDLLM_KERNEL_ISA; auto takes avx512amx, listed first, on
+    // every CPU that runs it). Q8_0 from kQ8TileRows rows on as bf16 tiles: its weights read as
+    // int8 and no float update per 32 values, so int8 prefill runs at the bf16 weights' speed
+    // (1.4x avx512amx's here), but its numbers are not the integer variants' and a row's bits
+    // depend on whether its call had kQ8TileRows rows (docs/models_and_kernels.md).
+    {"avx512amx_bf16", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16",
+     avx512amx_kernels, true},
     {"avx512vnni", "avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni", isa_avx512vnni::kernels_for},
     {"avxvnni", "avx2 fma f16c avx_vnni", avxvnni_kernels},
     {"avx512bw", "avx2 fma f16c avx512f avx512bw avx512vl", isa_avx512bw::kernels_for},
@@ -58,9 +66,11 @@ bool cpu_has(const std::string& f) {
   if (f == "avx512vl") return __builtin_cpu_supports("avx512vl");
   if (f == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
   if (f == "avx_vnni") return __builtin_cpu_supports("avxvnni");
-  if (f == "amx_tile" || f == "amx_int8") {  // cpuid leaf 7: edx bits 24 and 25
+  if (f == "avx512_bf16") return __builtin_cpu_supports("avx512bf16");
+  if (f == "amx_tile" || f == "amx_int8" || f == "amx_bf16") {  // cpuid leaf 7: edx bits 24, 25 and 22
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << (f == "amx_tile" ? 24 : 25)));
+    const int bit = f == "amx_tile" ? 24 : (f == "amx_int8" ? 25 : 22);
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << bit));
   }
   TORCH_CHECK(false, "unknown CPU feature ", f);
 }
@@ -72,7 +82,11 @@ std::string missing(const IsaVariant& v) {
   std::istringstream needs(v.needs);
   for (std::string f; needs >> f;)
     if (!cpu_has(f)) return f;
-  if (v.kernels_for == avx512amx_kernels) return isa_avx512amx::missing();  // the build, the tile permission
+  if (v.kernels_for == avx512amx_kernels) {
+    const std::string lacks = isa_avx512amx::missing();  // the build, the tile permission
+    if (!lacks.empty() || !v.q8_bf16_tiles) return lacks;
+    return pagedllm_bf16::amx_q8_missing();
+  }
   return "";
 }
 

@@ -8,6 +8,11 @@
 //   avx512vnni   ggml_x8_avx512vnni.cpp     vpdpbusd ymm (EVEX: AVX512-VNNI + VL), 32 ymm registers
 //   avx512bw     ggml_x8_avx512bw.cpp       AVX2's maddubs; for many x rows 512-bit maddubs on two groups
 //   avxvnni      ggml_x8_avxvnni.cpp        vpdpbusd ymm (VEX: AVX-VNNI, Alder Lake, Zen 5)
+//   avx512amx    ggml_x8_avx512amx.cpp      avx512vnni's; Q8_0's gemm from 32 rows on the AMX-INT8 tiles
+//
+// One variant leaves the integers: avx512amx_bf16 runs avx512amx's kernels, except Q8_0 from
+// kQ8TileRows x rows on, which goes to the AMX-BF16 tiles with x rounded to bf16 (q8_bf16_tiles).
+// Its Q8_0 numbers are those of bf16(x) times bf16(q d) in float32 sums, not avx2's.
 //   generic      -                          none: dequantize to float32, then at::matmul
 #pragma once
 
@@ -71,7 +76,12 @@ struct IsaVariant {
   const char* name;
   const char* needs;  // the CPU features it executes, as /proc/cpuinfo spells them
   TypeKernels (*kernels_for)(int64_t qtype);  // null: the generic fallback
+  // Q8_0 from kQ8TileRows x rows on: on the AMX-BF16 tiles, x rounded to bf16 and each block
+  // dequantized to bf16 (pagedllm_bf16::amx_q8_linear), not the integer dot and float update
+  bool q8_bf16_tiles = false;
 };
+
+constexpr int64_t kQ8TileRows = 16;
 
 // The variant this process runs (chosen once, on first use; a forced one the CPU cannot execute
 // is an error naming the missing feature).

@@ -48,6 +48,10 @@ std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::In
 
 namespace pagedllm_bf16 {  // x8_bf16.cpp: y_j = x @ W_j^T for bf16 x8 weights (ggml type BF16), by the active variant
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k);
+// Q8_0 x8 weights (ggml_x8_layout.h) on the AMX-BF16 tiles: outs[j] [M, N_j] (allocated) = bf16(x) @
+// bf16(q d)^T, each record dequantized to bf16 once per call; the avx512amx_bf16 x8 variant's gemm
+void amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs);
+std::string amx_q8_missing();  // "" when this CPU and process can run amx_q8_linear, else what is missing
 }  // namespace pagedllm_bf16
 
 namespace pagedllm_amx {  // x8_bf16.cpp: the AMX tile data permission, asked of the kernel once a

@@ -327,6 +327,54 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(con
   }
 }
 
+// Q8_0 weights on the same tiles (amx_q8_linear: the avx512amx_bf16 variant of the x8 kernels):
+// a record of ggml_x8_layout.h's Q8 (8 rows x 32 values: the rows' fp16 scales in bytes 0-15,
+// then byte 16 + 32q + 4r + i = row r's int8 value 4q + i) becomes a 1 KiB bf16 weight tile of
+// bf16(q d), the int8 value times its block's scale rounded once to bf16 (RNE, by
+// vcvtne2ps2bf16; q d itself is exact in float32). x is rounded to bf16 as for bf16 weights, and
+// there is no float update per block: the 32 values of a record are one tile's depth.
+constexpr int64_t kQ8Rec = 272;
+
+// the B tile of 16 rows (records r0 and r1, r1 nullptr: zeros) and their 32 values: each quad's 4
+// rows x 4 values widened to float32 and scaled (lane 4 row + value), then pairs of lanes packed
+// to bf16 dwords (row, pair), and B row 2q + pair joined from both records as amx_regroup joins
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c"))) inline void amx_dequant_q8(const uint8_t* r0,
+                                                                                                const uint8_t* r1,
+                                                                                                uint8_t* tile) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lo4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i hi4 = _mm512_add_epi32(lo4, _mm512_set1_epi32(4));
+  const uint8_t* const recs[2] = {r0, r1};
+  __m512 scale[2][2];  // [record][rows 0-3, 4-7]: each row's scale in its 4 lanes
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d8 = recs[h] != nullptr
+                          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(recs[h])))
+                          : _mm256_setzero_ps();
+    const __m512 d = _mm512_castps256_ps512(d8);
+    scale[h][0] = _mm512_permutexvar_ps(lo4, d);
+    scale[h][1] = _mm512_permutexvar_ps(hi4, d);
+  }
+  for (int q = 0; q < 8; ++q) {
+    __m512i packed[2];
+    for (int h = 0; h < 2; ++h) {
+      if (recs[h] == nullptr) {
+        packed[h] = _mm512_setzero_si512();
+        continue;
+      }
+      const uint8_t* v = recs[h] + 16 + 32 * q;
+      const __m512 a = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)))), scale[h][0]);
+      const __m512 b = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16)))),
+          scale[h][1]);
+      packed[h] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // dword 2r + j: row r's values 4q + 2j, 4q + 2j + 1
+    }
+    _mm512_store_si512(tile + 128 * q, _mm512_permutex2var_epi32(packed[0], even, packed[1]));
+    _mm512_store_si512(tile + 128 * q + 64, _mm512_permutex2var_epi32(packed[0], odd, packed[1]));
+  }
+}
+
 // Where a pass finds its weight tiles. Already regrouped (src == nullptr): block nb's kc tiles
 // of 1 KiB at panel[nb]. Or regrouped during the pass from the x8 groups src[2 nb], src[2 nb + 1]
 // (the second may be nullptr: zeros) into the same panel slots: tile t + 1 while tile t is on the
@@ -337,13 +385,21 @@ struct AmxWeights {
   uint8_t* const* panel;           // [2]: block nb's tiles
   const uint8_t* const* src;       // [4] x8 groups to regroup from in this pass, or nullptr
   int64_t nq;                      // quads a group row holds (k / 4)
+  bool q8;                         // the groups are Q8_0 records (amx_dequant_q8), else bf16
+  int64_t tile_bytes, row_bytes;   // bytes of a group's row per tile (bf16 512, Q8_0 272), in all
 };
 constexpr int64_t kAmxPrefetch = 4;  // tiles ahead (4 x 512 bytes of each group)
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup_tile(const AmxWeights& w, int nblocks,
-                                                                                  int64_t t) {
-  for (int nb = 0; nb < nblocks; ++nb)
-    amx_regroup(w.src[2 * nb], w.src[2 * nb + 1], 8 * t, w.nq, w.panel[nb] + 1024 * t);
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c"))) inline void amx_regroup_tile(
+    const AmxWeights& w, int nblocks, int64_t t) {
+  for (int nb = 0; nb < nblocks; ++nb) {
+    if (w.q8) {
+      const uint8_t* g1 = w.src[2 * nb + 1];
+      amx_dequant_q8(w.src[2 * nb] + kQ8Rec * t, g1 != nullptr ? g1 + kQ8Rec * t : nullptr, w.panel[nb] + 1024 * t);
+    } else {
+      amx_regroup(w.src[2 * nb], w.src[2 * nb + 1], 8 * t, w.nq, w.panel[nb] + 1024 * t);
+    }
+  }
 }
 
 // Where a pass's 16 x 16 float32 sums go: block (mb, nb) = 2 mb + nb to dst[i] with a row stride
@@ -359,9 +415,8 @@ struct AmxOut {
 // tiles of nblocks 16-row blocks (kc tiles, see AmxWeights), stored as o says. Sums in tmm0-3 (mb,
 // nb) = 2 mb + nb; x blocks in tmm4 and tmm6, weight blocks in tmm5 and tmm7: each tile loaded
 // serves two tdpbf16ps.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16_t* xb, int64_t ldx, int mblocks,
-                                                                    int nblocks, const AmxWeights& w, int64_t kc,
-                                                                    const AmxOut& o) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c"))) void amx_block(
+    const uint16_t* xb, int64_t ldx, int mblocks, int nblocks, const AmxWeights& w, int64_t kc, const AmxOut& o) {
   const bool m2 = mblocks > 1, n2 = nblocks > 1;
   const bool regroup = w.src != nullptr;
   if (regroup) amx_regroup_tile(w, nblocks, 0);
@@ -371,11 +426,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_block(const uint16
   if (m2 && n2) _tile_zero(3);
   for (int64_t t = 0; t < kc; ++t) {
     if (regroup) {
-      const int64_t ahead = 64 * 8 * (t + kAmxPrefetch);  // byte offset in each group's row of records
+      const int64_t ahead = w.tile_bytes * (t + kAmxPrefetch);  // byte offset in each group's row of records
       for (int g = 0; g < 2 * nblocks; ++g)
-        if (w.src[g] != nullptr && ahead < 64 * w.nq)
-          for (int line = 0; line < 8; ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(w.src[g] + ahead + 64 * line), _MM_HINT_T0);
+        if (w.src[g] != nullptr && ahead < w.row_bytes)
+          for (int64_t line = 0; line < w.tile_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(w.src[g] + ahead + line), _MM_HINT_T0);
       if (t + 1 < kc) amx_regroup_tile(w, nblocks, t + 1);
     }
     asm volatile("" ::: "memory");  // the regrouped tiles are read by tileloadd, which the compiler cannot see
@@ -408,8 +463,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_store_part(
 // outs[j] [m, n_j] = x [m, k] @ W_j^T on the AMX tiles, in 32-row passes of x over 32 weight rows
 // at a time. The tiles' sums are not those of a scalar model in any order tried (their internal
 // precision is not documented): tests hold them to the float64 product of the bf16-rounded x,
-// and to giving each x row the same bits in any batch.
-void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
+// and to giving each x row the same bits in any batch. q8: the weights are Q8_0 x8 records, each
+// dequantized to bf16 as its tile is built (amx_dequant_q8; amx_q8_linear).
+void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs, bool q8 = false) {
   const int64_t m = x.size(0), nq = k / 4, kc = (k + 31) / 32, k32 = 32 * kc;
   const int64_t m16 = (m + 15) / 16 * 16;
   // x in bf16, 64-byte aligned, zeros past m and k, tile by tile: 16 rows by 32 values (1 KiB, row
@@ -459,16 +515,17 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
       const at::Tensor& w = ws[task.j];
       const int64_t groups = w.size(0), n = groups * kRows, g = 4 * task.quad;
       const int64_t have = std::min<int64_t>(4, groups - g);  // x8 groups in this task: 1-4
-      const uint8_t* base = w.data_ptr<uint8_t>() + g * 16 * k;
+      const int64_t row_bytes = w.size(1);  // a group's records: 16 k bytes (bf16), 8.5 k (Q8_0)
+      const uint8_t* base = w.data_ptr<uint8_t>() + g * row_bytes;
       const uint8_t* src[4] = {};
-      for (int64_t i = 0; i < have; ++i) src[i] = base + i * 16 * k;
+      for (int64_t i = 0; i < have; ++i) src[i] = base + i * row_bytes;
       const int nblocks = static_cast<int>((have + 1) / 2);
       float* out = outs[task.j].data_ptr<float>();
       for (int64_t pass = task.pass0; pass < task.pass1; ++pass) {
         const int64_t row0 = pass * kAmxRowsPerPass;
         const int mblocks = static_cast<int>(std::min<int64_t>(2, (m16 - row0) / 16));
         // the first pass regroups the weights as it goes; the later ones read its panel
-        const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq};
+        const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq, q8, q8 ? kQ8Rec : 512, row_bytes};
         // whole blocks straight into out; a block with rows past m or a lone group's 8 columns
         // into c, then its part into out
         AmxOut o;
@@ -758,6 +815,21 @@ bool pagedllm_amx::tile_permission() {
 std::vector<at::Tensor> pagedllm_bf16::linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k) {
   const Variant v = active().v;  // one variant for the whole call
   return linear_with(x, ws, k, v);
+}
+
+std::string pagedllm_bf16::amx_q8_missing() { return missing_feature("amx"); }
+
+void pagedllm_bf16::amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
+  const std::string lacks = missing_feature("amx");
+  TORCH_CHECK(lacks.empty(), "Q8_0 on the AMX-BF16 tiles: this CPU lacks ", lacks);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == k && k % 32 == 0,
+              "x must be a contiguous float32 [M, ", k, "] with k a multiple of 32");
+  TORCH_CHECK(outs.size() == ws.size(), "need one output per weight");
+  for (size_t j = 0; j < ws.size(); ++j)
+    TORCH_CHECK(ws[j].size(1) == k / 32 * kQ8Rec && outs[j].size(0) == x.size(0) &&
+                    outs[j].size(1) == ws[j].size(0) * kRows,
+                "Q8_0 x8 weight ", j, " does not match k=", k, " or its output");
+  amx_linear(x, ws, k, outs, true);
 }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {

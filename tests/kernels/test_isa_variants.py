@@ -60,6 +60,15 @@ def test_variant_gives_avx2_numbers_bit_for_bit(variant, qtype):
         assert rel_error(y, x[:m].double() @ ref_w.t()) < 0.02
 
 
+def _q8_0_with_extremes(k: int):
+    """88 random Q8_0 rows of k values (11 groups: an odd count), every weight of row 0 at -128 and
+    of row 9 at 127; uint8 [88, k / 32 * 34]."""
+    raw = random_blocks(T.Q8_0, 88, k, seed=11).reshape(88, k // 32, 34)
+    raw[0, :, 2:] = 0x80
+    raw[9, :, 2:] = 0x7F
+    return raw.reshape(88, -1)
+
+
 def test_amx_q8_0_gemm_equals_avx512vnni_bit_for_bit_at_the_default_models_shapes():
     """avx512amx runs Q8_0's gemm on the AMX-INT8 tiles for chunks (of up to 64 rows) of 32 rows
     and more, in passes of 32 and 16 rows (so 16-17, 31-33, 48, 63-65, 100, 130 rows take every
@@ -69,10 +78,7 @@ def test_amx_q8_0_gemm_equals_avx512vnni_bit_for_bit_at_the_default_models_shape
     the same float update)."""
     _use("avx512amx")
     k = 896
-    raw = random_blocks(T.Q8_0, 88, k, seed=11).reshape(88, k // 32, 34)
-    raw[0, :, 2:] = 0x80
-    raw[9, :, 2:] = 0x7F
-    packed = ops.ggml_pack_x8(torch.from_numpy(raw.reshape(88, -1)), int(T.Q8_0), k)
+    packed = ops.ggml_pack_x8(torch.from_numpy(_q8_0_with_extremes(k)), int(T.Q8_0), k)
     other = ops.ggml_pack_x8(torch.from_numpy(random_blocks(T.Q4_0, 24, k, seed=12)), int(T.Q4_0), k)
     x = torch.randn(130, k, generator=torch.Generator().manual_seed(3))
     x[5] = -1.0
@@ -96,10 +102,7 @@ def test_amx_bf16_runs_q8_0_on_the_bf16_tiles_and_every_other_type_as_avx512amx(
     bit for bit."""
     _use("avx512amx_bf16")
     k = 896
-    raw = random_blocks(T.Q8_0, 88, k, seed=11).reshape(88, k // 32, 34)
-    raw[0, :, 2:] = 0x80
-    raw[9, :, 2:] = 0x7F
-    raw = raw.reshape(88, -1)
+    raw = _q8_0_with_extremes(k)
     packed = ops.ggml_pack_x8(torch.from_numpy(raw), int(T.Q8_0), k)
     w = torch.from_numpy(gguf_dequantize(raw, T.Q8_0).reshape(88, k)).to(torch.bfloat16).double()
     other = ops.ggml_pack_x8(torch.from_numpy(random_blocks(T.Q4_0, 24, k, seed=12)), int(T.Q4_0), k)

@@ -41,6 +41,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ggml_x8_layout.h"
 #include "kernels.h"
 
 namespace {
@@ -333,7 +334,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void amx_regroup(con
 // bf16(q d), the int8 value times its block's scale rounded once to bf16 (RNE, by
 // vcvtne2ps2bf16; q d itself is exact in float32). x is rounded to bf16 as for bf16 weights, and
 // there is no float update per block: the 32 values of a record are one tile's depth.
-constexpr int64_t kQ8Rec = 272;
+constexpr int64_t kQ8Rec = pagedllm_ggml::x8::Q8::kRec;  // 272 bytes
 
 // the B tile of 16 rows (records r0 and r1, r1 nullptr: zeros) and their 32 values: each quad's 4
 // rows x 4 values widened to float32 and scaled (lane 4 row + value), then pairs of lanes packed
@@ -386,7 +387,8 @@ struct AmxWeights {
   const uint8_t* const* src;       // [4] x8 groups to regroup from in this pass, or nullptr
   int64_t nq;                      // quads a group row holds (k / 4)
   bool q8;                         // the groups are Q8_0 records (amx_dequant_q8), else bf16
-  int64_t tile_bytes, row_bytes;   // bytes of a group's row per tile (bf16 512, Q8_0 272), in all
+  int64_t row_bytes;               // bytes of a group's row of records
+  int64_t tile_bytes() const { return q8 ? kQ8Rec : 512; }  // of a group's row per tile
 };
 constexpr int64_t kAmxPrefetch = 4;  // tiles ahead (4 x 512 bytes of each group)
 
@@ -426,10 +428,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c"))) void amx_bl
   if (m2 && n2) _tile_zero(3);
   for (int64_t t = 0; t < kc; ++t) {
     if (regroup) {
-      const int64_t ahead = w.tile_bytes * (t + kAmxPrefetch);  // byte offset in each group's row of records
+      const int64_t tile_bytes = w.tile_bytes();
+      const int64_t ahead = tile_bytes * (t + kAmxPrefetch);  // byte offset in each group's row of records
       for (int g = 0; g < 2 * nblocks; ++g)
         if (w.src[g] != nullptr && ahead < w.row_bytes)
-          for (int64_t line = 0; line < w.tile_bytes; line += 64)
+          for (int64_t line = 0; line < tile_bytes; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(w.src[g] + ahead + line), _MM_HINT_T0);
       if (t + 1 < kc) amx_regroup_tile(w, nblocks, t + 1);
     }
@@ -525,7 +528,7 @@ void amx_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<a
         const int64_t row0 = pass * kAmxRowsPerPass;
         const int mblocks = static_cast<int>(std::min<int64_t>(2, (m16 - row0) / 16));
         // the first pass regroups the weights as it goes; the later ones read its panel
-        const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq, q8, q8 ? kQ8Rec : 512, row_bytes};
+        const AmxWeights weights{panel, pass == task.pass0 ? src : nullptr, nq, q8, row_bytes};
         // whole blocks straight into out; a block with rows past m or a lone group's 8 columns
         // into c, then its part into out
         AmxOut o;

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from two_ray_vms import CGROUP_V1_MEMORY, SEED_VM_LIMIT, serve_on_two_vms
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def qwen7b_q4_k(tmp_path_factory) -> Iterator[Path]:
-    """The GGUF in a temporary directory; it and its regrouped copies are removed after."""
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
-    from big_gguf import temporary_qwen7b_q4_k
-
-    with temporary_qwen7b_q4_k(tmp_path_factory.mktemp("qwen7b-q4-ray")) as path:
-        yield path
+# the GGUF is the session's qwen7b_q4_k (tests/conftest.py), written once for this file and
+# test_small_machine.py; without root and cgroup v1 it is not written at all
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists(),
+    reason="needs root and a cgroup v1 memory hierarchy")]
 
 
 def test_qwen7b_q4_k_pp2_serves_on_two_ray_nodes_in_3_49_gib_each(qwen7b_q4_k, tmp_path):

@@ -291,14 +291,8 @@ def test_doctor_says_whether_a_draft_fits_beside_the_7b(seed_vm, qwen7b_q2_k, qw
 
 
 # The seed user's way out: two such VMs, pipeline_parallel_size=2, each rank in its own 3.49 GiB
-# cgroup, serving a Qwen2-7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random)
-@pytest.fixture(scope="module")
-def qwen7b_q4_k(tmp_path_factory) -> Iterator[Path]:
-    """The GGUF in a temporary directory; it and its regrouped copies are removed after."""
-    from big_gguf import temporary_qwen7b_q4_k
-
-    with temporary_qwen7b_q4_k(tmp_path_factory.mktemp("qwen7b-q4")) as path:
-        yield path
+# cgroup, serving a Qwen2-7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random; the
+# session's qwen7b_q4_k, tests/conftest.py)
 
 
 @pytest.fixture

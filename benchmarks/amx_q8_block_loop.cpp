@@ -2,9 +2,10 @@
 // per 32-value block, x tiles of 16 rows, a 16-row weight tile (8 x 64 bytes), tilezero +
 // tdpbssd, tilestored, then each x row's float update fma(float(sum), d * dx, acc). Times, per
 // 16 x 16 x 32 unit (8192 multiply-adds), the tiles alone, the update alone and both, for 16 and
-// 32 x rows a weight tile; and 16 rows with two blocks in flight (block b + 1's tiles issued
-// before block b's update). Skips, saying so, where the CPU lacks AMX-INT8 or the kernel refuses
-// the tile data permission. One thread.
+// 32 x rows a weight tile; and 16 or 32 rows with two blocks in flight (block b + 1's tiles
+// issued before block b's update, into a second set of tiles), and 32 rows with one set, block
+// b + 1 issued right after block b's sums are stored. Skips, saying so, where the CPU lacks
+// AMX-INT8 or the kernel refuses the tile data permission. One thread.
 //
 //   g++ -O3 -march=native -mamx-tile -mamx-int8 benchmarks/amx_q8_block_loop.cpp -o /tmp/amx_q8_loop
 //   /tmp/amx_q8_loop
@@ -96,6 +97,54 @@ __attribute__((noinline)) void pipelined(int reps) {
   sink = s;
 }
 
+// 32 x rows, two blocks in flight: even blocks sum into tiles 4-5 (weights in 2), odd into 6-7
+// (weights in 3); x in 0-1 for both. Block b + 1's tiles are issued before block b's update.
+__attribute__((noinline)) void pipelined32(int reps) {
+  __m512 a0[16], a1[16];
+  for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+#define TILES32(B, W, C0, C1, S)                                                              \
+  _tile_loadd(W, panel + 512 * (B), 64); _tile_loadd(0, xq + 1024 * (B), 32); _tile_zero(C0); \
+  _tile_dpbssd(C0, 0, W); _tile_loadd(1, xq + 1024 * (B) + 512, 32); _tile_zero(C1);         \
+  _tile_dpbssd(C1, 1, W);
+  for (int rep = 0; rep < reps; ++rep) {
+    TILES32(0, 2, 4, 5, 0)
+    for (int b = 0; b < kBlocks; b += 2) {
+      _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+      TILES32(b + 1, 3, 6, 7, 0)
+      asm volatile("" ::: "memory");
+      { const __m512 d = _mm512_load_ps(scales + 16 * b); UPDATE(a0, sums[0], d, xd + 32 * b) UPDATE(a1, sums[1], d, xd + 32 * b + 16) }
+      asm volatile("" ::: "memory");
+      _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
+      if (b + 2 < kBlocks) { TILES32(b + 2, 2, 4, 5, 0) }
+      asm volatile("" ::: "memory");
+      { const __m512 d = _mm512_load_ps(scales + 16 * b + 16); UPDATE(a0, sums[2], d, xd + 32 * b + 32) UPDATE(a1, sums[3], d, xd + 32 * b + 48) }
+      asm volatile("" ::: "memory");
+    }
+  }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]) + _mm512_reduce_add_ps(a1[r]);
+  sink = s;
+}
+
+// the same order with one set of tiles: block b's sums stored, block b + 1 issued, then b's update
+__attribute__((noinline)) void early32(int reps) {
+  __m512 a0[16], a1[16];
+  for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int rep = 0; rep < reps; ++rep) {
+    TILES32(0, 2, 4, 5, 0)
+    for (int b = 0; b < kBlocks; ++b) {
+      _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+      if (b + 1 < kBlocks) { TILES32(b + 1, 2, 4, 5, 0) }
+      asm volatile("" ::: "memory");
+      { const __m512 d = _mm512_load_ps(scales + 16 * b); UPDATE(a0, sums[0], d, xd + 32 * b) UPDATE(a1, sums[1], d, xd + 32 * b + 16) }
+      asm volatile("" ::: "memory");
+    }
+  }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]) + _mm512_reduce_add_ps(a1[r]);
+  sink = s;
+}
+
 template <class F>
 void timed(const char* name, int units_per_block, F run) {
   const int reps = 100000;
@@ -121,7 +170,7 @@ int main() {
     return 0;
   }
   Cfg cfg;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = (t == 2 || t == 3) ? 8 : 16;
     cfg.colsb[t] = t < 2 ? 32 : 64;
   }
@@ -136,6 +185,10 @@ int main() {
   timed("16 rows, two blocks in flight", 1, pipelined);
   timed("32 rows: tiles only", 2, blocks<32, true, false>);
   timed("32 rows: update only", 2, blocks<32, false, true>);
-  timed("32 rows: both (the kernel's)", 2, blocks<32, true, true>);
+  for (int turn = 0; turn < 2; ++turn) {  // twice, in turns: the machine's speed drifts
+    timed("32 rows: both (the kernel's)", 2, blocks<32, true, true>);
+    timed("32 rows, two blocks in flight", 2, pipelined32);
+    timed("32 rows, next block issued early", 2, early32);
+  }
   _tile_release();
 }

@@ -271,14 +271,24 @@ def suite_store() -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen7b_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """tests/platforms' Qwen2-7B-shaped Q4_K GGUF (~4.4 GB, random; ~15 s to write), written
+def qwen7b_q4_k_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """tests/platforms' Qwen2-7B-shaped Q4_K GGUF (~4.4 GB, random; 15-30 s to write), written
     once for the session's two tests of it; it and its regrouped copies are removed at the end.
     Only tests/platforms' modules ask for it: big_gguf is importable once one of them is."""
     from big_gguf import temporary_qwen7b_q4_k
 
     with temporary_qwen7b_q4_k(tmp_path_factory.mktemp("qwen7b-q4")) as path:
         yield path
+
+
+@pytest.fixture
+def qwen7b_q4_k(qwen7b_q4_k_file: Path) -> Path:
+    """qwen7b_q4_k_file without its regrouped copies: each test's ranks write their stages'
+    copies inside their cgroups, as they did when each test wrote a file of its own."""
+    from pagedllm.worker.x8_weight_file import cache_path
+
+    shutil.rmtree(cache_path(qwen7b_q4_k_file).parent, ignore_errors=True)
+    return qwen7b_q4_k_file
 
 
 # scripts/test.sh runs the suite in two parts: first the `paired` tests in two pytest-xdist

@@ -63,7 +63,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_not_cached_offline(tmp_path):
-    line = _refused(["serve", "test/not-cached"], _env(tmp_path, HF_HUB_OFFLINE="1"))
+    line = _refused(["serve", "test/not-cached", "--port", str(closed_port())], _env(tmp_path, HF_HUB_OFFLINE="1"))
     assert "'test/not-cached'" in line and "is not cached" in line and "HF_HUB_OFFLINE=1" in line
 
 
@@ -76,7 +76,7 @@ def hub(smollm_gguf: Path):
 
 def test_gated_and_missing_hub_repos(hub, tmp_path):
     env = _env(tmp_path, HF_ENDPOINT=hub.url)
-    line = _refused(["serve", "test/gated-GGUF:Q4_1"], env)
+    line = _refused(["serve", "test/gated-GGUF:Q4_1", "--port", str(closed_port())], env)
     assert "'test/gated-GGUF' is gated" in line and "HF_TOKEN" in line
     line = _refused(["complete", "--model", "test/no-such-repo", "hi"], env)
     assert f"'test/no-such-repo' was not found at {hub.url}" in line
@@ -84,7 +84,7 @@ def test_gated_and_missing_hub_repos(hub, tmp_path):
 
 def test_unreachable_hub_lists_the_ways_out(tmp_path):
     endpoint = f"http://127.0.0.1:{closed_port()}"
-    line = _refused(["serve", "test/some-model"], _env(tmp_path, HF_ENDPOINT=endpoint))
+    line = _refused(["serve", "test/some-model", "--port", str(closed_port())], _env(tmp_path, HF_ENDPOINT=endpoint))
     assert f"cannot reach the Hugging Face Hub at {endpoint}" in line
     assert "ways out:" in line and "HF_ENDPOINT=https://hf-mirror.com" in line
 

@@ -102,20 +102,20 @@ __attribute__((noinline)) void pipelined(int reps) {
 __attribute__((noinline)) void pipelined32(int reps) {
   __m512 a0[16], a1[16];
   for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-#define TILES32(B, W, C0, C1, S)                                                              \
+#define TILES32(B, W, C0, C1)                                                                 \
   _tile_loadd(W, panel + 512 * (B), 64); _tile_loadd(0, xq + 1024 * (B), 32); _tile_zero(C0); \
   _tile_dpbssd(C0, 0, W); _tile_loadd(1, xq + 1024 * (B) + 512, 32); _tile_zero(C1);         \
   _tile_dpbssd(C1, 1, W);
   for (int rep = 0; rep < reps; ++rep) {
-    TILES32(0, 2, 4, 5, 0)
+    TILES32(0, 2, 4, 5)
     for (int b = 0; b < kBlocks; b += 2) {
       _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
-      TILES32(b + 1, 3, 6, 7, 0)
+      TILES32(b + 1, 3, 6, 7)
       asm volatile("" ::: "memory");
       { const __m512 d = _mm512_load_ps(scales + 16 * b); UPDATE(a0, sums[0], d, xd + 32 * b) UPDATE(a1, sums[1], d, xd + 32 * b + 16) }
       asm volatile("" ::: "memory");
       _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
-      if (b + 2 < kBlocks) { TILES32(b + 2, 2, 4, 5, 0) }
+      if (b + 2 < kBlocks) { TILES32(b + 2, 2, 4, 5) }
       asm volatile("" ::: "memory");
       { const __m512 d = _mm512_load_ps(scales + 16 * b + 16); UPDATE(a0, sums[2], d, xd + 32 * b + 32) UPDATE(a1, sums[3], d, xd + 32 * b + 48) }
       asm volatile("" ::: "memory");
@@ -131,10 +131,10 @@ __attribute__((noinline)) void early32(int reps) {
   __m512 a0[16], a1[16];
   for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int rep = 0; rep < reps; ++rep) {
-    TILES32(0, 2, 4, 5, 0)
+    TILES32(0, 2, 4, 5)
     for (int b = 0; b < kBlocks; ++b) {
       _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
-      if (b + 1 < kBlocks) { TILES32(b + 1, 2, 4, 5, 0) }
+      if (b + 1 < kBlocks) { TILES32(b + 1, 2, 4, 5) }
       asm volatile("" ::: "memory");
       { const __m512 d = _mm512_load_ps(scales + 16 * b); UPDATE(a0, sums[0], d, xd + 32 * b) UPDATE(a1, sums[1], d, xd + 32 * b + 16) }
       asm volatile("" ::: "memory");

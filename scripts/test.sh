@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite; extra arguments go to pytest (to both parts).
 #
-# Two parts (tests/conftest.py says which tests are `paired` and why): the paired server tests
-# first, in PAGEDLLM_TEST_WORKERS pytest-xdist workers (default 2; whole files per worker), then
-# the rest one at a time. Both parts run; the script fails if either fails.
+# Two parts (tests/conftest.py says which tests are `alone` and why): all but the alone tests
+# first, in PAGEDLLM_TEST_WORKERS pytest-xdist workers (default 2; whole files per worker, each
+# worker on its own share of the CPUs), then the alone tests one at a time. Both parts run; the
+# script fails if either fails.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PAGEDLLM_SETUP_EXTRAS=test,ray PAGEDLLM_SETUP_MODELS=--all bash scripts/setup.sh
@@ -16,6 +17,6 @@ part() {  # pytest's exit status, with 5 (this part selected no test) read as su
 }
 
 rc=0
-part -n "${PAGEDLLM_TEST_WORKERS:-2}" --dist loadfile -m paired tests/entrypoints "$@" || rc=$?
-part -m "not paired" tests "$@" || rc=$?
+part -n "${PAGEDLLM_TEST_WORKERS:-2}" --dist loadfile -m "not alone" tests "$@" || rc=$?
+part -m alone tests "$@" || rc=$?
 exit "$rc"

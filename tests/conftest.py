@@ -19,6 +19,7 @@ import pytest
 
 from pagedllm.hub.model_store import ensure_gguf
 from pagedllm.platforms.malloc import trim_freed_memory
+from suite_parts import worker_cpus
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOLLM = "smollm2-135m-instruct"
@@ -291,24 +292,39 @@ def qwen7b_q4_k(qwen7b_q4_k_file: Path) -> Path:
     return qwen7b_q4_k_file
 
 
-# scripts/test.sh runs the suite in two parts: first the `paired` tests in two pytest-xdist
-# workers (whole files per worker), then the rest one at a time. Paired: the server tests under
-# tests/entrypoints, which wait on their servers' start-up, streams and subprocesses (one at a
-# time they kept 40 % of two cores idle: 441 s alone, 292 s paired, on the AMX Xeon), except the
-# files whose wall-clock bounds (stalls, liveness, fair slots, grammar time limits) assume the
-# machine is theirs. The rest is CPU-bound: the whole suite in two workers took 1,519 s against
-# 1,464 s one test at a time, the model tests' threads competing for the same two cores.
-_PAIRED_DIRS = ("entrypoints/",)
+# scripts/test.sh runs the suite in two parts: first all but the `alone` tests in pytest-xdist
+# workers (whole files per worker), each worker on its own share of the CPUs (below), then the
+# `alone` tests one at a time with the machine to themselves. Alone: the files whose wall-clock
+# bounds (stalls, liveness, fair slots, grammar time limits) assume the machine is theirs, the Ray
+# clusters (Ray counts the CPUs a process may use for its actors), and the 7B in 3.49 GiB cgroups.
+# On the 2-vCPU AMX Xeon, tests/e2e and tests/models took 388 s one at a time with two threads
+# (78 % of the two cores busy) and 268 s in two workers of one CPU and one thread each (95 %,
+# and 16 % fewer CPU-seconds: the small models gain little from a second thread); two workers of
+# two threads each had gained nothing (the whole suite: 1,519 s against 1,464 s).
 _ALONE_FILES = ("entrypoints/test_liveness.py", "entrypoints/test_fair_slots.py",
-                "entrypoints/test_server_bounds.py", "entrypoints/test_grammar_limits_server.py")
+                "entrypoints/test_server_bounds.py", "entrypoints/test_grammar_limits_server.py",
+                "executor/test_ray_executor.py", "executor/test_ray_nodes.py",
+                "platforms/test_ray_two_vms.py", "platforms/test_small_machine.py")
 _TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        path = item.path.relative_to(_TESTS).as_posix()
-        if path.startswith(_PAIRED_DIRS) and path not in _ALONE_FILES:
-            item.add_marker(pytest.mark.paired)
+        if item.path.relative_to(_TESTS).as_posix() in _ALONE_FILES:
+            item.add_marker(pytest.mark.alone)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a pytest-xdist worker: keep to the worker's share of the CPUs, and as many torch
+    threads (an engine takes its threads from the CPUs it may use; so do its subprocesses)."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not workers or not hasattr(os, "sched_setaffinity"):
+        return
+    import torch
+
+    cpus = worker_cpus(sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw")), int(workers))
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -286,9 +286,9 @@ def qwen7b_q4_k_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
 def qwen7b_q4_k(qwen7b_q4_k_file: Path) -> Path:
     """qwen7b_q4_k_file without its regrouped copies: each test's ranks write their stages'
     copies inside their cgroups, as they did when each test wrote a file of its own."""
-    from pagedllm.worker.x8_weight_file import cache_path
+    from big_gguf import drop_regrouped_copies
 
-    shutil.rmtree(cache_path(qwen7b_q4_k_file).parent, ignore_errors=True)
+    drop_regrouped_copies(qwen7b_q4_k_file)
     return qwen7b_q4_k_file
 
 

@@ -18,9 +18,10 @@ from pagedllm.memory.rank_memory import (DRIVER_RUNTIME_BYTES, holds_driver, les
                                            own_memory_cgroup, shared_by)
 from pagedllm.platforms.interface import MemoryInfo
 
+from cgroup_v1 import CGROUP_V1_MEMORY, require_cgroup_v1
+
 GiB = 2**30
 MiB = 2**20
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 
 
 def test_less_driver_takes_off_what_the_engine_process_will_still_take():
@@ -66,8 +67,7 @@ print(json.dumps([[m.available_bytes, m.source] for m in rank_memories(2)]))
 def test_mp_rank_in_the_engine_process_cgroup_plans_without_its_runtime(tmp_path):
     """The engine process in rank 0's cgroup (VM A), rank 1's cgroup empty (VM B): rank 0
     plans with the engine process's runtime taken off, rank 1 with its whole cgroup."""
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    require_cgroup_v1()
     tag = uuid.uuid4().hex[:8]
     cgs = [CGROUP_V1_MEMORY / f"pagedllm-rankmem-{tag}-{r}" for r in range(2)]
     for cg in cgs:

@@ -110,16 +110,22 @@ def write_qwen7b_gguf(path: Path, qtype: T = T.Q2_K, head_type: T = T.Q6_K, seed
         shutil.copy(ensure_model(QWEN) / name, path.parent / name)
 
 
+def drop_regrouped_copies(path: Path) -> None:
+    """Remove the x8 copies the engine regrouped from the GGUF at `path` (the next load writes
+    them anew)."""
+    from pagedllm.worker.x8_weight_file import cache_path
+
+    shutil.rmtree(cache_path(path).parent, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def temporary_qwen7b_q4_k(directory: Path) -> Iterator[Path]:
     """The 7B-shaped 4-bit GGUF (Q4_K blocks, Q6_K head: ~4.4 GB, random) in `directory`; it,
     the directory and its regrouped x8 copies are removed after."""
-    from pagedllm.worker.x8_weight_file import cache_path
-
     path = directory / "qwen2-7b-random-q4_k.gguf"
     write_qwen7b_gguf(path, qtype=T.Q4_K, head_type=T.Q6_K)
     try:
         yield path
     finally:
-        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
+        drop_regrouped_copies(path)
         shutil.rmtree(path.parent, ignore_errors=True)

@@ -6,18 +6,16 @@ is OOM-killed. ~4 minutes here (1 to write the GGUF, 1.5 to load: each stage wri
 regrouped blocks once); root and cgroup v1 only, like test_small_machine.py."""
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
-from two_ray_vms import CGROUP_V1_MEMORY, SEED_VM_LIMIT, serve_on_two_vms
+from cgroup_v1 import NEEDS, cgroup_v1_usable
+from two_ray_vms import SEED_VM_LIMIT, serve_on_two_vms
 
 # the GGUF is the session's qwen7b_q4_k (tests/conftest.py), written once for this file and
 # test_small_machine.py; without root and cgroup v1 it is not written at all
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists(),
-    reason="needs root and a cgroup v1 memory hierarchy")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cgroup_v1_usable(), reason=NEEDS)]
 
 
 def test_qwen7b_q4_k_pp2_serves_on_two_ray_nodes_in_3_49_gib_each(qwen7b_q4_k, tmp_path):

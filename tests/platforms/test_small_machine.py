@@ -14,7 +14,8 @@ from typing import Iterator
 
 import pytest
 
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+from cgroup_v1 import CGROUP_V1_MEMORY, require_cgroup_v1
+
 LIMIT = int(3.5 * 1024 ** 3)
 QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shapes"
 
@@ -22,8 +23,7 @@ QWEN7B = Path(__file__).resolve().parents[1] / "data" / "qwen2-7b-instruct-shape
 @pytest.fixture
 def small_machine():
     """A fresh cgroup limited to 3.5 GiB (needs root and cgroup v1's memory controller)."""
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    require_cgroup_v1()
     cg = CGROUP_V1_MEMORY / f"pagedllm-test-{uuid.uuid4().hex[:8]}"
     cg.mkdir()
     try:
@@ -130,8 +130,7 @@ def test_qwen7b_is_refused_fast_with_advice(small_machine, tmp_path):
 @pytest.fixture
 def seed_vm() -> Iterator[Path]:
     """A fresh cgroup of the seed user's VM: 3.49 GiB (needs root and cgroup v1)."""
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    require_cgroup_v1()
     cg = CGROUP_V1_MEMORY / f"pagedllm-doctor-{uuid.uuid4().hex[:8]}"
     cg.mkdir()
     try:
@@ -194,15 +193,13 @@ SEED_VM_LIMIT = 3_750_588_416
 @pytest.fixture(scope="module")
 def qwen7b_q2_k(tmp_path_factory) -> Iterator[Path]:
     """The GGUF in a temporary directory; it and its regrouped copy are removed after."""
-    from big_gguf import write_qwen7b_gguf
-    from pagedllm.worker.x8_weight_file import cache_path
-
+    from big_gguf import drop_regrouped_copies, write_qwen7b_gguf
     path = tmp_path_factory.mktemp("qwen7b") / "qwen2-7b-random-q2_k.gguf"
     write_qwen7b_gguf(path)
     try:
         yield path
     finally:
-        shutil.rmtree(cache_path(path).parent, ignore_errors=True)
+        drop_regrouped_copies(path)
         shutil.rmtree(path.parent, ignore_errors=True)
 
 
@@ -233,8 +230,7 @@ print(json.dumps({"refused": refused, "mmap": llm.llm_engine.config.mmap_weights
 
 @pytest.mark.parametrize("load", ["first (writes the regrouped copy)", "second (maps it)"])
 def test_qwen7b_q2_k_generates_in_3_49_gib(load, qwen7b_q2_k, tmp_path):
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    require_cgroup_v1()
     cg = CGROUP_V1_MEMORY / f"pagedllm-seed-{uuid.uuid4().hex[:8]}"
     cg.mkdir()
     try:
@@ -298,8 +294,7 @@ def test_doctor_says_whether_a_draft_fits_beside_the_7b(seed_vm, qwen7b_q2_k, qw
 @pytest.fixture
 def seed_cgroups() -> Iterator[list[Path]]:
     """Three fresh cgroups of the seed VM's limit: one for the single process, one per rank."""
-    if os.geteuid() != 0 or not (CGROUP_V1_MEMORY / "memory.limit_in_bytes").exists():
-        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    require_cgroup_v1()
     tag = uuid.uuid4().hex[:8]
     cgs = [CGROUP_V1_MEMORY / f"pagedllm-seed-{tag}-{name}" for name in ("one", "0", "1")]
     for cg in cgs:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import httpx
 
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 SEED_VM_LIMIT = 3_750_588_416  # the seed user's VM: 3.49 GiB
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -107,6 +106,8 @@ class Vm:
 
 def make_vm(tag: str) -> Vm:
     """A fresh cgroup v1 with the seed VM's memory limit."""
+    from cgroup_v1 import CGROUP_V1_MEMORY  # tests/ (on the path under pytest; __main__ adds it)
+
     cg = CGROUP_V1_MEMORY / f"pagedllm-ray-{tag}"
     cg.mkdir()
     (cg / "memory.limit_in_bytes").write_text(str(SEED_VM_LIMIT))
@@ -176,6 +177,7 @@ def serve_on_two_vms(model: Path, workdir: Path) -> dict:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "tests"))
     result = serve_on_two_vms(Path(sys.argv[1]), Path(tempfile.mkdtemp(prefix="two-vms-")))
     log = result.pop("log")
     print("\n".join(line for line in log.splitlines() if "memory plan" in line

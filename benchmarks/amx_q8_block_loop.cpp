@@ -1,4 +1,5 @@
-// The inner loop of the AMX Q8_0 gemm (ggml_x8_kernels.inc, amx_q8_0) alone, everything in L1:
+// The inner loop of the AMX Q8_0 gemm (ggml_x8_kernels.inc, amx_q8_0) alone, everything in L1,
+// in the order it had until 2026-12-06 and in two others (the kernel now takes `early32`'s):
 // per 32-value block, x tiles of 16 rows, a 16-row weight tile (8 x 64 bytes), tilezero +
 // tdpbssd, tilestored, then each x row's float update fma(float(sum), d * dx, acc). Times, per
 // 16 x 16 x 32 unit (8192 multiply-adds), the tiles alone, the update alone and both, for 16 and
@@ -186,7 +187,7 @@ int main() {
   timed("32 rows: tiles only", 2, blocks<32, true, false>);
   timed("32 rows: update only", 2, blocks<32, false, true>);
   for (int turn = 0; turn < 2; ++turn) {  // twice, in turns: the machine's speed drifts
-    timed("32 rows: both (the kernel's)", 2, blocks<32, true, true>);
+    timed("32 rows: both (the kernel's until 2026-12-06)", 2, blocks<32, true, true>);
     timed("32 rows, two blocks in flight", 2, pipelined32);
     timed("32 rows, next block issued early", 2, early32);
   }

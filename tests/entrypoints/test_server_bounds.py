@@ -171,15 +171,24 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(bounded)
 
 
 def test_tokenizing_runs_off_the_event_loop(bounded):
-    # 600k characters fit the character bound, so they are tokenized: 300k tokens, > 8192
-    with _HealthProbe(bounded.url) as probe:
-        t0 = time.monotonic()
-        r = httpx.post(f"{bounded.url}/v1/completions", headers=HEADERS, timeout=60,
-                       json={"prompt": "a " * 300_000, "max_tokens": 1})
-        took = time.monotonic() - t0
-    assert "300001 tokens long" in _error(r, 400)["message"]
-    print(f"tokenizing 600k characters: {took:.2f} s; /health slowest {probe.slowest:.2f} s")
-    assert set(probe.statuses) == {200} and probe.slowest < max(0.5, took / 2)
+    # 600k characters fit the character bound (~660k), so they are tokenized: 300k tokens, >
+    # 8192. With the tokenizing on the event loop, the slowest /health answer was 0.43-0.83 s of
+    # 0.54-0.83 (a mutation, here); off it, 0.05-0.09 s. Two tries: one stall of this VM (0.71 s
+    # of 1.34 once, in a CI run) fails one try, the tokenizing on the loop fails both.
+    tries = []
+    for _ in range(2):
+        with _HealthProbe(bounded.url) as probe:
+            t0 = time.monotonic()
+            r = httpx.post(f"{bounded.url}/v1/completions", headers=HEADERS, timeout=60,
+                           json={"prompt": "a " * 300_000, "max_tokens": 1})
+            took = time.monotonic() - t0
+        assert "300001 tokens long" in _error(r, 400)["message"]
+        assert set(probe.statuses) == {200}, probe.statuses
+        print(f"tokenizing 600k characters: {took:.2f} s; /health slowest {probe.slowest:.2f} s")
+        tries.append((probe.slowest, took))
+        if probe.slowest < max(0.25, took / 3):
+            return
+    pytest.fail(f"/health waited on the tokenizing in both tries (slowest, took): {tries}")
 
 
 def _read_until_closed(sock: socket.socket, limit_s: float) -> bytes:

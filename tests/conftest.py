@@ -296,7 +296,9 @@ def qwen7b_q4_k(qwen7b_q4_k_file: Path) -> Path:
 # workers (whole files per worker), each worker on its own share of the CPUs (below), then the
 # `alone` tests one at a time with the machine to themselves. Alone: the files whose wall-clock
 # bounds (stalls, liveness, fair slots, grammar time limits) assume the machine is theirs, the Ray
-# clusters (Ray counts the CPUs a process may use for its actors), and the 7B in 3.49 GiB cgroups.
+# clusters (Ray counts the CPUs a process may use for its actors), the 7B in 3.49 GiB cgroups,
+# and tests/kernels and tests/models: they check the kernels and the C++ decode step against
+# references, and a worker's one thread would never split their work over threads.
 # On the 2-vCPU AMX Xeon, tests/e2e and tests/models took 388 s one at a time with two threads
 # (78 % of the two cores busy) and 268 s in two workers of one CPU and one thread each (95 %,
 # and 16 % fewer CPU-seconds: the small models gain little from a second thread); two workers of
@@ -305,12 +307,14 @@ _ALONE_FILES = ("entrypoints/test_liveness.py", "entrypoints/test_fair_slots.py"
                 "entrypoints/test_server_bounds.py", "entrypoints/test_grammar_limits_server.py",
                 "executor/test_ray_executor.py", "executor/test_ray_nodes.py",
                 "platforms/test_ray_two_vms.py", "platforms/test_small_machine.py")
+_ALONE_DIRS = ("kernels/", "models/")
 _TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.relative_to(_TESTS).as_posix() in _ALONE_FILES:
+        path = item.path.relative_to(_TESTS).as_posix()
+        if path in _ALONE_FILES or path.startswith(_ALONE_DIRS):
             item.add_marker(pytest.mark.alone)
 
 

@@ -16,7 +16,7 @@ from suite_parts import worker_cpus
     (2, 3, [[0], [1], [0]]),
     (1, 2, [[0], [0]]),
 ])
-def test_shares_cover_the_cpus_once(cpus, workers, shares):
+def test_each_worker_gets_its_share_of_the_cpus(cpus, workers, shares):
     assert [worker_cpus(list(range(cpus)), w, workers) for w in range(workers)] == shares
 
 

@@ -5,8 +5,11 @@
 // 16 x 16 x 32 unit (8192 multiply-adds), the tiles alone, the update alone and both, for 16 and
 // 32 x rows a weight tile; and 16 or 32 rows with two blocks in flight (block b + 1's tiles
 // issued before block b's update, into a second set of tiles), and 32 rows with one set, block
-// b + 1 issued right after block b's sums are stored. Skips, saying so, where the CPU lacks
-// AMX-INT8 or the kernel refuses the tile data permission. One thread.
+// b + 1 issued right after block b's sums are stored. Then, for a question of format rather than
+// order, int8 formats with fewer scales than Q8_0 (groups of 64 or 128 values, in early32's
+// order): their tiles take 64 values a tdpbssd and their update comes once a group (and, for
+// comparison, groups of 128 summed by K = 32 tiles on Q8_0's layout). Skips, saying so, where the
+// CPU lacks AMX-INT8 or the kernel refuses the tile data permission. One thread.
 //
 //   g++ -O3 -march=native -mamx-tile -mamx-int8 benchmarks/amx_q8_block_loop.cpp -o /tmp/amx_q8_loop
 //   /tmp/amx_q8_loop
@@ -29,7 +32,7 @@ struct alignas(64) Cfg {
   uint8_t rows[16] = {};
 };
 alignas(64) int8_t xq[64 * 1024];
-alignas(64) uint8_t panel[64 * 512];
+alignas(64) uint8_t panel[64 * 1024];
 alignas(64) float scales[64 * 16], xd[64 * 32];
 alignas(64) int32_t sums[4][256];
 volatile float sink;
@@ -146,6 +149,91 @@ __attribute__((noinline)) void early32(int reps) {
   sink = s;
 }
 
+// Formats with fewer scales (not Q8_0: a question for the format, benchmarks/int8_format_study.py):
+// kG = 64 or 128 values a group, kG / 64 K = 64 tdpbssd per x tile into the same sums (tiles 0-1
+// x, 2 weights with 16 rows of 64 bytes, 4-5 sums), then one update a group. kWScale: the weight
+// rows keep a scale per group, fma(float(sum), d * dx, acc) as Q8_0's; without, one per row,
+// fma(float(sum), dx, acc) and the row's scale once at the end. Block b + 1's tiles go before
+// block b's update, as the kernel's early32 order.
+template <int kG>
+inline void tiles_group(int g) {
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int h = 0; h < kG / 64; ++h) {
+    _tile_loadd(2, panel + 16 * kG * g + 1024 * h, 64);
+    _tile_loadd(0, xq + 32 * kG * g + 2048 * h, 64);
+    _tile_dpbssd(4, 0, 2);
+    _tile_loadd(1, xq + 32 * kG * g + 2048 * h + 1024, 64);
+    _tile_dpbssd(5, 1, 2);
+  }
+}
+template <int kG, bool kWScale>
+__attribute__((noinline)) void grouped(int reps) {
+  __m512 a0[16], a1[16];
+  for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  constexpr int kGroups = 32 * kBlocks / kG;
+  for (int rep = 0; rep < reps; ++rep) {
+    tiles_group<kG>(0);
+    for (int g = 0; g < kGroups; ++g) {
+      _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+      if (g + 1 < kGroups) tiles_group<kG>(g + 1);
+      asm volatile("" ::: "memory");
+      if (kWScale) {
+        const __m512 d = _mm512_load_ps(scales + 16 * g);
+        UPDATE(a0, sums[0], d, xd + 32 * g) UPDATE(a1, sums[1], d, xd + 32 * g + 16)
+      } else {
+        for (int r = 0; r < 16; ++r) {
+          a0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[0] + 16 * r)), _mm512_set1_ps(xd[32 * g + r]), a0[r]);
+          a1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[1] + 16 * r)), _mm512_set1_ps(xd[32 * g + 16 + r]), a1[r]);
+        }
+      }
+      asm volatile("" ::: "memory");
+    }
+    if (!kWScale) {
+      const __m512 d = _mm512_load_ps(scales);
+      for (int r = 0; r < 16; ++r) { a0[r] = _mm512_mul_ps(a0[r], d); a1[r] = _mm512_mul_ps(a1[r], d); }
+    }
+  }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]) + _mm512_reduce_add_ps(a1[r]);
+  sink = s;
+}
+
+// The same groups (kN blocks of 32: 64 or 128 values) on Q8_0's own tiles and layout (x tiles of
+// 32 values, weight tiles of 8 rows): kN K = 32 tdpbssd per x tile into the same sums, then one
+// update, with the group's weight scale
+template <int kN>
+__attribute__((noinline)) void grouped_q8(int reps) {
+  __m512 a0[16], a1[16];
+  for (int r = 0; r < 16; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  constexpr int kGroups = kBlocks / kN;
+  const auto issue = [](int g) {
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int b = kN * g; b < kN * g + kN; ++b) {
+      _tile_loadd(2, panel + 512 * b, 64);
+      _tile_loadd(0, xq + 1024 * b, 32);
+      _tile_dpbssd(4, 0, 2);
+      _tile_loadd(1, xq + 1024 * b + 512, 32);
+      _tile_dpbssd(5, 1, 2);
+    }
+  };
+  for (int rep = 0; rep < reps; ++rep) {
+    issue(0);
+    for (int g = 0; g < kGroups; ++g) {
+      _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+      if (g + 1 < kGroups) issue(g + 1);
+      asm volatile("" ::: "memory");
+      const __m512 d = _mm512_load_ps(scales + 16 * g);
+      UPDATE(a0, sums[0], d, xd + 32 * g) UPDATE(a1, sums[1], d, xd + 32 * g + 16)
+      asm volatile("" ::: "memory");
+    }
+  }
+  float s = 0;
+  for (int r = 0; r < 16; ++r) s += _mm512_reduce_add_ps(a0[r]) + _mm512_reduce_add_ps(a1[r]);
+  sink = s;
+}
+
 template <class F>
 void timed(const char* name, int units_per_block, F run) {
   const int reps = 100000;
@@ -170,10 +258,12 @@ int main() {
     std::printf("skipped: the kernel refused the tile data permission\n");
     return 0;
   }
-  Cfg cfg;
+  Cfg cfg, cfg128;  // cfg128: x tiles of 64 values, weight tiles of 16 rows (group128)
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = (t == 2 || t == 3) ? 8 : 16;
     cfg.colsb[t] = t < 2 ? 32 : 64;
+    cfg128.rows[t] = 16;
+    cfg128.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
   std::memset(xq, 1, sizeof xq);
@@ -190,6 +280,13 @@ int main() {
     timed("32 rows: both (the kernel's until 2026-12-06)", 2, blocks<32, true, true>);
     timed("32 rows, two blocks in flight", 2, pipelined32);
     timed("32 rows, next block issued early", 2, early32);
+    timed("32 rows, groups of 64 on Q8_0's tiles", 2, grouped_q8<2>);
+    timed("32 rows, groups of 128 on Q8_0's tiles", 2, grouped_q8<4>);
+    _tile_loadconfig(&cfg128);
+    timed("32 rows, groups of 64, weight scale a group", 2, grouped<64, true>);
+    timed("32 rows, groups of 128, weight scale a group", 2, grouped<128, true>);
+    timed("32 rows, groups of 128, weight scale a row", 2, grouped<128, false>);
+    _tile_loadconfig(&cfg);
   }
   _tile_release();
 }

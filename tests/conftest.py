@@ -306,7 +306,8 @@ def qwen7b_q4_k(qwen7b_q4_k_file: Path) -> Path:
 _ALONE_FILES = ("entrypoints/test_liveness.py", "entrypoints/test_fair_slots.py",
                 "entrypoints/test_server_bounds.py", "entrypoints/test_grammar_limits_server.py",
                 "executor/test_ray_executor.py", "executor/test_ray_nodes.py",
-                "platforms/test_ray_two_vms.py", "platforms/test_small_machine.py")
+                "platforms/test_ray_two_vms.py", "platforms/test_small_machine.py",
+                "e2e/test_thread_counts.py")
 _ALONE_DIRS = ("kernels/", "models/")
 _TESTS = Path(__file__).resolve().parent
 

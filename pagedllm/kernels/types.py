@@ -8,6 +8,12 @@ KERNEL_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K
                           T.Q6_K, T.IQ4_NL, T.IQ4_XS})
 # types with an eight-row layout and its int8 gemv/gemm (csrc/ggml_x8.cpp)
 X8_TYPES = KERNEL_TYPES
+# pagedllm's own x8 type, not a GGUF one (csrc/ggml_common.h, kQ8_0G4): Q8_0 blocks whose groups of
+# Q8_GROUP_BLOCKS consecutive blocks of a row share one scale (each block carries it; a row's last
+# group may be shorter), multiplied against x quantized with one scale per group of x values, so
+# the kernels make one float update per group. Its blocks dequantize as Q8_0's.
+Q8_0G4 = 1008
+Q8_GROUP_BLOCKS = 4
 # a float checkpoint's matrices kept in bf16, regrouped eight rows at a time (csrc/x8_bf16.cpp):
 # quantization="bf16", the default for a bf16 checkpoint on the CPU (docs/models_and_kernels.md)
 FLOAT_X8_TYPES = frozenset({T.BF16})

@@ -14,7 +14,15 @@ namespace pagedllm_ggml {
 enum GgmlType : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30,
+  // pagedllm's own, not a GGUF type: Q8_0 blocks whose groups of kQ8GroupBlocks consecutive blocks
+  // of a row share one scale (each block carries it; a row's last group may be shorter), against x
+  // quantized alike (one scale per group of x values), so the kernels take one float update per
+  // group, not per block. Its blocks are valid Q8_0 blocks: dequantization is Q8_0's.
+  kQ8_0G4 = 1008,
 };
+constexpr int64_t kQ8GroupBlocks = 4;
+// blocks per shared scale of a type's x8 kernels (1: every block its own)
+inline int64_t group_blocks(int64_t t) { return t == kQ8_0G4 ? kQ8GroupBlocks : 1; }
 
 struct Format {
   int64_t block;  // values per block
@@ -30,7 +38,8 @@ inline Format format_of(int64_t t) {
     case kQ4_1: return {32, 20};
     case kQ5_0: return {32, 22};
     case kQ5_1: return {32, 24};
-    case kQ8_0: return {32, 34};
+    case kQ8_0:
+    case kQ8_0G4: return {32, 34};
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ2_K: return {256, 84};
@@ -131,43 +140,48 @@ inline __m256i fifth_bits(uint32_t qh) {
 // A row of x [K] float -> int8 per 32 values with scale dx and dx * sum(xq) per block; block b's
 // values at xq + b * q_step, its dx, dx * sum at xd, xs [b * d_step], and (where xh is given)
 // 32 x the sums of its values 0-15 and 16-31 at xh[2 * b * d_step] and the next int.
+// group: blocks that share one scale, from the largest |x| over all of them (the grouped Q8_0's
+// x, kQ8_0G4; a row's last group may be shorter); 1: each block its own, as ggml's Q8_0 x.
 inline void quantize_x(const float* x, int64_t k, int8_t* xq, float* xd, float* xs, int32_t* xh = nullptr,
-                       int64_t q_step = 32, int64_t d_step = 1) {
+                       int64_t q_step = 32, int64_t d_step = 1, int64_t group = 1) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < k / 32; ++b, x += 32, xq += q_step) {
-    __m256 v[4];
+  const int64_t nb = k / 32;
+  for (int64_t g0 = 0; g0 < nb; g0 += group) {
+    const int64_t g1 = g0 + group < nb ? g0 + group : nb;
     __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
+    for (int64_t i = 0; i < 4 * (g1 - g0); ++i)
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 32 * g0 + 8 * i)));
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float d = _mm_cvtss_f32(m) / 127.f;
     const __m256 id = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-    __m256i i32[4];
-    for (int i = 0; i < 4; ++i)
-      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it)
-    const __m256i s01 = _mm256_packs_epi32(i32[0], i32[1]);
-    const __m256i s23 = _mm256_packs_epi32(i32[2], i32[3]);
-    __m256i s8 = _mm256_packs_epi16(s01, s23);
-    s8 = _mm256_permutevar8x32_epi32(s8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq), s8);
-    const __m256i lo = _mm256_add_epi32(i32[0], i32[1]), hi = _mm256_add_epi32(i32[2], i32[3]);
-    const __m256i sum32 = _mm256_add_epi32(lo, hi);
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    xd[b * d_step] = d;
-    xs[b * d_step] = d * static_cast<float>(_mm_cvtsi128_si32(t));
-    if (xh != nullptr) {  // [lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3] per 128-bit half, then both halves
-      const __m256i h = _mm256_hadd_epi32(lo, hi);
-      __m128i u = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-      u = _mm_slli_epi32(_mm_hadd_epi32(u, u), 5);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(xh + 2 * b * d_step), u);
+    for (int64_t b = g0; b < g1; ++b) {
+      const float* xb = x + 32 * b;
+      int8_t* qb = xq + b * q_step;
+      __m256i i32[4];
+      for (int i = 0; i < 4; ++i)
+        i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * i), id),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // pack 32 int32 -> 32 int8 in order (packs interleave 128-bit lanes; permute fixes it)
+      const __m256i s01 = _mm256_packs_epi32(i32[0], i32[1]);
+      const __m256i s23 = _mm256_packs_epi32(i32[2], i32[3]);
+      __m256i s8 = _mm256_packs_epi16(s01, s23);
+      s8 = _mm256_permutevar8x32_epi32(s8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), s8);
+      const __m256i lo = _mm256_add_epi32(i32[0], i32[1]), hi = _mm256_add_epi32(i32[2], i32[3]);
+      const __m256i sum32 = _mm256_add_epi32(lo, hi);
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      xd[b * d_step] = d;
+      xs[b * d_step] = d * static_cast<float>(_mm_cvtsi128_si32(t));
+      if (xh != nullptr) {  // [lo0+lo1, lo2+lo3, hi0+hi1, hi2+hi3] per 128-bit half, then both halves
+        const __m256i h = _mm256_hadd_epi32(lo, hi);
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        u = _mm_slli_epi32(_mm_hadd_epi32(u, u), 5);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(xh + 2 * b * d_step), u);
+      }
     }
   }
 }

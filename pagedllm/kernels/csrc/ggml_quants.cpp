@@ -250,7 +250,8 @@ RowFn row_fn(int64_t t) {
     case kQ4_1: return row_q4_1_avx2;
     case kQ5_0: return row_q5_0_avx2;
     case kQ5_1: return row_q5_1_avx2;
-    case kQ8_0: return row_q8_0_avx2;
+    case kQ8_0:
+    case kQ8_0G4: return row_q8_0_avx2;
     case kQ4_K: return row_q4_k_avx2;
     case kQ6_K: return row_q6_k_avx2;
     default: break;
@@ -268,7 +269,8 @@ RowFn row_fn_scalar(int64_t t) {
     case kQ4_1: return row_q4_1;
     case kQ5_0: return row_q5_0;
     case kQ5_1: return row_q5_1;
-    case kQ8_0: return row_q8_0;
+    case kQ8_0:
+    case kQ8_0G4: return row_q8_0;
     case kQ4_K: return row_q4_k;
     case kQ5_K: return row_q5_k;
     case kQ6_K: return row_q6_k;

@@ -149,7 +149,11 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
   };
   std::vector<Kernels> kernels;
   bool gemv = false, gemm = false;  // which layouts of x the kernels read
+  // blocks per x scale: one quantized x serves the call, so its weights agree (ggml_common.h)
+  const int64_t group = group_blocks(qtypes[0]);
   for (size_t j = 0; j < ws.size(); ++j) {
+    TORCH_CHECK(group_blocks(qtypes[j]) == group, "ggml type ", qtypes[j], " cannot share an x8 call with type ",
+                qtypes[0], ": their x is quantized with other groups of scales");
     TypeKernels fns = isa.kernels_for(qtypes[j]);
     TORCH_CHECK(fns.c1 != nullptr, "ggml type ", qtypes[j], " has no x8 kernel");
     if (m < kGemmRows) fns.many = nullptr;
@@ -170,8 +174,11 @@ void linear_simd(const IsaVariant& isa, const at::Tensor& x, at::TensorList ws, 
   at::parallel_for(0, m, std::max<int64_t>(1, 65536 / k), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (gemv)
-        quantize_x(xp + i * k, k, xq.get() + i * k, xd.get() + i * nb, xd.get() + m * nb + i * nb, xh.get() + 2 * i * nb);
-      if (gemm) quantize_x(xp + i * k, k, bq.get() + 32 * i, bd.get() + i, bd.get() + m * nb + i, bh.get() + 2 * i, 32 * m, m);
+        quantize_x(xp + i * k, k, xq.get() + i * k, xd.get() + i * nb, xd.get() + m * nb + i * nb, xh.get() + 2 * i * nb,
+                   32, 1, group);
+      if (gemm)
+        quantize_x(xp + i * k, k, bq.get() + 32 * i, bd.get() + i, bd.get() + m * nb + i, bh.get() + 2 * i, 32 * m, m,
+                   group);
     }
   });
   struct Task {

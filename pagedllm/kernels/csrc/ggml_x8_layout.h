@@ -286,7 +286,8 @@ inline X8Format format_x8(int64_t t) {
     case kQ4_1: return x8_format<Small<true, false>>(t);
     case kQ5_0: return x8_format<Small<false, true>>(t);
     case kQ5_1: return x8_format<Small<true, true>>(t);
-    case kQ8_0: return x8_format<Q8>(t);
+    case kQ8_0:
+    case kQ8_0G4: return x8_format<Q8>(t);
     case kQ4_K: return x8_format<Q4K>(t);
     case kQ5_K: return x8_format<Q5K>(t);
     case kQ6_K: return x8_format<Q6K>(t);

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the command line reads these dataclasses: config stays free
 
 # quantization= values: None picks "gguf" for a GGUF on the CPU, "bf16" (matrices kept in bf16
 # for pagedllm's kernels) for a bf16 checkpoint with dtype="auto" on the CPU, "none" otherwise.
-QUANTIZATION_METHODS = ("gguf", "int8", "int4", "bf16", "none")
+QUANTIZATION_METHODS = ("gguf", "int8", "int8_g128", "int4", "bf16", "none")
 # AsyncLLM's bound on the outputs (one per engine step) a stream holds that its caller has not
 # taken (serve's --max-stream-backlog): a reader that keeps up holds one or two; 32 is a few
 # seconds of a stalled client's steps and about 1 MB at worst
@@ -637,7 +637,8 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20  # vLLM's default
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    quantization: str = "none"  # resolved: "gguf" (blocks kept), "int8", "int4", "bf16" or "none"
+    # resolved: "gguf" (blocks kept), "int8", "int8_g128", "int4", "bf16" or "none"
+    quantization: str = "none"
     # the kept GGUF blocks mapped, regrouped, from a cache file (page cache) instead of read
     # into anonymous memory (worker/x8_weight_file.py)
     mmap_weights: bool = False

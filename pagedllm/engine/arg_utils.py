@@ -176,10 +176,11 @@ class EngineArgs:
                                           "checkpoint", choices=DTYPE_CHOICES)
     device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
     # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
-    # its bf16 matrices ("bf16"); "gguf", "int8", "int4", "bf16" or "none"
+    # its bf16 matrices ("bf16"); "gguf", "int8", "int8_g128", "int4", "bf16" or "none"
     quantization: Optional[str] = _opt(
         None, "default: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with "
-        "dtype auto its bf16 matrices (bf16); int8/int4 quantize a float checkpoint at load; "
+        "dtype auto its bf16 matrices (bf16); int8/int8_g128/int4 quantize a float checkpoint at "
+        "load (int8: Q8_0, a scale per 32 values; int8_g128: a scale per 128, faster prompts); "
         "none dequantizes", choices=QUANTIZATION_METHODS)
     # a GGUF's kept blocks mapped, regrouped, from a cache file (page cache) instead of read into
     # memory: None maps them only when they do not fit in memory; True always; False never

@@ -47,7 +47,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
                          build_kernels: bool = True) -> str:
-    """"gguf", "int8", "int4", "bf16" or "none" for this checkpoint on this platform.
+    """"gguf", "int8", "int8_g128", "int4", "bf16" or "none" for this checkpoint on this platform.
 
     By default a GGUF keeps its quantized blocks on the CPU (the kernels are CPU kernels); on
     other devices, or if the kernels cannot be built, it is dequantized to dtype at load. A
@@ -61,8 +61,8 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     is_gguf = ckpt.kind == "gguf"
     if wanted == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a .gguf checkpoint; for a float checkpoint "
-                         "use quantization='int8', 'int4' or 'bf16'")
-    if wanted in ("int8", "int4", "bf16") and is_gguf:
+                         "use quantization='int8', 'int8_g128', 'int4' or 'bf16'")
+    if wanted in ("int8", "int8_g128", "int4", "bf16") and is_gguf:
         raise ValueError(f"quantization={wanted!r} quantizes float checkpoints; this GGUF is "
                          "already quantized (leave quantization unset to keep its blocks)")
     if wanted is None and is_gguf and ckpt.arch.is_encoder:

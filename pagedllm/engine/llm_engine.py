@@ -207,7 +207,9 @@ def _kernels_summary(config: EngineConfig) -> str:
     platform, dtype = config.platform, config.dtype
     ops = "pagedllm's compiled ops" if platform.op_impl(dtype) != "native" else "PyTorch ops"
     matmuls = {"gguf": "matmuls on the GGUF's quantized blocks",
-               "int8": "int8 weight-only matmuls", "int4": "int4 weight-only matmuls",
+               "int8": "int8 weight-only matmuls",
+               "int8_g128": "int8 weight-only matmuls, a scale per 128 values",
+               "int4": "int4 weight-only matmuls",
                "bf16": "pagedllm's bf16 weight-only matmuls (float32 activations)"}.get(
         config.quantization, f"{str(dtype).removeprefix('torch.')} matmuls")
     summary = f"{ops}, {platform.attention_backend(dtype)} attention, {matmuls}"

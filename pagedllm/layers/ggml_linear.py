@@ -17,10 +17,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.kernels.types import FLOAT_X8_TYPES, KERNEL_TYPES, X8_TYPES  # noqa: F401 (re-exported)
+from pagedllm.kernels.types import (FLOAT_X8_TYPES, KERNEL_TYPES, X8_OWN_TYPES, X8_TYPES,  # noqa: F401
+                                    block_sizes)
 
 BF16 = GGMLQuantizationType.BF16
 
@@ -36,7 +37,7 @@ DENSE_CHUNK_ELEMENTS = 2 * 1024 * 1024
 
 def row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
     """Bytes of one weight row of in_features values."""
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size = block_sizes(qtype)
     if in_features % block:
         raise ValueError(f"in_features={in_features} is not a multiple of the {qtype.name} "
                          f"block size {block}")
@@ -183,7 +184,7 @@ BlockModule = (GGMLLinear, GGMLEmbedding, GGMLMergedLinear)
 
 def _x8_type(qtype: GGMLQuantizationType, k: int) -> bool:
     """Whether matrices of qtype, k wide, have an eight-row layout (BF16's quads: k % 4 == 0)."""
-    return qtype in X8_TYPES or (qtype in FLOAT_X8_TYPES and k % 4 == 0)
+    return qtype in X8_TYPES or qtype in X8_OWN_TYPES or (qtype in FLOAT_X8_TYPES and k % 4 == 0)
 
 
 def _packable(module: nn.Module) -> bool:

@@ -3,7 +3,8 @@ one-stream decode speed, perplexity.
 
 Formats: fp32 and bf16 (dtype="float32" / "bfloat16", quantization="none": vLLM's behaviour),
 bf16x8 (quantization="bf16", a bf16 checkpoint's default on the CPU: its bf16 matrices regrouped
-for pagedllm's own kernels, float32 activations), int8 (quantization="int8": Q8_0 blocks made at load, layers/quantization.py) and int4
+for pagedllm's own kernels, float32 activations), int8 (quantization="int8": Q8_0 blocks made at
+load, layers/quantization.py), int8_g128 (quantization="int8_g128": the same bytes, a scale per 128 values) and int4
 (quantization="int4": Q4_1 matrices, embedding and head in Q8_0).
 
 - Memory comes from the checkpoint's tensor table (memory/weight_layout.py's weight_layout, as
@@ -38,12 +39,14 @@ FORMATS: dict[str, tuple[str, float, float]] = {
     "bf16": ('dtype="bfloat16", quantization="none"', 2.0, 2.0),
     "bf16x8": ('quantization="bf16"', *AT_LOAD_BYTES["bf16"]),  # bf16, regrouped (x8_bf16.cpp)
     "int8": ('quantization="int8"', *AT_LOAD_BYTES["int8"]),  # Q8_0: 32 int8 + an fp16 scale
+    # Q8_0G4: the same bytes (a group's 4 blocks each carry its scale)
+    "int8_g128": ('quantization="int8_g128"', *AT_LOAD_BYTES["int8_g128"]),
     "int4": ('quantization="int4"', *AT_LOAD_BYTES["int4"]),  # Q4_1: 32 nibbles + scale, min
 }
 
 
 # the formats whose matrices are made as the loader reads the float tensors
-MADE_AT_LOAD = frozenset({"int8", "int4", "bf16x8"})
+MADE_AT_LOAD = frozenset({"int8", "int8_g128", "int4", "bf16x8"})
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ MEASURED: dict[tuple[str, int, int, int], tuple[str, dict[str, Measured]]] = {
 class FormatCost:
     """What one weight format costs and gives for one checkpoint."""
 
-    name: str  # "fp32", "bf16", "bf16x8", "int8", "int4"
+    name: str  # "fp32", "bf16", "bf16x8", "int8", "int8_g128", "int4"
     how: str  # the LLM() arguments that choose it
     weight_bytes: int  # resident after the load
     load_peak_bytes: int  # weights held at the load's peak
@@ -123,7 +126,7 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
 def format_of(dtype_name: str, quantization: str) -> Optional[str]:
     """The FORMATS name of an engine's (dtype, quantization), or None (a GGUF's own blocks,
     float16)."""
-    if quantization in ("int8", "int4"):
+    if quantization in ("int8", "int8_g128", "int4"):
         return quantization
     if quantization == "bf16":
         return "bf16x8"

@@ -128,6 +128,7 @@ def _layout(num_layers: int, sizes: list[tuple[str, int, int]], tied: bool,
 # int8 and an fp16 scale; Q4_1: 32 nibbles, an fp16 scale and minimum; bf16: 2 bytes a value,
 # regrouped eight rows at a time with no padding (csrc/x8_bf16.cpp).
 AT_LOAD_BYTES: dict[str, tuple[float, float]] = {"int8": (34 / 32, 34 / 32),
+                                                 "int8_g128": (34 / 32, 34 / 32),  # Q8_0's bytes
                                                  "int4": (20 / 32, 34 / 32),
                                                  "bf16": (2.0, 2.0)}
 

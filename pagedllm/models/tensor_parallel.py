@@ -38,10 +38,10 @@ import math
 from typing import Iterator, NamedTuple, Optional
 
 import torch
-from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from pagedllm.distributed.tensor_parallel import Shard, TensorParallelRank
+from pagedllm.kernels.types import block_sizes
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe import SparseMoeBlock
@@ -65,7 +65,7 @@ def _check_blocks(path: str, part: range, plan: Optional[QuantPlan], tp: TensorP
     qtype = (plan or {}).get(path)
     if qtype is None:
         return
-    block = GGML_QUANT_SIZES[qtype][0]
+    block = block_sizes(qtype)[0]
     if part.start % block or len(part) % block:
         raise ValueError(
             f"tensor_parallel_size={tp.world_size}: {path}.weight is kept in {qtype.name} "
@@ -116,7 +116,7 @@ def mlp_split(plan: Optional[QuantPlan]) -> MlpSplit:
     # every down_proj: the layers' MLPs, and a MoE block's experts and shared expert
     kept = {q for path, q in (plan or {}).items() if path.endswith(".down_proj")}
     types = tuple(sorted(q.name for q in kept))
-    return MlpSplit(math.lcm(*(GGML_QUANT_SIZES[q][0] for q in kept)) if kept else 1, types)
+    return MlpSplit(math.lcm(*(block_sizes(q)[0] for q in kept)) if kept else 1, types)
 
 
 def mlp_rows(path: str, full: int, split: MlpSplit, tp: TensorParallelRank) -> range:

@@ -3,12 +3,14 @@
 Every kernel splits its work over threads by output (weight groups, heads, sequences) and keeps
 each output's sums in one thread, so one thread and two give the same bits. The suite's first
 part runs each engine on one pinned CPU, so this file runs in the alone part (tests/conftest.py),
-with the machine's threads: the default model's GGUF (kept blocks, the C++ decode step), its float32
-HF export with bf16 matrices and with int8 at load (pagedllm's bf16 and Q8_0 kernels: x rounded
-to bf16 or int8 in the kernel, on the AMX tiles where the CPU has them), and a bf16 checkpoint
-with dtype="auto" (SmolLM2's export, as tests/e2e/test_bf16_hf_dir.py makes it); prompts long enough for the gemm and the AMX passes (32 rows and more) in the prompt step, then
-decode steps of 3 rows. dtype="bfloat16" on a float32 checkpoint (PyTorch's own bf16 matmuls,
-vLLM's behaviour) is not among them: its logprobs moved by up to 0.24 between 1 and 2 threads here.
+with the machine's threads: the default model's GGUF (kept blocks, the C++ decode step), its
+float32 HF export with bf16 matrices and with int8 and int8_g128 at load (pagedllm's bf16 and
+Q8_0 kernels: x rounded to bf16 or int8 in the kernel, on the AMX tiles where the CPU has them),
+and a bf16 checkpoint with dtype="auto" (SmolLM2's export, as tests/e2e/test_bf16_hf_dir.py makes
+it); prompts long enough for the gemm and the AMX passes (32 rows and more) in the prompt step,
+then decode steps of 3 rows. dtype="bfloat16" on a float32 checkpoint (PyTorch's own bf16
+matmuls, vLLM's behaviour) is not among them: its logprobs moved by up to 0.24 between 1 and 2
+threads here.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ PROMPTS = [
     "the middle element.\"\"\"\n",
 ]
 
-needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to compare 1 and 2 threads")
+needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                               reason="needs two CPUs to compare 1 and 2 threads")
 
 
 def outputs(llm: LLM) -> list:
@@ -69,15 +72,16 @@ def smollm_bf16_dir(smollm_hf_dir, tmp_path_factory):
 
 
 @needs_two
-@pytest.mark.parametrize("form", ["gguf", "bf16", "int8", "bf16_checkpoint"])
-def test_one_thread_and_two_give_the_same_tokens_and_logprobs(form: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("form", ["gguf", "bf16", "int8", "int8_g128", "bf16_checkpoint"])
+def test_one_thread_and_two_give_the_same_tokens_and_logprobs(form: str,
+                                                              request: pytest.FixtureRequest) -> None:
     if form == "gguf":
         llm = LLM(model=str(request.getfixturevalue("qwen_gguf")), max_model_len=1024)
     elif form == "bf16_checkpoint":
         llm = LLM(model=str(request.getfixturevalue("smollm_bf16_dir")), max_model_len=1024)
-    else:  # the float32 export, its matrices in bf16 or quantized to Q8_0 at load (pagedllm's kernels)
+    else:  # the float32 export, its matrices in bf16 or quantized at load (pagedllm's kernels)
         llm = LLM(model=str(request.getfixturevalue("qwen_hf_dir")), quantization=form, max_model_len=1024)
-    assert llm.llm_engine.config.quantization == ("gguf" if form == "gguf" else "bf16" if form != "int8" else "int8")
+    assert llm.llm_engine.config.quantization == {"gguf": "gguf", "bf16_checkpoint": "bf16"}.get(form, form)
     one, two = one_and_two_threads(llm)
     assert [ids for ids, _ in one] == [ids for ids, _ in two]
     assert one == two  # every logprob to the bit

@@ -122,3 +122,22 @@ def test_a_call_mixing_it_with_per_block_types_is_refused():
     _use("avx2")
     with pytest.raises(RuntimeError, match="cannot share an x8 call"):
         ops.ggml_linear_x8(torch.randn(2, k), [q, g], [int(T.Q8_0), Q8_0G4], k)
+
+
+def test_the_quantizer_at_load_shares_each_groups_scale():
+    """layers/quantization.py's quantize_q8_0g4 (quantization="int8_g128"): every block of a group
+    carries the scale max|w| / 127 of its 128 values, each value within half a step of w; a row of
+    no multiple of 128 values is refused."""
+    from pagedllm.layers.quantization import quantize_q8_0g4
+
+    w = torch.randn(16, 384, generator=torch.Generator().manual_seed(6))
+    w[3, 130] = 40.0  # one value far above its group's others
+    raw = quantize_q8_0g4(w).numpy().reshape(16, 12, 34)
+    d = raw[:, :, :2].copy().view(np.float16).reshape(16, 12).astype(np.float32)
+    assert (d.reshape(16, 3, 4) == d.reshape(16, 3, 4)[:, :, :1]).all()
+    assert np.allclose(d[:, ::4], w.abs().reshape(16, 3, 128).amax(-1).numpy() / 127, rtol=1e-3)
+    back = torch.from_numpy(gguf_dequantize(raw.reshape(16, -1), T.Q8_0).reshape(16, 384))
+    step = torch.from_numpy(np.repeat(d, 32, axis=1))
+    assert ((back - w).abs() <= step * 0.5 + 1e-3 * step).all()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_q8_0g4(torch.randn(4, 576))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pagedllm.layers.quantization import quantize_q4_1, quantize_q8_0
+from pagedllm.layers.quantization import quantize_q4_1, quantize_q8_0, quantize_q8_0g4
 from pagedllm.loader.hf import safetensors_loader
 from pagedllm.loader.row_encoding import EncodedRows
 from pagedllm.shard import Shard
@@ -27,7 +27,8 @@ def _tensor(hf_dir: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-@pytest.mark.parametrize("encode, row_bytes", [(quantize_q8_0, 34), (quantize_q4_1, 20)])
+@pytest.mark.parametrize("encode, row_bytes",
+                         [(quantize_q8_0, 34), (quantize_q8_0g4, 34), (quantize_q4_1, 20)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sliced_load_equals_quantizing_the_whole(smollm_hf_dir, monkeypatch, encode, row_bytes,
                                                  dtype):

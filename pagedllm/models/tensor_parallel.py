@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.tensor_parallel import Shard, TensorParallelRank
-from pagedllm.kernels.types import block_sizes
+from pagedllm.kernels.types import Q8_0G4, block_sizes
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe import SparseMoeBlock
@@ -67,11 +67,13 @@ def _check_blocks(path: str, part: range, plan: Optional[QuantPlan], tp: TensorP
         return
     block = block_sizes(qtype)[0]
     if part.start % block or len(part) % block:
+        instead = ("quantization='int8' (a scale per 32 values)" if qtype == Q8_0G4 else
+                   "load it dequantized with quantization='none'")
         raise ValueError(
             f"tensor_parallel_size={tp.world_size}: {path}.weight is kept in {qtype.name} "
             f"blocks of {block} values, and its rows of {len(part) * tp.world_size} values "
-            f"split into {len(part)} per rank, not whole blocks (load it dequantized with "
-            f"quantization='none', or use pipeline_parallel_size)")
+            f"split into {len(part)} per rank, not whole blocks ({instead}, or use "
+            f"pipeline_parallel_size)")
 
 
 def _merged(old: MergedLinear, sizes: tuple[int, ...]) -> MergedLinear:

@@ -70,3 +70,16 @@ def test_an_unknown_role_is_refused():
     with pytest.raises(ValueError, match=r"Odd\.tp_plan gives 'model\.layers\.\*\.mlp' the role "
                                          r"'colwise'; the roles are vocab, attention"):
         shard_model(_model(Odd), TP2, None)
+
+
+def test_an_o_proj_in_groups_of_128_that_a_rank_would_cut_names_int8():
+    """int8_g128's o_proj (the default model's 896 values a row: 448 a rank of 2) cannot keep
+    whole 128-value groups per rank: refused naming the matrix and quantization='int8'."""
+    from pagedllm.kernels.types import Q8_0G4
+    from pagedllm.models.tensor_parallel import _check_blocks
+
+    path = "model.layers.0.self_attn.o_proj"
+    _check_blocks(path, range(512, 1024), {path: Q8_0G4}, TP2)  # 512 a rank: whole groups
+    with pytest.raises(ValueError, match=r"o_proj\.weight is kept in Q8_0G4 blocks of 128 values.*"
+                                         r"quantization='int8'"):
+        _check_blocks(path, range(448, 896), {path: Q8_0G4}, TP2)

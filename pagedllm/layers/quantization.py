@@ -10,7 +10,7 @@
   kept in Q8_0, as llama.cpp's 4-bit mixes keep them at higher precision.
 - `quantization="int8_g128"` is int8 with one scale per 128 values of a row (pagedllm's own
   Q8_0G4: Q8_0 blocks whose groups of 4 share the scale), against x quantized per 128 values
-  too, so the kernels make a quarter of Q8_0's float updates (prompt steps ~1.6x faster on the
+  too, so the kernels make a quarter of Q8_0's float updates (prompt steps 1.2-1.7x faster on the
   AMX tiles); a matrix whose rows are no multiple of 128 values wide stays in Q8_0.
 - `quantization="bf16"` keeps every matrix (embedding and head too) in bf16 (ggml type BF16):
   exact for a bf16 checkpoint, whose default on the CPU it is; the kernels compute in float32.

@@ -103,6 +103,27 @@ def test_x8_at_load_runs_dense_and_routed_layers_in_the_captured_decode(tmp_path
     check_captured_equals_loop_exactly(llm, prompts((7, 30, 45), seed=3))
 
 
+def test_int8_g128_experts_in_groups_run_in_the_captured_decode(tmp_path):
+    """quantization="int8_g128" with rows of 128 values (hidden and expert widths 128): every
+    expert's matrices in groups of 128 (one linear_x8 call for the chosen experts' gate/up), the
+    routed block in the stack, equal to the layer loop."""
+    from pagedllm.kernels.types import Q8_0G4
+
+    cfg = config(hidden_size=128, moe_intermediate_size=128, intermediate_size=256,
+                 decoder_sparse_step=2)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    random_init(model, seed=4, scale=0.2)
+    save_hf_dir(model, tmp_path / "hf")
+    llm = LLM(model=str(tmp_path / "hf"), quantization="int8_g128", **CHUNKED)
+    runner = model_runner(llm)
+    assert runner.captured_decode is not None, runner.decode_path
+    block = runner.model.model.layers[1].mlp
+    assert isinstance(block, SparseMoeBlock)
+    assert all(set(e.gate_up_proj.qtypes) == {Q8_0G4} and e.down_proj.qtype == Q8_0G4
+               for e in block.experts)
+    check_captured_equals_loop_exactly(llm, prompts((7, 30, 45), seed=5))
+
+
 def test_q8_0_gguf_dequantized_matches_transformers(qwen3_moe):
     """quantization='none': each expert's Q8_0 rows, split from the stacked tensor, decode to
     exactly the values transformers holds."""

@@ -258,7 +258,7 @@ int main() {
     std::printf("skipped: the kernel refused the tile data permission\n");
     return 0;
   }
-  Cfg cfg, cfg128;  // cfg128: x tiles of 64 values, weight tiles of 16 rows (group128)
+  Cfg cfg, cfg128;  // cfg128: x tiles of 64 values, weight tiles of 16 rows (grouped)
   for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = (t == 2 || t == 3) ? 8 : 16;
     cfg.colsb[t] = t < 2 ? 32 : 64;

@@ -12,7 +12,9 @@ if TYPE_CHECKING:  # the command line reads these dataclasses: config stays free
 
 # quantization= values: None picks "gguf" for a GGUF on the CPU, "bf16" (matrices kept in bf16
 # for pagedllm's kernels) for a bf16 checkpoint with dtype="auto" on the CPU, "none" otherwise.
-QUANTIZATION_METHODS = ("gguf", "int8", "int8_g128", "int4", "bf16", "none")
+# the ones that quantize a float checkpoint as it loads (layers/quantization.py)
+AT_LOAD_METHODS = ("int8", "int8_g128", "int4", "bf16")
+QUANTIZATION_METHODS = ("gguf", *AT_LOAD_METHODS, "none")
 # AsyncLLM's bound on the outputs (one per engine step) a stream holds that its caller has not
 # taken (serve's --max-stream-backlog): a reader that keeps up holds one or two; 32 is a few
 # seconds of a stalled client's steps and about 1 MB at worst

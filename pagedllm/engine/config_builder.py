@@ -8,8 +8,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedllm.config import (CacheConfig, EngineConfig, ModelArchConfig, ParallelConfig,
-                             SchedulerConfig)
+from pagedllm.config import (AT_LOAD_METHODS, CacheConfig, EngineConfig, ModelArchConfig,
+                             ParallelConfig, SchedulerConfig)
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
@@ -61,8 +61,9 @@ def resolve_quantization(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
     is_gguf = ckpt.kind == "gguf"
     if wanted == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' needs a .gguf checkpoint; for a float checkpoint "
-                         "use quantization='int8', 'int8_g128', 'int4' or 'bf16'")
-    if wanted in ("int8", "int8_g128", "int4", "bf16") and is_gguf:
+                         f"use quantization={', '.join(map(repr, AT_LOAD_METHODS[:-1]))} or "
+                         f"{AT_LOAD_METHODS[-1]!r}")
+    if wanted in AT_LOAD_METHODS and is_gguf:
         raise ValueError(f"quantization={wanted!r} quantizes float checkpoints; this GGUF is "
                          "already quantized (leave quantization unset to keep its blocks)")
     if wanted is None and is_gguf and ckpt.arch.is_encoder:

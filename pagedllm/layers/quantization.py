@@ -78,30 +78,32 @@ def swap_quantized_modules(model: nn.Module, plan: QuantPlan, dtype: torch.dtype
         setattr(parent, attr, _quantized_like(getattr(parent, attr), qtypes, dtype))
 
 
+def _q8_0_blocks(w: torch.Tensor, blocks_per_scale: int) -> torch.Tensor:
+    """Q8_0 blocks [N, K/32*34] of [N, K] whose runs of blocks_per_scale blocks share one fp16
+    scale d = max|w| / 127 over their values (each block carries it)."""
+    n, k = w.shape
+    g = 32 * blocks_per_scale
+    groups = w.float().reshape(n, k // g, g)
+    d = (groups.abs().amax(-1, keepdim=True) / 127).half()  # [N, G, 1]
+    df = d.float()
+    q = torch.where(df > 0, groups / df.clamp_min(1e-30), 0.0).round().clamp(-127, 127)
+    q = q.to(torch.int8).view(torch.uint8).reshape(n, k // g, blocks_per_scale, 32)
+    scales = d.view(torch.uint8).reshape(n, k // g, 1, 2).expand(n, k // g, blocks_per_scale, 2)
+    return torch.cat([scales, q], -1).reshape(n, -1)
+
+
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks [N, K/32*34] of a float matrix [N, K]: w ~ d * q, q int8, d fp16 per 32."""
-    n, k = w.shape
-    blocks = w.float().reshape(n, k // 32, 32)
-    d = (blocks.abs().amax(-1, keepdim=True) / 127).half()  # [N, B, 1]
-    df = d.float()
-    q = torch.where(df > 0, blocks / df.clamp_min(1e-30), 0.0).round().clamp(-127, 127)
-    return torch.cat([d.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], -1).reshape(n, -1)
+    return _q8_0_blocks(w, 1)
 
 
 def quantize_q8_0g4(w: torch.Tensor) -> torch.Tensor:
     """Q8_0G4 blocks [N, K/32*34] of [N, K], K a multiple of 128: Q8_0 blocks, each group of 4
     carrying the same fp16 scale d = max|w| / 127 over its 128 values."""
-    n, k = w.shape
     g = 32 * Q8_GROUP_BLOCKS
-    if k % g:
-        raise ValueError(f"int8_g128 needs rows of a multiple of {g} values; got {k}")
-    groups = w.float().reshape(n, k // g, g)
-    d = (groups.abs().amax(-1, keepdim=True) / 127).half()  # [N, G, 1]
-    df = d.float()
-    q = torch.where(df > 0, groups / df.clamp_min(1e-30), 0.0).round().clamp(-127, 127)
-    q = q.to(torch.int8).view(torch.uint8).reshape(n, k // g, Q8_GROUP_BLOCKS, 32)
-    scales = d.view(torch.uint8).reshape(n, k // g, 1, 2).expand(n, k // g, Q8_GROUP_BLOCKS, 2)
-    return torch.cat([scales, q], -1).reshape(n, -1)
+    if w.shape[1] % g:
+        raise ValueError(f"int8_g128 needs rows of a multiple of {g} values; got {w.shape[1]}")
+    return _q8_0_blocks(w, Q8_GROUP_BLOCKS)
 
 
 def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,12 @@
 """Shared helpers for end-to-end tests: prompts and direct logits from a loaded engine."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.layers.attention import bind_kv_cache
@@ -62,3 +67,18 @@ def last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     finally:
         bind_kv_cache(model, runner.kv_cache)
     return model.compute_logits(hidden[-1:])[0].float()
+
+
+def save_bf16_export(src: Path, out: Path) -> Path:
+    """A copy of the HF checkpoint dir src in out with its tensors rounded to bf16 and its
+    config's dtype bf16 (what a bf16 checkpoint on the Hub looks like)."""
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()},
+                      str(out / f.name), metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

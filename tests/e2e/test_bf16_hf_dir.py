@@ -6,14 +6,10 @@ of its own layer loop."""
 from __future__ import annotations
 
 import gc
-import json
-import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
-from helpers import model_runner
+from helpers import model_runner, save_bf16_export
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels import kernels_available
 
@@ -25,17 +21,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def smollm_bf16_dir(smollm_hf_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm-bf16")
-    for f in smollm_hf_dir.iterdir():
-        if f.suffix == ".safetensors":
-            save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()},
-                      str(out / f.name), metadata={"format": "pt"})
-        elif f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return save_bf16_export(smollm_hf_dir, tmp_path_factory.mktemp("smollm-bf16"))
 
 
 def _tokens(llm: LLM) -> list[list[int]]:

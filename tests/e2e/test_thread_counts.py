@@ -14,14 +14,12 @@ threads here.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
+from helpers import save_bf16_export
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = [
@@ -58,17 +56,7 @@ def one_and_two_threads(llm: LLM) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def smollm_bf16_dir(smollm_hf_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm-bf16")
-    for f in smollm_hf_dir.iterdir():
-        if f.suffix == ".safetensors":
-            save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()},
-                      str(out / f.name), metadata={"format": "pt"})
-        elif f.is_file():
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return save_bf16_export(smollm_hf_dir, tmp_path_factory.mktemp("smollm-bf16"))
 
 
 @needs_two

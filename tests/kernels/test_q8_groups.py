@@ -12,30 +12,15 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagedllm.kernels import load_kernels
 from pagedllm.kernels.types import Q8_0G4, Q8_GROUP_BLOCKS
 
 from test_ggml_kernels import random_blocks
+from test_isa_variants import SIMD_VARIANTS as VARIANTS  # each against avx2
+from test_isa_variants import _use, restore_variant  # noqa: F401 (an autouse fixture)
 
 ops = torch.ops.pagedllm
-VARIANTS = ("avx512amx", "avx512vnni", "avxvnni", "avx512bw")  # each against avx2
 # gemv tiles (1-7 rows), the gemm from 8 rows in chunks of 64, the AMX passes of 16 and 32 rows
 ROWS = (1, 2, 3, 4, 7, 8, 9, 16, 17, 31, 32, 33, 48, 64, 65, 100, 130)
-
-
-@pytest.fixture(autouse=True)
-def restore_variant():
-    load_kernels()
-    before = ops.kernel_isa()[0]
-    yield
-    ops.set_kernel_isa(before)
-
-
-def _use(variant: str) -> None:
-    try:
-        ops.set_kernel_isa(variant)
-    except RuntimeError as err:
-        pytest.skip(str(err).splitlines()[0])
 
 
 def grouped_blocks(rows: int, k: int, seed: int) -> np.ndarray:

@@ -34,6 +34,7 @@ each rank sums its part of o_proj's and down_proj's reduction, then the all-redu
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from typing import Iterator, NamedTuple, Optional
 
@@ -45,12 +46,14 @@ from pagedllm.kernels.types import Q8_0G4, block_sizes
 from pagedllm.layers.linear import MergedLinear
 from pagedllm.layers.mlp import GatedMLP
 from pagedllm.layers.moe import SparseMoeBlock
-from pagedllm.layers.quantization import QuantPlan
+from pagedllm.layers.quantization import Q8_0, QuantPlan
 from pagedllm.layers.tensor_parallel import GatheredLogits, ReducedOutput, VocabParallelEmbedding
 from pagedllm.models.llama import SelfAttention
 from pagedllm.models.pipeline import holds_module
 
 Shards = dict[str, Shard]  # checkpoint tensor name -> this rank's part of it
+
+logger = logging.getLogger("pagedllm")
 
 
 def _rows(part: range, full: int) -> Shard:
@@ -76,6 +79,16 @@ def _check_blocks(path: str, part: range, plan: Optional[QuantPlan], tp: TensorP
             f"pipeline_parallel_size)")
 
 
+def _fit_groups(path: str, part: range, plan: Optional[QuantPlan]) -> None:
+    """An o_proj made at load in groups of 128 values (int8_g128's Q8_0G4) whose rank part would
+    cut a group keeps Q8_0 in the plan instead (the same int8 blocks, a scale per 32 values), as
+    a row of no multiple of 128 values does (layers/quantization.py). Every rank cuts at the
+    same places (the heads split evenly), so every rank makes the same choice."""
+    group = block_sizes(Q8_0G4)[0]
+    if plan is not None and plan.get(path) == Q8_0G4 and (part.start % group or len(part) % group):
+        plan[path] = Q8_0
+
+
 def _merged(old: MergedLinear, sizes: tuple[int, ...]) -> MergedLinear:
     return MergedLinear(old.in_features, sizes, old.shard_names, bias=old.bias is not None)
 
@@ -87,6 +100,7 @@ def _shard_attention(path: str, attn: SelfAttention, tp: TensorParallelRank,
     kv = tp.kv_heads(attn.num_kv_heads, f"{path}.k_proj")
     q_rows = range(heads.start * d, heads.stop * d)
     kv_rows = range(kv.start * d, kv.stop * d)
+    _fit_groups(f"{path}.o_proj", q_rows, plan)
     _check_blocks(f"{path}.o_proj", q_rows, plan, tp)
     old = attn.qkv_proj
     attn.qkv_proj = _merged(old, (len(q_rows), len(kv_rows), len(kv_rows)))
@@ -221,11 +235,18 @@ def shard_model(model: nn.Module, tp: TensorParallelRank, plan: Optional[QuantPl
     modules = list(planned_modules(model, tp))  # every module checked before any is changed
     shards = _shard_vocab(model, tp)
     split = mlp_split(plan)
+    grouped = {path for path, q in (plan or {}).items() if q == Q8_0G4}
     for path, role, module in modules:
         if role == "attention":
             shards.update(_shard_attention(path, module, tp, plan))
         elif role == "feed_forward":
             shards.update(_shard_feed_forward(path, module, tp, split))
+    cut = sorted(p for p in grouped if plan[p] != Q8_0G4)
+    if cut and tp.rank == 0:
+        logger.info("int8_g128 with tensor_parallel_size=%d: %d o_proj matrices (%s, ...) take "
+                    "%d values a rank, no multiple of 128: they keep a scale per 32 values "
+                    "(Q8_0), the rest a scale per 128", tp.world_size, len(cut), cut[0],
+                    shards[f"{cut[0]}.weight"].size)
     return shards
 
 

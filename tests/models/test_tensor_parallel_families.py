@@ -33,7 +33,7 @@ from test_llama3 import llama3  # noqa: F401  (the module's fixtures: the tiny c
 from test_qwen3 import qwen3  # noqa: F401
 from test_qwen3_moe import qwen3_moe  # noqa: F401
 from tiny_models import (CHUNKED, NUM_TOKENS, VOCAB, base_fields, prompts, random_init,
-                         save_checkpoints)
+                         save_checkpoints, save_hf_dir)
 
 LOGPROB_TOL = 1e-3
 # Block weights run with 8-bit activations: an activation on a rounding boundary may round the
@@ -118,6 +118,60 @@ def test_tp2_quantized_at_load_equals_one_process(qwen2_one_kv_head, quantizatio
     engine = dict(model=str(ckpts.hf_dir), dtype="float32", quantization=quantization)
     want, got = _single_and_tp2(engine, ckpts.prompts)
     _check_tp_against_single(got, want)
+
+
+@pytest.fixture(scope="module")
+def qwen2_groups(tmp_path_factory):
+    """A tiny Qwen2 whose rows are 384 values (3 groups of 128) with 6 heads of 64: a rank's
+    part of o_proj (3 heads, 192 values) cuts a group, the other matrices split at whole ones.
+    Its HF directory and prompts."""
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=384, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen2ForCausalLM(cfg).eval()
+    random_init(model, seed=0, scale=0.1)
+    return save_hf_dir(model, tmp_path_factory.mktemp("qwen2_groups")), prompts((5, 23, 40), seed=1)
+
+
+def test_tp2_int8_g128_keeps_q8_0_where_a_rank_cuts_a_group(qwen2_groups, monkeypatch):
+    """int8_g128 with tensor_parallel_size=2: each rank's o_proj (192 values a rank) keeps
+    Q8_0's scale per 32 values, every other matrix its groups of 128 (rank 1 loaded here); the
+    two ranks give the tokens and log-probabilities, within the 8-bit activations' tolerance,
+    of one process whose plan has the same formats (its o_proj made Q8_0 too: one process alone
+    keeps o_proj's whole rows in groups, other weights)."""
+    from pagedllm.kernels.types import Q8_0G4
+    from pagedllm.layers.quantization import Q8_0
+    from pagedllm.worker import model_loader
+
+    hf_dir, token_prompts = qwen2_groups
+    engine = dict(model=str(hf_dir), dtype="float32", quantization="int8_g128", **CHUNKED)
+    plan_of = model_loader.float_quant_plan
+
+    def o_proj_in_q8_0(model, method):
+        plan = plan_of(model, method)
+        return {p: Q8_0 if p.endswith(".o_proj") else q for p, q in plan.items()}
+
+    with monkeypatch.context() as m:
+        m.setattr(model_loader, "float_quant_plan", o_proj_in_q8_0)
+        single = LLM(**engine)
+        want = _greedy(single, token_prompts)
+        single.llm_engine.shutdown()
+    llm = LLM(**engine, tensor_parallel_size=2)
+    try:
+        got = _greedy(llm, token_prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    _check_tp_against_single(got, want)
+
+    platform = CpuPlatform()
+    platform.load_kernels()
+    config = EngineConfig(model_path=str(hf_dir), arch=resolve_checkpoint(hf_dir).arch,
+                          dtype=torch.float32, platform=platform, quantization="int8_g128")
+    layer = load_model(config, tp=TensorParallelRank(1, 2)).model.layers[0]
+    assert layer.self_attn.o_proj.inner.qtype == Q8_0 and layer.self_attn.o_proj.inner.in_features == 192
+    assert set(layer.self_attn.qkv_proj.qtypes) == {Q8_0G4}
+    assert layer.mlp.down_proj.inner.qtype == Q8_0G4 and layer.mlp.down_proj.inner.in_features == 256
 
 
 def test_tp2_with_file_backed_blocks_equals_one_process(qwen2_one_kv_head):

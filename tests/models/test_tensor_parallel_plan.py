@@ -72,14 +72,47 @@ def test_an_unknown_role_is_refused():
         shard_model(_model(Odd), TP2, None)
 
 
-def test_an_o_proj_in_groups_of_128_that_a_rank_would_cut_names_int8():
-    """int8_g128's o_proj (the default model's 896 values a row: 448 a rank of 2) cannot keep
-    whole 128-value groups per rank: refused naming the matrix and quantization='int8'."""
+def _grouped_plan(heads: int) -> tuple[dict, dict]:
+    """int8_g128's plan of a meta Qwen2 with 384-value rows and `heads` heads of 64 values,
+    before and after rank 0 of 2 takes its share."""
+    from pagedllm.layers.quantization import float_quant_plan
+
+    cfg = ModelArchConfig(architecture="qwen2", vocab_size=64, hidden_size=384,
+                          intermediate_size=512, num_hidden_layers=2, num_attention_heads=heads,
+                          num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                          rope_theta=10000.0, max_position_embeddings=64,
+                          tie_word_embeddings=False, attention_bias=True)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg, 64)
+    plan = float_quant_plan(model, "int8_g128")
+    before = dict(plan)
+    shard_model(model, TP2, plan)
+    return before, plan
+
+
+def test_an_o_proj_in_groups_of_128_that_a_rank_would_cut_keeps_q8_0():
+    """int8_g128 (a scale per 128 values): an o_proj whose rank part cuts a group (6 heads of 64,
+    192 values a rank, as the default model's 448) keeps Q8_0 (a scale per 32 values) on every
+    rank; every other matrix keeps its groups, and an o_proj split at whole groups (4 heads: 128
+    a rank) keeps them too."""
     from pagedllm.kernels.types import Q8_0G4
+    from pagedllm.layers.quantization import Q8_0
+
+    before, after = _grouped_plan(6)
+    assert set(before.values()) == {Q8_0G4}
+    assert {p: q for p, q in after.items() if q != Q8_0G4} == {
+        f"model.layers.{i}.self_attn.o_proj": Q8_0 for i in range(2)}
+    before, after = _grouped_plan(4)
+    assert after == before
+
+
+def test_a_block_cut_by_a_rank_is_refused_naming_the_matrix():
+    """A kept block format whose blocks a rank's o_proj part would cut is refused by name."""
+    from pagedllm.layers.quantization import Q8_0
     from pagedllm.models.tensor_parallel import _check_blocks
 
     path = "model.layers.0.self_attn.o_proj"
-    _check_blocks(path, range(512, 1024), {path: Q8_0G4}, TP2)  # 512 a rank: whole groups
-    with pytest.raises(ValueError, match=r"o_proj\.weight is kept in Q8_0G4 blocks of 128 values.*"
-                                         r"quantization='int8'"):
-        _check_blocks(path, range(448, 896), {path: Q8_0G4}, TP2)
+    _check_blocks(path, range(448, 896), {path: Q8_0}, TP2)  # 448 a rank: whole Q8_0 blocks
+    with pytest.raises(ValueError, match=r"o_proj\.weight is kept in Q8_0 blocks of 32 values, "
+                                         r"and its rows of 48 values split into 24 per rank"):
+        _check_blocks(path, range(24, 48), {path: Q8_0}, TP2)

@@ -6,6 +6,9 @@
 //   regs-noscale  the same with the update reduced to convert + add (what the scale product costs)
 //   buffer MB     each record's weights loaded (and made unsigned and joined) from a buffer of
 //                 that size, in order, as the kernel streams them: from L2, L3 or memory
+//   ahead N       from memory (228 MB), each stream's records asked for N bytes ahead
+//                 (prefetcht0; within a row's last N bytes, the same stream's next pair, as
+//                 gemm2_q8_0's prefetch_pair), best of 5 rounds: the kernel's kAheadGemm
 //
 //   g++ -O3 -march=native benchmarks/q8_gemm_loop.cpp -o /tmp/q8_gemm_loop && /tmp/q8_gemm_loop
 //
@@ -65,7 +68,7 @@ double in_registers(int64_t records) {
 }
 
 // pairs of 8-row groups (g, g + 1), each group a row of kNrec records, streamed in order
-double from_buffer(const uint8_t* w, int64_t groups, int reps) {
+double from_buffer(const uint8_t* w, int64_t groups, int reps, int64_t ahead = 0) {
   const int64_t row = kNrec * kRec;
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   const auto load32 = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
@@ -74,7 +77,16 @@ double from_buffer(const uint8_t* w, int64_t groups, int reps) {
     for (int64_t g = 0; g < groups; g += 2) {
       const uint8_t* w0 = w + g * row;
       const uint8_t* w1 = w0 + row;
+      const uint8_t* const s0 = w0;
+      const uint8_t* const s1 = w1;
       for (int64_t b = 0; b < kNrec; ++b, w0 += kRec, w1 += kRec) {
+        if (ahead > 0) {
+          const int64_t at = b * kRec + ahead;
+          for (const uint8_t* s : {s0, s1}) {
+            const uint8_t* p = at < row ? s + at : s + row + at;
+            for (int64_t l = 0; l < kRec; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
+          }
+        }
         const __m512 d = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(load32(w0)), load32(w1), 1));
         __m512i v[8];
         for (int q = 0; q < 8; ++q)
@@ -99,6 +111,13 @@ int main() {
     std::memset(w, 0x3c, bytes);  // scales read as normal floats (0x3c3c3c3c: ~0.0115)
     const int reps = static_cast<int>(std::max<int64_t>(1, 40000000 / (groups * kNrec * kRows * 8)));
     std::printf("buffer %.1f MB %.2f G vpdpbusd/s\n", bytes / 1e6, from_buffer(w, groups, reps));
+    if (groups == 30000) {
+      const int64_t aheads[] = {0, 1024, 2048, 4096, 8192};
+      double best[5] = {0, 0, 0, 0, 0};
+      for (int r = 0; r < 5; ++r)
+        for (int i = 0; i < 5; ++i) best[i] = std::max(best[i], from_buffer(w, groups, 1, aheads[i]));
+      for (int i = 0; i < 5; ++i) std::printf("ahead %ld %.2f G vpdpbusd/s\n", static_cast<long>(aheads[i]), best[i]);
+    }
     std::free(w);
   }
 }

@@ -43,7 +43,6 @@ IGNORED_VLLM_ARGS: dict[str, IgnoredArg] = {
     "max_seq_len_to_capture": IgnoredArg(_NO_GRAPHS, int),
     "cuda_graph_sizes": IgnoredArg(_NO_GRAPHS, int, nargs="+"),
     "compilation_config": IgnoredArg("the model is not compiled", str, short="-O"),
-    "kv_cache_dtype": IgnoredArg("the KV cache is kept in the model's dtype", str),
     "disable_log_stats": IgnoredArg("LLM() logs no periodic statistics"),
     "tokenizer_mode": IgnoredArg("the tokenizer is always a fast (Rust) tokenizer", str),
     "load_format": IgnoredArg("the format is read from the checkpoint (GGUF or safetensors)",
@@ -63,6 +62,9 @@ RUNNER_CHOICES = ("auto", "generate", "pooling")  # vLLM's --runner
 # vLLM's older --task values -> the runner each implies; others are refused by name
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # as vLLM's --dtype
+# vLLM's --kv-cache-dtype values and the float dtypes' names: the engine keeps the one it computes
+# in (config_builder.check_kv_cache_dtype refuses the others by name)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 MODEL_SOURCES = ("huggingface", "modelscope")
 DEVICE_HELP = "auto, cpu, cuda (or cuda:N), rocm, xpu or mps; auto takes the first usable"
 
@@ -175,6 +177,9 @@ class EngineArgs:
     dtype: Union[str, torch.dtype] = _opt("auto", "compute dtype; auto picks per device and "
                                           "checkpoint", choices=DTYPE_CHOICES)
     device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
+    kv_cache_dtype: str = _opt("auto", "the KV cache's dtype: auto, the dtype the model computes "
+                               "in, which is the one the cache is kept in (naming it is "
+                               "accepted; another, fp8 included, is refused)", metavar="DTYPE")
     # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
     # its bf16 matrices ("bf16"); "gguf", "int8", "int8_g128", "int4", "bf16" or "none"
     quantization: Optional[str] = _opt(
@@ -348,6 +353,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not a KV cache dtype; "
+                             f"the choices are {', '.join(KV_CACHE_DTYPES)}")
         self.hf_overrides = check_hf_overrides(self.hf_overrides)
         # built (and checked: a ValueError naming the field) once; the engine's config takes them
         self._parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,

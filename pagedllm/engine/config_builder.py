@@ -130,6 +130,18 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
+def check_kv_cache_dtype(requested: str, dtype: torch.dtype) -> None:
+    """kv_cache_dtype "auto" or the dtype the engine computes in, which is the one its KV cache
+    is kept in; another (bf16 under float32 activations, fp8) is a ValueError naming both."""
+    name = _dtype_name(dtype)
+    if requested in ("auto", name):
+        return
+    fp8 = " (fp8 KV caches are not implemented)" if requested.startswith("fp8") else ""
+    raise ValueError(f"kv_cache_dtype={requested!r}: pagedllm keeps the KV cache in the dtype "
+                     f"the model computes in, {name} here{fp8}; use kv_cache_dtype='auto' (or "
+                     f"{name!r}), or choose the compute dtype with dtype=")
+
+
 def _keeps_gguf_blocks(ckpt: Checkpoint, platform: Platform, quantization: str,
                        tensors: Optional[Sequence[GGUFTensorInfo]]) -> bool:
     """Whether a GGUF keeps some of its blocks (model_loader's plan): every matrix of the
@@ -449,6 +461,7 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
+    check_kv_cache_dtype(args.kv_cache_dtype, dtype)
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:

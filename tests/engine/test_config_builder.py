@@ -72,6 +72,25 @@ def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
     assert config.quantization == "none"  # bf16 would round float16 values
 
 
+def test_kv_cache_dtype_is_the_compute_dtype_or_refused_by_name(cpu, smollm_gguf, smollm_hf_dir):
+    """The KV cache is kept in the dtype the model computes in: kv_cache_dtype "auto" or that
+    dtype's name runs; another (bf16 under kept blocks' float32, fp8) is refused naming the
+    field, the dtype and what to use; an unknown name is refused listing the choices."""
+    assert _config(smollm_gguf, kv_cache_dtype="auto").dtype == torch.float32
+    assert _config(smollm_gguf, kv_cache_dtype="float32").dtype == torch.float32
+    for asked in ("bfloat16", "fp8", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{asked}': pagedllm keeps the KV "
+                                             r"cache in the dtype the model computes in, float32 "
+                                             r"here.*use kv_cache_dtype='auto'"):
+            _config(smollm_gguf, kv_cache_dtype=asked)
+    config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", dtype="bfloat16",
+                     kv_cache_dtype="bfloat16")
+    assert config.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not a KV cache dtype; the "
+                                         r"choices are auto, bfloat16, float16, float32, fp8"):
+        EngineArgs(model=str(smollm_gguf), kv_cache_dtype="int8")
+
+
 def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf, monkeypatch):
     ckpt = resolve_checkpoint(smollm_gguf)
     tokenizer, gen = load_tokenizer(ckpt.tokenizer_path), generation_config(ckpt)

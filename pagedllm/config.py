@@ -334,6 +334,9 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None  # chosen by the memory planner (memory/plan.py)
     enable_prefix_caching: bool = True
+    # the cache's dtype: None, the engine's compute dtype; torch.bfloat16 under float32 compute
+    # on the CPU with kv_cache_dtype="bfloat16" (config_builder.kv_cache_torch_dtype)
+    dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         check_positive_int("block_size", self.block_size)

@@ -62,8 +62,8 @@ RUNNER_CHOICES = ("auto", "generate", "pooling")  # vLLM's --runner
 # vLLM's older --task values -> the runner each implies; others are refused by name
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "float", "half")  # as vLLM's --dtype
-# vLLM's --kv-cache-dtype values and the float dtypes' names: the engine keeps the one it computes
-# in (config_builder.check_kv_cache_dtype refuses the others by name)
+# vLLM's --kv-cache-dtype values and the float dtypes' names (config_builder.kv_cache_torch_dtype
+# takes "auto", the compute dtype's name, and bfloat16 under float32 compute on the CPU)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 MODEL_SOURCES = ("huggingface", "modelscope")
 DEVICE_HELP = "auto, cpu, cuda (or cuda:N), rocm, xpu or mps; auto takes the first usable"
@@ -177,9 +177,10 @@ class EngineArgs:
     dtype: Union[str, torch.dtype] = _opt("auto", "compute dtype; auto picks per device and "
                                           "checkpoint", choices=DTYPE_CHOICES)
     device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
-    kv_cache_dtype: str = _opt("auto", "the KV cache's dtype: auto, the dtype the model computes "
-                               "in, which is the one the cache is kept in (naming it is "
-                               "accepted; another, fp8 included, is refused)", metavar="DTYPE")
+    kv_cache_dtype: str = _opt("auto", "the KV cache's dtype: auto (the dtype the model computes "
+                               "in), or bfloat16 where that is float32 on the CPU (half the "
+                               "cache's memory and the bytes decode attention reads; K/V rounded "
+                               "to bf16); another, fp8 included, is refused", metavar="DTYPE")
     # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
     # its bf16 matrices ("bf16"); "gguf", "int8", "int8_g128", "int4", "bf16" or "none"
     quantization: Optional[str] = _opt(

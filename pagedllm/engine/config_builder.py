@@ -130,16 +130,22 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
-def check_kv_cache_dtype(requested: str, dtype: torch.dtype) -> None:
-    """kv_cache_dtype "auto" or the dtype the engine computes in, which is the one its KV cache
-    is kept in; another (bf16 under float32 activations, fp8) is a ValueError naming both."""
+def kv_cache_torch_dtype(requested: str, dtype: torch.dtype, platform: Platform) -> torch.dtype:
+    """The KV cache's dtype for kv_cache_dtype `requested` under compute dtype `dtype`: "auto"
+    (or that dtype's name) keeps the cache in it; "bfloat16" under float32 compute on the CPU
+    halves the cache (its C++ ops widen bf16 rows exactly; the rows are rounded once, as they
+    are written). Another is a ValueError naming both and what to use."""
     name = _dtype_name(dtype)
     if requested in ("auto", name):
-        return
+        return dtype
+    cpu_bf16 = platform.name == "cpu" and dtype == torch.float32
+    if requested == "bfloat16" and cpu_bf16:
+        return torch.bfloat16
     fp8 = " (fp8 KV caches are not implemented)" if requested.startswith("fp8") else ""
+    also = " or 'bfloat16'" if cpu_bf16 else ""
     raise ValueError(f"kv_cache_dtype={requested!r}: pagedllm keeps the KV cache in the dtype "
                      f"the model computes in, {name} here{fp8}; use kv_cache_dtype='auto' (or "
-                     f"{name!r}), or choose the compute dtype with dtype=")
+                     f"{name!r}){also}, or choose the compute dtype with dtype=")
 
 
 def _keeps_gguf_blocks(ckpt: Checkpoint, platform: Platform, quantization: str,
@@ -273,8 +279,10 @@ class CandidatePlanner:
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
+        kv = kv_cache_torch_dtype(self.args.kv_cache_dtype, c.dtype, self.platform)
         fp = footprint(ckpt.arch, self.num_params, itemsize, name, self.params_source, weights,
-                       layout.mapped_total if c.mapped else 0, layout)
+                       layout.mapped_total if c.mapped else 0, layout,
+                       kv_itemsize=torch.empty((), dtype=kv).element_size())
         lora = self.args.lora_config()
         if lora is not None:  # the adapters' slots and cache sit beside the weights
             extra = lora_bytes(ckpt.arch, lora, self.args.tensor_parallel_size)
@@ -461,7 +469,10 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
-    check_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype, choice.platform)
+    if kv_dtype != dtype:
+        logger.info("KV cache in %s (kv_cache_dtype): keys and values rounded to it as they are "
+                    "written, half the cache's bytes", _dtype_name(kv_dtype))
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:
@@ -469,7 +480,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     config = EngineConfig(
         model_path=str(ckpt.path), arch=ckpt.arch, dtype=dtype, platform=choice.platform,
         cache=CacheConfig(block_size=args.block_size, num_blocks=mem_plan.num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          dtype=None if kv_dtype == dtype else kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=batched,
                                   max_model_len=mem_plan.max_model_len,

@@ -52,14 +52,16 @@ def kv_bytes_per_token(arch: ModelArchConfig, itemsize: int) -> int:
 
 def footprint(arch: ModelArchConfig, num_params: int, itemsize: int, dtype_name: str,
               source: str, weight_bytes: Optional[int] = None,
-              mapped_bytes: int = 0, layout: Optional[WeightLayout] = None) -> ModelFootprint:
+              mapped_bytes: int = 0, layout: Optional[WeightLayout] = None,
+              kv_itemsize: Optional[int] = None) -> ModelFootprint:
     """A model's needs when its weights are held in a dtype of `itemsize` bytes (or take
     weight_bytes when some stay quantized, mapped_bytes of them from a file); layout: the
-    weights by layer, which splits over pipeline ranks need."""
+    weights by layer, which splits over pipeline ranks need; kv_itemsize: the KV cache's bytes
+    a value (default: itemsize, the cache in the compute dtype)."""
     resident = num_params * itemsize if weight_bytes is None else weight_bytes
-    return ModelFootprint(arch, num_params, resident - mapped_bytes,
-                          kv_bytes_per_token(arch, itemsize), dtype_name, source, mapped_bytes,
-                          layout)
+    kv = kv_bytes_per_token(arch, itemsize if kv_itemsize is None else kv_itemsize)
+    return ModelFootprint(arch, num_params, resident - mapped_bytes, kv, dtype_name, source,
+                          mapped_bytes, layout)
 
 
 def lora_bytes(arch: ModelArchConfig, lora: LoRAConfig, tp_size: int = 1) -> int:

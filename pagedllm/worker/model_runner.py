@@ -160,7 +160,8 @@ class ModelRunner:
             return
         self.kv_cache = allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
                                           self.num_kv_heads, arch.head_dim,
-                                          self.config.dtype, self.device)
+                                          self.config.cache.dtype or self.config.dtype,
+                                          self.device)
         bind_kv_cache(self.model, self.kv_cache)
         if self.drafter is not None:  # the same block ids address the draft's cache
             self.drafter.initialize_kv_cache(num_blocks)

@@ -80,6 +80,21 @@ def test_cpu_backend_matches_the_reference_on_a_mixed_batch(seed):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_bf16_cache_is_a_float32_cache_of_rounded_values(seed):
+    """kv_cache_dtype "bfloat16": a mixed batch (decode rows, a fresh prompt chunk, one after a
+    cached prefix) over a bf16 cache gives, bit for bit, what a float32 cache gives when every
+    key and value, history and this step's, is rounded to bf16 first: the fresh chunk's own
+    keys and values are rounded before its attention, as every later read sees them."""
+    reqs, owned, hist, _ = _layout(seed)
+    cache, q, k, v, common = _inputs(reqs, owned, hist, torch.Generator().manual_seed(seed + 100))
+    rounded = [t.to(torch.bfloat16).float() for t in (cache, k, v)]
+    want, want_cache = _run(CpuAttentionBackend, rounded[0], q, rounded[1], rounded[2], common)
+    out, bf16_cache = _run(CpuAttentionBackend, cache.to(torch.bfloat16), q, k, v, common)
+    assert bf16_cache.dtype == torch.bfloat16 and torch.equal(bf16_cache.float(), want_cache)
+    assert torch.equal(out, want)
+
+
 def test_cpu_backend_decode_only_step_matches_the_reference():
     reqs, owned, hist, _ = _layout(5)
     reqs, owned, hist = reqs[:2], owned[:2], hist[:2]  # the two decoding requests alone

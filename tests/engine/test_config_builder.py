@@ -72,20 +72,32 @@ def test_dense_auto_dtype_follows_the_cpu(cpu, smollm_hf_dir):
     assert config.quantization == "none"  # bf16 would round float16 values
 
 
-def test_kv_cache_dtype_is_the_compute_dtype_or_refused_by_name(cpu, smollm_gguf, smollm_hf_dir):
-    """The KV cache is kept in the dtype the model computes in: kv_cache_dtype "auto" or that
-    dtype's name runs; another (bf16 under kept blocks' float32, fp8) is refused naming the
-    field, the dtype and what to use; an unknown name is refused listing the choices."""
-    assert _config(smollm_gguf, kv_cache_dtype="auto").dtype == torch.float32
-    assert _config(smollm_gguf, kv_cache_dtype="float32").dtype == torch.float32
-    for asked in ("bfloat16", "fp8", "fp8_e5m2"):
+def test_kv_cache_dtype_auto_the_compute_dtype_or_bf16_under_float32(cpu, smollm_gguf,
+                                                                    smollm_hf_dir):
+    """The KV cache is kept in the dtype the model computes in ("auto", or that dtype's name),
+    or in bf16 under float32 compute on the CPU (half the bytes a token in the memory plan);
+    another (fp8, float16) is refused naming the field, the dtype and what to use; an unknown
+    name is refused listing the choices."""
+    for asked in ("auto", "float32"):
+        config = _config(smollm_gguf, kv_cache_dtype=asked)
+        assert config.dtype == torch.float32 and config.cache.dtype is None
+    bf16 = _config(smollm_gguf, kv_cache_dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    f32 = _config(smollm_gguf, kv_cache_memory_bytes=64 << 20)
+    assert bf16.dtype == torch.float32 and bf16.cache.dtype == torch.bfloat16
+    assert bf16.cache.num_blocks == 2 * f32.cache.num_blocks  # the same bytes, twice the tokens
+    for asked in ("fp8", "fp8_e5m2", "float16"):
         with pytest.raises(ValueError, match=rf"kv_cache_dtype='{asked}': pagedllm keeps the KV "
                                              r"cache in the dtype the model computes in, float32 "
-                                             r"here.*use kv_cache_dtype='auto'"):
+                                             r"here.*use kv_cache_dtype='auto' \(or 'float32'\) "
+                                             r"or 'bfloat16'"):
             _config(smollm_gguf, kv_cache_dtype=asked)
     config = _config(smollm_hf_dir, checkpoint_dtype="bfloat16", dtype="bfloat16",
                      kv_cache_dtype="bfloat16")
-    assert config.dtype == torch.bfloat16
+    assert config.dtype == torch.bfloat16 and config.cache.dtype is None
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float32': .* bfloat16 here; use "
+                                         r"kv_cache_dtype='auto' \(or 'bfloat16'\), or"):
+        _config(smollm_hf_dir, checkpoint_dtype="bfloat16", dtype="bfloat16",
+                kv_cache_dtype="float32")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not a KV cache dtype; the "
                                          r"choices are auto, bfloat16, float16, float32, fp8"):
         EngineArgs(model=str(smollm_gguf), kv_cache_dtype="int8")

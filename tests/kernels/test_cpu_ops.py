@@ -228,6 +228,65 @@ def test_paged_decode_attention_is_the_same_in_the_avx512_and_avx2_paths(d):
     assert all(torch.equal(a, b) for a, b in zip(avx2, avx512))
 
 
+def _isas() -> list[str]:
+    """The attention paths this CPU runs: AVX2, and AVX-512 where it has it."""
+    return ["avx2"] + (["avx512vnni"] if "avx512vnni" in ops.kernel_isas() else [])
+
+
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # 32: the generic loop, the others vectors
+def test_a_bf16_cache_gives_the_numbers_of_a_float32_cache_of_its_values(d):
+    """kv_cache_dtype "bfloat16": a bf16 row widens to float32 exactly, so attention over a bf16
+    cache is, bit for bit, attention over a float32 cache holding the same rounded values, on
+    each path (windows, soft-capping, one sequence whose query heads split over the threads)."""
+    hq, hk, bs = 14, 2, 16
+    lens = torch.tensor([1, 15, 16, 17, 33, 70, 129])
+    blocks = -(-int(lens.max()) // bs)
+    kv = torch.randn(2, len(lens) * blocks, bs, hk, d).to(torch.bfloat16)
+    table = torch.randperm(len(lens) * blocks).view(len(lens), blocks)
+    q = torch.randn(len(lens), hq, d)
+    before = ops.kernel_isa()[0]
+    try:
+        for isa in _isas():
+            ops.set_kernel_isa(isa)
+            for w, c in ((0, 0.0), (20, 0.0), (0, 2.0)):
+                for rows in (slice(None), slice(5, 6)):
+                    args = (q[rows].contiguous(), table[rows].contiguous(), lens[rows].contiguous())
+                    got = ops.paged_decode_attention(args[0], kv, *args[1:], d ** -0.5, w, c)
+                    want = ops.paged_decode_attention(args[0], kv.float(), *args[1:], d ** -0.5, w, c)
+                    assert torch.equal(got, want), (isa, w, c, rows)
+    finally:
+        ops.set_kernel_isa(before)
+
+
+def test_write_kv_into_a_bf16_cache_rounds_as_torch():
+    """K/V rows written into a bf16 cache are torch's .to(torch.bfloat16) of them (nearest even,
+    ties, infinities, subnormals; NaN stays NaN); other slots stay as they were; a float16 cache
+    is refused."""
+    t, hk, d = 5, 2, 64
+    k, v = torch.randn(t, hk, d) * 3, torch.randn(t, hk, d)
+    k.view(-1)[:6] = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40, -3e-39,
+                                   1.0 + 2 ** -8])  # the last a tie, to even (1.0)
+    kv = torch.full((2, 4, 4, hk, d), 7.0, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 0, 9, 15, 4])
+    ops.write_kv_(kv, k, v, slots)
+    flat = kv.view(2, 16, hk, d)
+
+    def bits(x):  # a NaN's payload is torch's or c10's choice: NaN compares as NaN
+        return torch.where(x.isnan(), torch.tensor(-1, dtype=torch.int16), x.view(torch.int16))
+
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(bits(flat[0, s]), bits(k[i].to(torch.bfloat16)))
+        assert torch.equal(bits(flat[1, s]), bits(v[i].to(torch.bfloat16)))
+    assert bool(flat[0, 3, 0, 2].isnan()) and flat[0, 3, 0, 5] == 1.0
+    untouched = [s for s in range(16) if s not in slots.tolist()]
+    assert bool((flat[:, untouched] == 7.0).all())
+    with pytest.raises(RuntimeError, match="kv must be a contiguous float32 or bfloat16 CPU tensor"):
+        ops.write_kv_(kv.half(), k, v, slots)
+    with pytest.raises(RuntimeError, match="kv_cache must be a contiguous float32 or bfloat16"):
+        ops.paged_decode_attention(torch.randn(1, 4, d), kv.half(), torch.zeros(1, 4, dtype=torch.long),
+                                   torch.tensor([3]), 0.25)
+
+
 def test_gelu_tanh_mul_matches_torch():
     gate, up = torch.randn(3, 2051) * 4, torch.randn(3, 2051)
     gate[0, :2] = torch.tensor([30.0, -30.0])

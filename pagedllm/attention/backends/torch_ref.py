@@ -58,6 +58,8 @@ def _context_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
     qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, S, D]
     if seq.mask is None:  # the whole context is this chunk: no need to read the cache
         ks, vs = k[rows], v[rows]
+        if kv_cache.dtype != k.dtype:  # the cached values (a bf16 cache's rounding), as a later
+            ks, vs = ks.to(kv_cache.dtype), vs.to(kv_cache.dtype)  # chunk or decode reads them
     else:
         ks = kv_cache[0][seq.block_ids].view(-1, h, d)[:seq.context_len]
         vs = kv_cache[1][seq.block_ids].view(-1, h, d)[:seq.context_len]

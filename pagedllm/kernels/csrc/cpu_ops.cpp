@@ -147,8 +147,12 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 // token i's keys and values [Hk, D] into slot slot_mapping[i] of a layer's cache kv [2, NB, BS, Hk, D]
 // (what index_copy_ does, without its per-row dispatch: 0.6 ms for 512 tokens, or 48 of them a
 // decode step)
+// The K/V rows of t tokens into their slots of a float32 or bf16 cache (bf16: rounded to nearest
+// even, as torch's .to(torch.bfloat16)).
 void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_mapping) {
-  check_f32(kv, "kv");
+  TORCH_CHECK(kv.device().is_cpu() && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16) &&
+                  kv.is_contiguous(),
+              "kv must be a contiguous float32 or bfloat16 CPU tensor");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv must be a [2, blocks, block_size, kv_heads, head_dim] tensor");
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   check_f32(k, "k");
@@ -160,10 +164,22 @@ void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " is outside the KV cache's ", slots, " slots");
-  float* kc = kv.data_ptr<float>();
-  float* vc = kc + slots * row;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  if (kv.scalar_type() == at::kBFloat16) {
+    at::BFloat16* kc = kv.data_ptr<at::BFloat16>();
+    at::BFloat16* vc = kc + slots * row;
+    at::parallel_for(0, t, std::max<int64_t>(1, 16384 / row), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = 0; j < row; ++j) {
+          kc[sp[i] * row + j] = at::BFloat16(kp[i * row + j]);
+          vc[sp[i] * row + j] = at::BFloat16(vp[i * row + j]);
+        }
+    });
+    return;
+  }
+  float* kc = kv.data_ptr<float>();
+  float* vc = kc + slots * row;
   for (int64_t i = 0; i < t; ++i) {
     std::memcpy(kc + sp[i] * row, kp + i * row, row * sizeof(float));
     std::memcpy(vc + sp[i] * row, vp + i * row, row * sizeof(float));

@@ -8,6 +8,10 @@
 // reduced in the AVX2 path's order (lanes j + j+8 of two 8-lane halves, then j + j+4, j + j+2,
 // j + j+1), only 16 keys at once; each head's output sums its value rows in the same order.
 //
+// The cache holds float32 or bf16 rows (kv_cache_dtype "bfloat16": half the bytes a step reads);
+// a bf16 row widens to float32 exactly on its load, so a bf16 cache gives the numbers of a float32
+// cache holding the same rounded values, bit for bit, on every path.
+//
 // Soft-capped scores (softcap > 0, Gemma 2) go through tanh(s / cap) * cap before the softmax.
 //
 // A sliding window (window > 0) reads only each sequence's last `window` rows, as if they were
@@ -27,6 +31,22 @@
 #include <vector>
 
 namespace pagedllm_ops {
+
+// a cached value as float32: bf16 (stored as uint16_t) is the float's upper half
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+#ifdef PAGEDLLM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
 
 #ifdef PAGEDLLM_AVX2
 using pagedllm_simd::exp_nonpositive;
@@ -73,14 +93,14 @@ void softmax_(float* s, int64_t len, float cap) {
 #ifdef PAGEDLLM_AVX2
 // attend_group for head_dim = 8 * NV: each key/value row is NV vectors, the accumulators stay in
 // registers
-template <int NV, class RowOffset>
-void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+template <int NV, class T, class RowOffset>
+void attend_group_avx2(const float* q, const T* kc, const T* vc, RowOffset row_offset, int64_t len,
                        int64_t group, float scale, float cap, float* scores, float* out) {
   constexpr int64_t d = 8 * NV;
   for (int64_t p = 0; p < len; ++p) {
-    const float* kr = kc + row_offset(p);
+    const T* kr = kc + row_offset(p);
     __m256 k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = _mm256_loadu_ps(kr + 8 * v);
+    for (int v = 0; v < NV; ++v) k[v] = load8(kr + 8 * v);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * d;
       __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qh), k[0]), a1 = _mm256_setzero_ps();
@@ -95,9 +115,9 @@ void attend_group_avx2(const float* q, const float* kc, const float* vc, RowOffs
     for (int v = 0; v < NV; ++v) acc[v] = _mm256_setzero_ps();
     const float* sh = scores + h * len;
     for (int64_t p = 0; p < len; ++p) {
-      const float* vr = vc + row_offset(p);
+      const T* vr = vc + row_offset(p);
       const __m256 w = _mm256_set1_ps(sh[p]);
-      for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), acc[v]);
+      for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(w, load8(vr + 8 * v), acc[v]);
     }
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + h * d + 8 * v, acc[v]);
   }
@@ -126,22 +146,28 @@ inline __m512 reduce16(const __m512* a) {
 
 // the cache lines of a row of 16 * NV floats, ahead of their use: rows of one K/V head are
 // strided in the cache (the other heads' rows between them), blocks scattered
-template <int NV>
-inline void prefetch_row(const float* row) {
-  for (int v = 0; v < NV; ++v) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * v), _MM_HINT_T0);
+template <int NV, class T>
+inline void prefetch_row(const T* row) {
+  for (int64_t b = 0; b < 16 * NV * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // out[h] (NH heads from h0) = sum over p of s[h][p] * V row p, p in order as the AVX2 path adds
-template <int NV, int NH, class RowOffset>
-void weigh_values_avx512(const float* vc, RowOffset row_offset, int64_t len, const float* scores, float* out) {
+template <int NV, int NH, class T, class RowOffset>
+void weigh_values_avx512(const T* vc, RowOffset row_offset, int64_t len, const float* scores, float* out) {
   __m512 acc[NH][NV];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < len; ++p) {
-    const float* vr = vc + row_offset(p);
+    const T* vr = vc + row_offset(p);
     if (p + 16 < len) prefetch_row<NV>(vc + row_offset(p + 16));
     __m512 row[NV];
-    for (int v = 0; v < NV; ++v) row[v] = _mm512_loadu_ps(vr + 16 * v);
+    for (int v = 0; v < NV; ++v) row[v] = load16(vr + 16 * v);
     for (int h = 0; h < NH; ++h) {
       const __m512 w = _mm512_set1_ps(scores[h * len + p]);
       for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
@@ -153,8 +179,8 @@ void weigh_values_avx512(const float* vc, RowOffset row_offset, int64_t len, con
 
 // the V rows weighed for NH heads at once, NH chosen at run time (1..kMax): a group of 7 heads
 // takes two passes over the rows (4 + 3) instead of 4 + 1 + 1 + 1
-template <int NV, int kMax, class RowOffset>
-void weigh_values_n(int nh, const float* vc, RowOffset row_offset, int64_t len, const float* scores, float* out) {
+template <int NV, int kMax, class T, class RowOffset>
+void weigh_values_n(int nh, const T* vc, RowOffset row_offset, int64_t len, const float* scores, float* out) {
   if constexpr (kMax > 1) {
     if (nh == kMax) return weigh_values_avx512<NV, kMax>(vc, row_offset, len, scores, out);
     return weigh_values_n<NV, kMax - 1>(nh, vc, row_offset, len, scores, out);
@@ -167,24 +193,24 @@ void weigh_values_n(int nh, const float* vc, RowOffset row_offset, int64_t len, 
 // K/V heads (their rows lie side by side in the cache, so the task reads each cache block as one
 // stream, and the 16 key rows stay in L1 across the heads); then the value rows of each K/V head
 // weighed for up to 16 / NV of its query heads a pass, in as few passes as there can be
-template <int NV, class RowOffset>
-void attend_heads_avx512(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+template <int NV, class T, class RowOffset>
+void attend_heads_avx512(const float* q, const T* kc, const T* vc, RowOffset row_offset, int64_t len,
                          int64_t nkv, int64_t group, float scale, float cap, float* scores, float* out) {
   constexpr int64_t d = 16 * NV;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t p0 = 0; p0 < len; p0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - p0));
-    const float* rows[16];
+    const T* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = kc + row_offset(p0 + std::min(j, n - 1));
     for (int64_t p = p0 + 16; p < std::min(p0 + 32, len); ++p) {
-      const float* next = kc + row_offset(p);
+      const T* next = kc + row_offset(p);
       for (int64_t g = 0; g < nkv; ++g) prefetch_row<NV>(next + g * d);
     }
     // this block's value rows into L2 while the scores are computed: the value passes that
     // follow read them from there, not from memory
     for (int j = 0; j < n; ++j) {
       const char* vr = reinterpret_cast<const char*>(vc + row_offset(p0 + j));
-      for (int64_t c = 0; c < nkv * d * 4; c += 64) _mm_prefetch(vr + c, _MM_HINT_T1);
+      for (int64_t c = 0; c < nkv * d * static_cast<int64_t>(sizeof(T)); c += 64) _mm_prefetch(vr + c, _MM_HINT_T1);
     }
     for (int64_t g = 0; g < nkv; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -193,9 +219,9 @@ void attend_heads_avx512(const float* q, const float* kc, const float* vc, RowOf
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
-          const float* kr = rows[j] + g * d;
-          acc[j] = _mm512_mul_ps(qh[0], _mm512_loadu_ps(kr));
-          for (int v = 1; v < NV; ++v) acc[j] = _mm512_fmadd_ps(qh[v], _mm512_loadu_ps(kr + 16 * v), acc[j]);
+          const T* kr = rows[j] + g * d;
+          acc[j] = _mm512_mul_ps(qh[0], load16(kr));
+          for (int v = 1; v < NV; ++v) acc[j] = _mm512_fmadd_ps(qh[v], load16(kr + 16 * v), acc[j]);
         }
         _mm512_mask_storeu_ps(scores + h * len + p0, static_cast<__mmask16>((1u << n) - 1),
                               _mm512_mul_ps(reduce16(acc), vscale));
@@ -240,8 +266,8 @@ std::string paged_attention_path() {
 // One sequence's K/V heads g0 .. g0 + nkv - 1: their nkv * group query heads at q (each d
 // values) over the len cached rows (head g0's row p at kc/vc + row_offset(p), the next heads' d
 // values after it); out gets nkv * group * d values.
-template <class RowOffset>
-void attend_heads(const float* q, const float* kc, const float* vc, RowOffset row_offset, int64_t len,
+template <class T, class RowOffset>
+void attend_heads(const float* q, const T* kc, const T* vc, RowOffset row_offset, int64_t len,
                   int64_t nkv, int64_t group, int64_t d, float scale, float cap, float* scores, float* out,
                   bool avx512) {
 #ifdef __AVX512F__
@@ -262,19 +288,19 @@ void attend_heads(const float* q, const float* kc, const float* vc, RowOffset ro
     if (d == 256) { attend_group_avx2<32>(qg, kc, vc, head_offset, len, group, scale, cap, scores, og); continue; }
 #endif
     for (int64_t p = 0; p < len; ++p) {
-      const float* kr = kc + head_offset(p);
+      const T* kr = kc + head_offset(p);
       for (int64_t h = 0; h < group; ++h) {
         float s = 0.f;
-        for (int64_t e = 0; e < d; ++e) s += qg[h * d + e] * kr[e];
+        for (int64_t e = 0; e < d; ++e) s += qg[h * d + e] * to_f32(kr[e]);
         scores[h * len + p] = s * scale;
       }
     }
     for (int64_t h = 0; h < group; ++h) softmax_(scores + h * len, len, cap);
     std::fill(og, og + group * d, 0.f);
     for (int64_t p = 0; p < len; ++p) {
-      const float* vr = vc + head_offset(p);
+      const T* vr = vc + head_offset(p);
       for (int64_t h = 0; h < group; ++h)
-        for (int64_t e = 0; e < d; ++e) og[h * d + e] += scores[h * len + p] * vr[e];
+        for (int64_t e = 0; e < d; ++e) og[h * d + e] += scores[h * len + p] * to_f32(vr[e]);
     }
   }
 }
@@ -284,7 +310,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   check_f32(q, "q");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
-  check_f32(kv, "kv_cache");
+  TORCH_CHECK(kv.device().is_cpu() && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16) &&
+                  kv.is_contiguous(),
+              "kv_cache must be a contiguous float32 or bfloat16 CPU tensor");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens must be int64");
@@ -310,8 +338,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   }
   at::Tensor out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kc = kv.data_ptr<float>();
-  const float* vc = kc + nblocks * bs * hk * d;
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const bool avx512 = attention_avx512();
@@ -326,10 +352,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(bs)) : 0;
   const int64_t threads = at::get_num_threads();
   const int64_t split = b >= 2 * threads ? 1 : hk, nkv = hk / split;
-  const bool shared = longest * d * 2 * static_cast<int64_t>(sizeof(float)) <= kSharedBytes;
+  const bool shared = longest * d * 2 * kv.element_size() <= kSharedBytes;
   const int64_t hsplit =
       nkv == 1 && b * hk < threads && shared ? std::min(group, (threads + b * hk - 1) / (b * hk)) : 1;
   const int64_t per = (group + hsplit - 1) / hsplit;  // query heads of a task (nkv == 1 when hsplit > 1)
+  // the cache's rows as float32 or bf16 (uint16_t: attend_heads widens them on their loads)
+  const auto run = [&](const auto* kc) {
+  const auto* vc = kc + nblocks * bs * hk * d;
   at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t task = t0; task < t1; ++task) {
@@ -350,6 +379,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
                    avx512);
     }
   });
+  };
+  if (kv.scalar_type() == at::kBFloat16)
+    run(reinterpret_cast<const uint16_t*>(kv.data_ptr()));
+  else
+    run(kv.data_ptr<float>());
   return out;
 }
 

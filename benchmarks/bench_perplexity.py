@@ -20,10 +20,12 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--quantization", nargs="+", default=["none", "gguf"])
+    ap.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto or bfloat16")
     args = ap.parse_args()
     base = None
     for method in args.quantization:
-        llm = LLM(model=args.model, dtype="float32", quantization=method, max_model_len=4096)
+        llm = LLM(model=args.model, dtype="float32", quantization=method, max_model_len=4096,
+                  kv_cache_dtype=args.kv_cache_dtype)
         n = len(llm.get_tokenizer().encode(DEFAULT_TEXT.read_text()))
         ppl = perplexity(llm, max_tokens=args.max_tokens)
         base = ppl if base is None else base

@@ -9,7 +9,8 @@
 # for each of FORMATS (default: auto = dtype "auto", and int8 = quantization "int8").
 # OFFLINE=0 skips the offline and one-stream runs. SERVE=1 adds the servers: each started, measured with `pagedllm bench serve` at concurrency 16
 # (48 x (100 + 128)), stopped; vLLM's as `python -m vllm.entrypoints.openai.api_server`.
-# vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1.
+# vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1. EXTRA: flags added to
+# every pagedllm run (e.g. EXTRA="--kv-cache-dtype bfloat16", the KV cache in bf16 as vLLM's is).
 # The engines take turns going first: vLLM in odd pairs, pagedllm in even ones (ORDER=vllm-first
 # keeps vLLM first in every pair, as sittings before 2026-12-06 ran): the first run after a quiet
 # spell was often the sitting's fastest, and a fixed order gave that to one side only.
@@ -19,6 +20,7 @@ MODEL="${MODEL:?set MODEL to an HF checkpoint directory}"
 PAIRS="${PAIRS:-3}"
 FORMATS="${FORMATS:-auto int8}"
 PY=.venv/bin/python
+EXTRA="${EXTRA:-}"
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
 
 quant_flag() { [ "$1" = auto ] && echo "" || echo "--quantization $1"; }
@@ -58,11 +60,11 @@ for line in sys.stdin:
 pagedllm_offline() {
   for f in $FORMATS; do
     # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") \
+    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") $EXTRA \
       --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
       | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
     # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") \
+    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") $EXTRA \
       --input-len 16 --output-len 128 2>/dev/null \
       | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
   done
@@ -77,7 +79,7 @@ pagedllm_serve() {
   for f in $FORMATS; do
     # shellcheck disable=SC2046
     serve_bench "pagedllm-$f" $PY -m pagedllm.entrypoints.cli serve "$MODEL" --port 8011 \
-      $(quant_flag "$f")
+      $(quant_flag "$f") $EXTRA
   done
 }
 

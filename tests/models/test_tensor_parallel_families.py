@@ -44,17 +44,24 @@ BLOCKS_LOGPROB_TOL = 0.05
 NEAR_TIE = 0.05
 
 
-@pytest.fixture(scope="module")
-def qwen2_one_kv_head(tmp_path_factory):
-    """A tiny Qwen2: 4 query heads sharing one KV head, q/k/v biases, tied embeddings."""
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+def _tiny_qwen2(hidden: int, intermediate: int, heads: int, kv_heads: int,
+                scale: float) -> Qwen2ForCausalLM:
+    """A two-layer Qwen2 of these sizes (q/k/v biases, tied embeddings), weights drawn at scale."""
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     model = Qwen2ForCausalLM(cfg).eval()
-    random_init(model, seed=0, scale=0.2)
+    random_init(model, seed=0, scale=scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen2_one_kv_head(tmp_path_factory):
+    """A tiny Qwen2: 4 query heads sharing one KV head, q/k/v biases, tied embeddings."""
+    model = _tiny_qwen2(64, 128, 4, 1, scale=0.2)
     return save_checkpoints(model, tmp_path_factory.mktemp("qwen2"), "qwen2",
-                            lambda w: base_fields(w, cfg), prompts((5, 23, 40, 61), seed=1))
+                            lambda w: base_fields(w, model.config), prompts((5, 23, 40, 61), seed=1))
 
 
 def _greedy(llm: LLM, token_prompts: list[list[int]]) -> list[tuple[list[int], list[dict]]]:
@@ -86,14 +93,18 @@ def _check_tp_against_single(got: list, want: list, tol: float = BLOCKS_LOGPROB_
             i, single[want_tokens[i]], single.get(tokens[i]))
 
 
-def _single_and_tp2(engine: dict, prompts: list[list[int]]) -> tuple[list, list]:
-    """_greedy of one process, then of tensor_parallel_size=2, on the same engine arguments."""
-    want = _greedy(LLM(**engine), prompts)
+def _tp2(engine: dict, prompts: list[list[int]]) -> list:
+    """_greedy of tensor_parallel_size=2 on these engine arguments."""
     llm = LLM(**engine, tensor_parallel_size=2)
     try:
-        return want, _greedy(llm, prompts)
+        return _greedy(llm, prompts)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _single_and_tp2(engine: dict, prompts: list[list[int]]) -> tuple[list, list]:
+    """_greedy of one process, then of tensor_parallel_size=2, on the same engine arguments."""
+    return _greedy(LLM(**engine), prompts), _tp2(engine, prompts)
 
 
 @pytest.mark.parametrize("checkpoint", ["hf_dir", "q8_0_gguf"])
@@ -125,12 +136,7 @@ def qwen2_groups(tmp_path_factory):
     """A tiny Qwen2 whose rows are 384 values (3 groups of 128) with 6 heads of 64: a rank's
     part of o_proj (3 heads, 192 values) cuts a group, the other matrices split at whole ones.
     Its HF directory and prompts."""
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=384, intermediate_size=512,
-                      num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = Qwen2ForCausalLM(cfg).eval()
-    random_init(model, seed=0, scale=0.1)
+    model = _tiny_qwen2(384, 512, 6, 2, scale=0.1)
     return save_hf_dir(model, tmp_path_factory.mktemp("qwen2_groups")), prompts((5, 23, 40), seed=1)
 
 
@@ -157,12 +163,7 @@ def test_tp2_int8_g128_keeps_q8_0_where_a_rank_cuts_a_group(qwen2_groups, monkey
         single = LLM(**engine)
         want = _greedy(single, token_prompts)
         single.llm_engine.shutdown()
-    llm = LLM(**engine, tensor_parallel_size=2)
-    try:
-        got = _greedy(llm, token_prompts)
-    finally:
-        llm.llm_engine.shutdown()
-    _check_tp_against_single(got, want)
+    _check_tp_against_single(_tp2(engine, token_prompts), want)
 
     platform = CpuPlatform()
     platform.load_kernels()

@@ -48,6 +48,12 @@ void check_f32(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+void check_kv_cache(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.is_contiguous(),
+              name, " must be a contiguous float32 or bfloat16 CPU tensor");
+}
+
 // x [..., H] for a weight w [H], H > 0 (so that t = x.numel() / H rows are whole rows of x)
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 1 && w.numel() > 0, "weight must be a non-empty 1-D tensor, got ", w.sizes());
@@ -144,15 +150,11 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 }
 
 
-// token i's keys and values [Hk, D] into slot slot_mapping[i] of a layer's cache kv [2, NB, BS, Hk, D]
-// (what index_copy_ does, without its per-row dispatch: 0.6 ms for 512 tokens, or 48 of them a
-// decode step)
-// The K/V rows of t tokens into their slots of a float32 or bf16 cache (bf16: rounded to nearest
-// even, as torch's .to(torch.bfloat16)).
+// token i's keys and values [Hk, D] into slot slot_mapping[i] of a layer's cache kv [2, NB, BS, Hk, D],
+// float32 or bf16 (rounded to nearest even, as torch's .to(torch.bfloat16)) (what index_copy_
+// does, without its per-row dispatch: 0.6 ms for 512 tokens, or 48 of them a decode step)
 void write_kv_(const at::Tensor& kv, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv.device().is_cpu() && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16) &&
-                  kv.is_contiguous(),
-              "kv must be a contiguous float32 or bfloat16 CPU tensor");
+  check_kv_cache(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv must be a [2, blocks, block_size, kv_heads, head_dim] tensor");
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   check_f32(k, "k");

@@ -174,11 +174,11 @@ class DecodeStack : public torch::CustomClassHolder {
                 "got x ", x.sizes(), " and residual ", residual.sizes());
     TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2, "kv_caches must be [layers, 2, blocks, block_size, "
                 "kv_heads, head_dim], got ", kv_caches.sizes());
-    TORCH_CHECK(kv_caches.size(0) >= static_cast<int64_t>(layers_.size()) && kv_caches.is_contiguous() &&
-                    (kv_caches.scalar_type() == at::kFloat || kv_caches.scalar_type() == at::kBFloat16) &&
+    pagedllm_ops::check_kv_cache(kv_caches, "kv_caches");
+    TORCH_CHECK(kv_caches.size(0) >= static_cast<int64_t>(layers_.size()) &&
                     kv_caches.size(4) * kv_caches.size(5) == hk_ * d_,
-                "kv_caches must be a contiguous float32 or bfloat16 [layers, 2, blocks, block_size, kv_heads, "
-                "head_dim] tensor");
+                "kv_caches must be [layers, 2, blocks, block_size, kv_heads, head_dim] for this model, got ",
+                kv_caches.sizes());
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == x.size(0),
                 "slot_mapping must be a contiguous int64 tensor with one slot per token");

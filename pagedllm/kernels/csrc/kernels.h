@@ -15,6 +15,8 @@ namespace pagedllm_ops {  // cpu_ops.cpp
 at::Tensor empty_weights(int64_t rows, int64_t cols);
 // t must be a contiguous float32 CPU tensor (the error names it)
 void check_f32(const at::Tensor& t, const char* name);
+// t must be a contiguous float32 or bfloat16 CPU tensor, a KV cache's dtypes (the error names it)
+void check_kv_cache(const at::Tensor& t, const char* name);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,

@@ -310,9 +310,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   check_f32(q, "q");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
-  TORCH_CHECK(kv.device().is_cpu() && (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16) &&
-                  kv.is_contiguous(),
-              "kv_cache must be a contiguous float32 or bfloat16 CPU tensor");
+  check_kv_cache(kv, "kv_cache");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous int64 [B, max_blocks] tensor");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "context_lens must be int64");
@@ -358,27 +356,27 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   const int64_t per = (group + hsplit - 1) / hsplit;  // query heads of a task (nkv == 1 when hsplit > 1)
   // the cache's rows as float32 or bf16 (uint16_t: attend_heads widens them on their loads)
   const auto run = [&](const auto* kc) {
-  const auto* vc = kc + nblocks * bs * hk * d;
-  at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t i = task / (split * hsplit), g0 = task / hsplit % split * nkv;
-      const int64_t h0 = task % hsplit * per, nh = std::min(group - h0, per);  // group, h0 = 0 unsplit
-      if (nh <= 0) continue;
-      // the query at position lens[i] - 1 sees keys first..lens[i] - 1
-      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;
-      const int64_t* blocks = table + i * max_blocks;
-      scores.resize(nkv * nh * len);
-      const auto row_offset = [&](int64_t p) {
-        const int64_t pos = first + p;  // a shift, not a division, for the usual block sizes
-        const int64_t blk = pow2 ? pos >> shift : pos / bs, off = pow2 ? pos & (bs - 1) : pos % bs;
-        return ((blocks[blk] * bs + off) * hk + g0) * d;
-      };
-      const int64_t head = i * hq + g0 * group + h0;  // the task's first query head
-      attend_heads(qp + head * d, kc, vc, row_offset, len, nkv, nh, d, sc, cap, scores.data(), op + head * d,
-                   avx512);
-    }
-  });
+    const auto* vc = kc + nblocks * bs * hk * d;
+    at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores;
+      for (int64_t task = t0; task < t1; ++task) {
+        const int64_t i = task / (split * hsplit), g0 = task / hsplit % split * nkv;
+        const int64_t h0 = task % hsplit * per, nh = std::min(group - h0, per);  // group, h0 = 0 unsplit
+        if (nh <= 0) continue;
+        // the query at position lens[i] - 1 sees keys first..lens[i] - 1
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0, len = lens[i] - first;
+        const int64_t* blocks = table + i * max_blocks;
+        scores.resize(nkv * nh * len);
+        const auto row_offset = [&](int64_t p) {
+          const int64_t pos = first + p;  // a shift, not a division, for the usual block sizes
+          const int64_t blk = pow2 ? pos >> shift : pos / bs, off = pow2 ? pos & (bs - 1) : pos % bs;
+          return ((blocks[blk] * bs + off) * hk + g0) * d;
+        };
+        const int64_t head = i * hq + g0 * group + h0;  // the task's first query head
+        attend_heads(qp + head * d, kc, vc, row_offset, len, nkv, nh, d, sc, cap, scores.data(), op + head * d,
+                     avx512);
+      }
+    });
   };
   if (kv.scalar_type() == at::kBFloat16)
     run(reinterpret_cast<const uint16_t*>(kv.data_ptr()));

@@ -2,7 +2,7 @@
 cache in bf16, half the bytes. Keys and values are rounded once, as they are written, and every
 read sees the rounded values: the paged decode attention, a prompt chunk over its cached
 prefix, and a prompt's own first chunk (rounded the same way before its attention). Against the
-float32 cache: the same greedy tokens up to a near-tie, log-probabilities within a tenth."""
+float32 cache: the same greedy tokens up to a near-tie, log-probabilities within 0.15."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,9 @@ PROMPTS = [
 ]
 ENGINE = dict(max_model_len=512, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
-NEAR_FLOAT32 = 0.1  # measured: 0.037 at most over 24 tokens of two prompts
+# measured over 12 tokens of the three prompts on a Zen 4: 0.085 at most with the prompts' attention
+# in SDPA, 0.111 (the first token of the first prompt; the rest 0.059) with it in the paged kernel
+NEAR_FLOAT32 = 0.15
 
 
 def _run(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[dict[int, float]]]]:
@@ -61,18 +63,21 @@ def test_near_the_float32_cache(bf16_cache, f32_cache):
             assert abs(lps[i][token] - want_lps[i][token]) <= NEAR_FLOAT32, i
 
 
-def test_a_prefix_cache_hit_gives_the_fresh_prompts_tokens(bf16_cache):
+@pytest.mark.parametrize("cache", ["bf16_cache", "f32_cache"])
+def test_a_prefix_cache_hit_gives_the_fresh_prompts_numbers(cache, request):
     """A prompt fresh, then again alone and inside a batch with its full blocks from the prefix
-    cache (its tail chunk reading the cached, rounded prefix): the same tokens, as with a
-    float32 cache (tests/e2e/test_engine_behaviour.py). Not the same log-probabilities to the
-    bit: the chunk's attention runs over other shapes, and the kept blocks' 8-bit activations
-    turn its last bits into rounding steps (with either cache). That a prompt's own keys and
-    values are rounded before its attention, as every later read sees them, is tested on the
-    backend (tests/attention/test_backends.py)."""
+    cache (its tail chunk reading the cached prefix): the same tokens and log-probabilities to
+    the bit, with either cache. The CPU backend runs short prompt chunks through the paged
+    kernel one row at a time (attention/backends/cpu.py), so the tail chunk's rows compute what
+    the fresh prompt's did; under SDPA, whose shapes differed, the kept blocks' 8-bit
+    activations turned the last bits into rounding steps (0.04 apart with a float32 cache, 0.1
+    with bf16). That a prompt's own keys and values are rounded before its attention, as every
+    later read sees them, is tested on the backend (tests/attention/test_backends.py)."""
+    llm = request.getfixturevalue(cache)
     prompt = PROMPTS[2] + "Waves " * 40  # > 2 blocks of 16 tokens
-    fresh = _run(bf16_cache, [prompt])[0]
+    fresh = _run(llm, [prompt])[0]
     for batch, at in (([prompt], 0), ([PROMPTS[0], prompt, PROMPTS[1]], 1)):
-        hits = bf16_cache.llm_engine.engine_core.kv_manager.prefix_hits
-        tokens, _ = _run(bf16_cache, batch)[at]
-        assert bf16_cache.llm_engine.engine_core.kv_manager.prefix_hits >= hits + 32
-        assert tokens == fresh[0]
+        hits = llm.llm_engine.engine_core.kv_manager.prefix_hits
+        again = _run(llm, batch)[at]
+        assert llm.llm_engine.engine_core.kv_manager.prefix_hits >= hits + 32
+        assert again == fresh

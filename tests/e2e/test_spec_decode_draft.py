@@ -1,6 +1,8 @@
 """Speculative decoding with a draft model (method "draft_model") on real weights: the shipped
 SmolLM2 GGUF (Q4_1 blocks) verifies the drafts of the same model's float checkpoint quantized
-to int4 at load, a draft that agrees with it most of the time but not always. Greedy output
+to int8 at load, a draft that agrees with it most of the time but not always (quantized to int4,
+the checkpoint exported from those Q4_1 blocks drafted 124 of 124 tokens right once every row's
+attention ran in the same paged kernel, so no rejection was left to test). Greedy output
 and logprobs equal decoding without speculation, alone and with stops, penalties, prefix
 caching and preemption; a draft of another vocabulary is refused naming both models; the
 memory plan holds the draft's weights and its KV cache beside the target's."""
@@ -15,7 +17,7 @@ from test_spec_decode_exactness import GREEDY, PROMPTS, SAMPLING_CASES, _same, _
 
 
 def _draft(smollm_hf_dir, **extra) -> dict:
-    return {"model": str(smollm_hf_dir), "quantization": "int4", "num_speculative_tokens": 4,
+    return {"model": str(smollm_hf_dir), "quantization": "int8", "num_speculative_tokens": 4,
             "min_acceptance_rate": 0.0, **extra}
 
 
@@ -30,7 +32,7 @@ def test_greedy_equals_plain_decoding_with_drafts_kept_and_rejected(drafted):
     _same(drafted, PROMPTS, GREEDY)
     got = _stats(drafted).since(before)
     assert got.num_accepted_tokens > 0  # drafts were kept ...
-    assert got.num_draft_tokens > got.num_accepted_tokens  # ... and some rejected
+    assert got.num_draft_tokens > got.num_accepted_tokens, got  # ... and some rejected
     assert "the draft model's" in drafted.llm_engine.engine_core.executor.decode_path()
 
 
@@ -73,7 +75,7 @@ def test_the_plan_holds_the_draft_beside_the_target(drafted, smollm_gguf, smollm
     target_kv = config.arch.num_hidden_layers * 2 * config.arch.num_key_value_heads * \
         config.arch.head_dim * 4
     draft = config.draft
-    assert draft is not None and draft.quantization == "int4"
+    assert draft is not None and draft.quantization == "int8"
     both = LLM(model=str(smollm_gguf), kv_cache_memory_bytes=budget, max_model_len=1024,
                speculative_config=_draft(smollm_hf_dir))
     per_token = target_kv + draft.arch.num_hidden_layers * 2 * \

@@ -368,7 +368,24 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv, con
   // the cache's rows as float32 or bf16 (uint16_t: attend_heads widens them on their loads)
   const auto run = [&](const auto* kc) {
     const auto* vc = kc + nblocks * bs * hk * d;
-    at::parallel_for(0, b * split * hsplit, 1, [&](int64_t t0, int64_t t1) {
+    // each thread a contiguous run of tasks with an equal share of the rows they read (a prompt's
+    // rows grow one by one: split by count, the last thread would take ~3x the first's time)
+    const int64_t ntasks = b * split * hsplit;
+    std::vector<int64_t> bounds(threads + 1, ntasks);
+    {
+      int64_t total = 0;
+      for (int64_t i = 0; i < b; ++i) total += window > 0 ? std::min(lens[i], window) : lens[i];
+      int64_t done = 0, r = 1;
+      bounds[0] = 0;
+      for (int64_t task = 0; task < ntasks && r < threads; ++task) {
+        const int64_t i = task / (split * hsplit);
+        // a sequence's rows counted once, over its tasks in equal parts
+        done += (window > 0 ? std::min(lens[i], window) : lens[i]);
+        while (r < threads && done * threads >= total * split * hsplit * r) bounds[r++] = task + 1;
+      }
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
+      const int64_t t0 = bounds[r0], t1 = bounds[r1];
       std::vector<float> scores;
       // task's sequence, its first K/V head, and where its row p lies in either half of the cache
       const auto task_rows = [&](int64_t task) {

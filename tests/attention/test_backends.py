@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from pagedllm.attention.backends import cpu as cpu_backend
 from pagedllm.attention.backends.cpu import CpuAttentionBackend
 from pagedllm.attention.backends.torch_ref import TorchAttentionBackend
 from pagedllm.attention.metadata import CommonAttentionInputs, DecodeBatch, PrefillSeq
@@ -20,13 +21,14 @@ def _kernels():
     load_kernels()
 
 
-def _layout(seed: int):
+MIXED = [(9, 1), (2, 1), (0, 7), (6, 5)]  # (tokens already in the cache, tokens this step)
+
+
+def _layout(seed: int, reqs=MIXED):
     """Two decoding requests and two prompt chunks (one fresh, one continuing a cached prefix)
     with scattered, shuffled block ids, plus each request's full history of K/V."""
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(NUM_BLOCKS - 1, generator=g) + 1  # block 0 is only padding
-    # (tokens already in the cache, tokens this step)
-    reqs = [(9, 1), (2, 1), (0, 7), (6, 5)]
     owned, cursor = [], 0
     for done, new in reqs:
         n = -(-(done + new) // BS)
@@ -55,10 +57,12 @@ def _inputs(reqs, owned, hist, g):
             prefills.append(PrefillSeq(row, new, ctx, torch.tensor(ids), mask))
         row += new
     decodes = [(done + 1, ids) for (done, new), ids in zip(reqs, owned) if new == 1]
-    width = max(-(-c // BS) for c, _ in decodes)
-    table = torch.tensor([ids[:-(-c // BS)] + [0] * (width - len(ids[:-(-c // BS)]))
-                          for c, ids in decodes])
-    dec = DecodeBatch(len(decodes), table, torch.tensor([c for c, _ in decodes]))
+    dec = None
+    if decodes:
+        width = max(-(-c // BS) for c, _ in decodes)
+        table = torch.tensor([ids[:-(-c // BS)] + [0] * (width - len(ids[:-(-c // BS)]))
+                              for c, ids in decodes])
+        dec = DecodeBatch(len(decodes), table, torch.tensor([c for c, _ in decodes]))
     common = CommonAttentionInputs(torch.tensor(slots), dec, prefills)
     return cache, torch.cat(qs), torch.cat(ks), torch.cat(vs), common
 
@@ -77,6 +81,28 @@ def test_cpu_backend_matches_the_reference_on_a_mixed_batch(seed):
     ref, ref_cache = _run(TorchAttentionBackend, *ref_in)
     out, cpu_cache = _run(CpuAttentionBackend, *cpu_in)
     assert torch.equal(cpu_cache, ref_cache)  # the same K/V bytes in the same slots
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reqs", [MIXED, [(9, 1), (2, 1), (6, 5), (0, 7)], [(6, 5), (0, 7)]],
+                         ids=["mixed", "long-chunk-first", "prompts-only"])
+@pytest.mark.parametrize("limit", [0, 8, 2048])
+def test_prompt_chunks_paged_or_not_match_the_reference(reqs, limit, monkeypatch):
+    """Prompt chunks of a context up to the limit go through the paged kernel with the decode
+    rows, longer ones through SDPA: none (0), some (8: the chunk of 11 rows is long; first in
+    the batch, the paged rows are not a prefix of it), all (2048); with and without decode rows."""
+    monkeypatch.setattr(cpu_backend, "PAGED_PREFILL_MAX_CONTEXT", limit)
+    layout = _layout(0, reqs)[:3]
+    ref, _ = _run(TorchAttentionBackend, *_inputs(*layout, torch.Generator().manual_seed(7)))
+    cpu_in = _inputs(*layout, torch.Generator().manual_seed(7))
+    meta = CpuAttentionBackend.builder_cls(BS).build(cpu_in[-1])
+    short = [new for done, new in reqs if new > 1 and done + new <= limit]
+    decode_rows = sum(new for _, new in reqs if new == 1)
+    assert (meta.paged is not None) == bool(short)
+    if short:
+        assert meta.paged.num_tokens == decode_rows + sum(short)
+        assert (meta.paged_rows is None) == (reqs is MIXED or limit == 2048)
+    out, _ = _run(CpuAttentionBackend, *cpu_in)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

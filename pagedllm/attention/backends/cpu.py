@@ -73,8 +73,9 @@ class CpuMetadataBuilder:
         self.block_size = block_size
 
     def build(self, common: CommonAttentionInputs) -> AttentionMetadata:
-        """The common inputs, and with prompt chunks the rows the paged kernel takes."""
-        if not common.prefills:
+        """The common inputs, and with short prompt chunks the rows the paged kernel takes."""
+        if not any(s.context_len <= PAGED_PREFILL_MAX_CONTEXT for s in common.prefills):
+            # decode rows only, or every chunk long: the reference's layout as it is
             return CpuAttentionMetadata(common.slot_mapping, common.decode, common.prefills)
         paged, rows, long = _paged_batch(common, self.block_size)
         return CpuAttentionMetadata(common.slot_mapping, common.decode, common.prefills,
@@ -123,7 +124,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
 
 
 class CpuAttentionBackend:
-    """The C++ CPU backend (float32 KV cache, kernels loaded)."""
+    """The C++ CPU backend (float32 or bf16 KV cache, kernels loaded)."""
 
     name = "cpu"
     impl_cls = CpuAttentionImpl

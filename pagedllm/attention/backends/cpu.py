@@ -39,12 +39,10 @@ class CpuAttentionMetadata(AttentionMetadata):
     long_prefills: tuple[PrefillSeq, ...] = ()
 
 
-def _paged_batch(common: CommonAttentionInputs, block_size: int
-                 ) -> tuple[DecodeBatch, Optional[torch.Tensor], tuple[PrefillSeq, ...]]:
-    """The step's decode rows and short prompt chunks' rows as one batch of decode rows."""
-    short = [s for s in common.prefills if s.context_len <= PAGED_PREFILL_MAX_CONTEXT]
-    long = tuple(s for s in common.prefills if s.context_len > PAGED_PREFILL_MAX_CONTEXT)
-    dec = common.decode
+def _paged_batch(dec: Optional[DecodeBatch], short: list[PrefillSeq], block_size: int
+                 ) -> tuple[DecodeBatch, Optional[torch.Tensor]]:
+    """The step's decode rows and short prompt chunks' rows as one batch of decode rows, and
+    their rows of the step's batch (None: rows 0 .. n - 1, in order)."""
     width = max([-(-s.context_len // block_size) for s in short]
                 + ([dec.block_table.shape[1]] if dec is not None else []))
     tables, lens, rows = [], [], []
@@ -62,7 +60,7 @@ def _paged_batch(common: CommonAttentionInputs, block_size: int
     n = row_index.numel()
     batch = DecodeBatch(n, torch.cat(tables).contiguous(), torch.cat(lens).contiguous())
     in_order = bool(torch.equal(row_index, torch.arange(n)))  # decode rows first, then prompts
-    return batch, None if in_order else row_index, long
+    return batch, None if in_order else row_index
 
 
 class CpuMetadataBuilder:
@@ -74,10 +72,11 @@ class CpuMetadataBuilder:
 
     def build(self, common: CommonAttentionInputs) -> AttentionMetadata:
         """The common inputs, and with short prompt chunks the rows the paged kernel takes."""
-        if not any(s.context_len <= PAGED_PREFILL_MAX_CONTEXT for s in common.prefills):
-            # decode rows only, or every chunk long: the reference's layout as it is
+        short = [s for s in common.prefills if s.context_len <= PAGED_PREFILL_MAX_CONTEXT]
+        if not short:  # decode rows only, or every chunk long: the reference's layout as it is
             return CpuAttentionMetadata(common.slot_mapping, common.decode, common.prefills)
-        paged, rows, long = _paged_batch(common, self.block_size)
+        paged, rows = _paged_batch(common.decode, short, self.block_size)
+        long = tuple(s for s in common.prefills if s.context_len > PAGED_PREFILL_MAX_CONTEXT)
         return CpuAttentionMetadata(common.slot_mapping, common.decode, common.prefills,
                                     paged, rows, long)
 

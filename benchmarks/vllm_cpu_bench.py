@@ -50,7 +50,8 @@ def main() -> None:
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
-    llm.generate(_prompts(vocab, 1, args.input_len, 999), params(4), use_tqdm=False)  # warm-up
+    # warm-up: one request of the timed shape, untimed (pagedllm bench throughput --num-warmups 1)
+    llm.generate(_prompts(vocab, 1, args.input_len, 999), params(args.output_len), use_tqdm=False)
     modes = ["throughput", "latency"] if args.mode == "both" else [args.mode]
     for mode in modes:
         _run(llm, vocab, params, mode, args)

@@ -6,7 +6,10 @@
 #
 # Per pair: vLLM offline 32 x (100 + 128) and one stream (16 + 128) in one process
 # (benchmarks/vllm_cpu_bench.py both), then pagedllm's `bench throughput` and `bench latency`
-# for each of FORMATS (default: auto = dtype "auto", and int8 = quantization "int8").
+# for each of FORMATS (default: auto = dtype "auto", and int8 = quantization "int8"). Both
+# engines run one untimed request of the timed shape first (vLLM's in vllm_cpu_bench.py, pagedllm's
+# by --num-warmups 1; before 2026-12-07 pagedllm's ran cold, its first steps' costs timed, and
+# vLLM's warm-up was a 4-token request).
 # OFFLINE=0 skips the offline and one-stream runs. SERVE=1 adds the servers: each started, measured with `pagedllm bench serve` at concurrency 16
 # (48 x (100 + 128)), stopped; vLLM's as `python -m vllm.entrypoints.openai.api_server`.
 # vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1. EXTRA: flags added to
@@ -61,7 +64,7 @@ pagedllm_offline() {
   for f in $FORMATS; do
     # shellcheck disable=SC2046
     $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") $EXTRA \
-      --num-prompts 32 --input-len 100 --output-len 128 2>/dev/null \
+      --num-prompts 32 --input-len 100 --output-len 128 --num-warmups 1 2>/dev/null \
       | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
     # shellcheck disable=SC2046
     $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") $EXTRA \

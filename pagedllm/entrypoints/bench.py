@@ -79,6 +79,9 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-json", default=None, metavar="PATH",
                        help="also write the results as JSON here (default: stdout only)")
         if name == "throughput":
+            p.add_argument("--num-warmups", type=_non_negative, default=0,
+                           help="vLLM's: prompts like the timed ones (other token ids, so no "
+                                "prefix is cached for the timed run) run first and not timed")
             p.add_argument("--random-range-ratio", type=_range_ratio, default=0.0,
                            help="vLLM's random dataset: each request's prompt (and output) "
                                 "length drawn uniformly from [L (1 - r), L (1 + r)] around "
@@ -325,10 +328,10 @@ def _reset_spec_stats(llm) -> None:
         speculator.reset_stats()
 
 
-def _pool_throughput(llm, prompts: list[dict], args: argparse.Namespace) -> dict[str, Any]:
+def _pool_throughput(llm, prompts: list[dict], warmups: list[dict]) -> dict[str, Any]:
     """A pooling model's workload: N inputs of --input-len tokens through LLM.encode (each
     pooled once; nothing is generated, --output-len does not apply)."""
-    llm.encode(prompts[:1], use_tqdm=False)  # untimed: the first step's one-time costs
+    llm.encode(warmups or prompts[:1], use_tqdm=False)  # untimed: the first step's one-time costs
     t = time.perf_counter()
     outs = llm.encode(prompts, use_tqdm=False)
     elapsed = time.perf_counter() - t
@@ -377,12 +380,14 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     --lora-modules' adapters if given."""
     loras = _spread_loras(args)
     llm = _llm(args)
-    prompts = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts, args.input_len,
-                             args.random_range_ratio)
+    # the warm-up's prompts after the timed ones': the same lengths' draw, other first tokens
+    every = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts + args.num_warmups, args.input_len,
+                           args.random_range_ratio)
+    prompts, warmups = every[:args.num_prompts], every[args.num_prompts:]
     if llm.llm_engine.config.is_pooling:
         if args.structured_output != "none":
             raise SystemExit("--structured-output applies to generation; this model pools")
-        return _pool_throughput(llm, prompts, args)
+        return _pool_throughput(llm, prompts, warmups)
     params = _params(args)
     for adapter in set(loras or ()):  # a bad adapter exits naming its tensor, before timing
         try:
@@ -395,6 +400,10 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                              "--structured-output json's arrays are sized by: use one of them")
         params = [dataclasses.replace(params, max_tokens=n) for n in _lengths(
             len(prompts), args.output_len, args.random_range_ratio, seed=1)]
+    warmup_tokens = 0
+    if warmups:  # untimed, as vLLM's --num-warmups: each on the base model, with --output-len tokens
+        warmup_tokens = sum(len(o.outputs[0].token_ids)
+                            for o in llm.generate(warmups, _params(args), use_tqdm=False))
     if not isinstance(params, list) and params.structured_outputs is not None:
         # once per engine, untimed: the grammar engine's view of the vocabulary (~1 s for 152k
         # tokens) and this schema's compilation
@@ -407,7 +416,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     after = resource.getrusage(resource.RUSAGE_SELF)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # time in the kernel (page faults, zeroing fresh pages) shows what the allocator costs
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens,
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "warmup_output_tokens": warmup_tokens,
             "output_tok_per_s": out_tokens / elapsed,
             "total_tok_per_s": (out_tokens + sum(len(p["prompt_token_ids"]) for p in prompts))
             / elapsed,

@@ -41,6 +41,26 @@ def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
         assert result["ttft_s"] + decode_s == pytest.approx(result["request_latency_s"])
 
 
+def test_throughput_warms_up_untimed_on_other_prompts(tmp_path, smollm_gguf):
+    """vLLM's --num-warmups: requests of the timed shape run first, untimed; their prompts are
+    not the timed ones' (no cached prefix), which stay as without a warm-up."""
+    from pagedllm.entrypoints.bench import _token_prompts
+
+    class Tok:
+        vocab_size = 49152
+
+    timed, more = _token_prompts(Tok, 4, 16), _token_prompts(Tok, 6, 16)
+    assert more[:4] == timed and len({p["prompt_token_ids"][0] for p in more}) == 6
+    result = _run(["throughput", "--model", MODEL, "--dtype", "float32", "--input-len", "16",
+                   "--output-len", "8", "--num-prompts", "4", "--num-warmups", "2"],
+                  tmp_path / "r.json")
+    assert result["warmup_output_tokens"] == 2 * 8 and result["output_tokens"] == 4 * 8
+    assert result["total_tok_per_s"] * result["elapsed_s"] == pytest.approx(4 * (16 + 8))
+    proc = subprocess.run(CLI + ["throughput", "--num-warmups", "-1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "--num-warmups" in proc.stderr
+
+
 def test_speculation_on_the_code_edit_workload(tmp_path, smollm_gguf):
     """The code-edit workload's answer repeats its prompt: n-gram drafts are kept, and the
     acceptance is reported."""

@@ -180,3 +180,32 @@ def test_lora_requests_are_refused_by_name(smollm_gguf, gguf_llm, adapters, tmp_
     assert small.llm_engine.has_unfinished_requests() is False
     del small
     gc.collect()
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "int8", "int8_g128"])
+def test_adapters_over_an_hf_checkpoints_fast_path(quantization, smollm_hf_dir, adapters):
+    """An HF checkpoint on pagedllm's own kernels (bf16 matrices, int8 or int8_g128 at load)
+    with adapters: a mixed batch equals each request alone, bit for bit, the C++ decode stack
+    (LoRA applied in it) equals the layer loop, and the adapters change the text."""
+    llm = LLM(str(smollm_hf_dir), quantization=quantization, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_model_len=256)
+    try:
+        assert llm.llm_engine.config.quantization == quantization
+        runner = model_runner(llm)
+        assert runner.captured_decode is not None and runner._stack_lora
+        loras = [adapters[0], adapters[1], None]
+        mixed = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
+        alone = [_texts(llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False))[0]
+                 for p, lora in zip(PROMPTS, loras)]
+        assert mixed == alone
+        base = _texts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+        assert [m[0] for m in mixed[:2]] != [b[0] for b in base]
+        captured, runner.captured_decode = runner.captured_decode, None
+        try:
+            loop = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
+        finally:
+            runner.captured_decode = captured
+        assert loop == mixed
+    finally:
+        del llm
+        gc.collect()

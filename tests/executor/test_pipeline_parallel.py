@@ -149,6 +149,13 @@ def test_smollm_hf_dir_pp2_equals_one_process(smollm_hf_dir):
     _pp_equals_single(str(smollm_hf_dir), "the model's layer loop")
 
 
+@pytest.mark.parametrize("quantization", ["bf16", "int8_g128"])
+def test_smollm_hf_dir_on_the_fast_path_pp2_equals_one_process(smollm_hf_dir, quantization):
+    """The same directory on pagedllm's own kernels (bf16 matrices; int8 with one scale per 128
+    values, x too): each stage's decode steps on the C++ stack, PP=2's tokens one process's."""
+    _pp_equals_single(str(smollm_hf_dir), "the C++ decode stack", quantization=quantization)
+
+
 def test_preemption_seeds_logprobs_and_grammars_under_pp2_equal_one_process(smollm_gguf,
                                                                           monkeypatch):
     """8 KV blocks and 16-token steps: requests are preempted and recomputed, prompts come in

@@ -381,8 +381,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     loras = _spread_loras(args)
     llm = _llm(args)
     # the warm-up's prompts after the timed ones': the same lengths' draw, other first tokens
-    every = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts + args.num_warmups, args.input_len,
-                           args.random_range_ratio)
+    every = _token_prompts(llm.llm_engine.tokenizer, args.num_prompts + args.num_warmups,
+                           args.input_len, args.random_range_ratio)
     prompts, warmups = every[:args.num_prompts], every[args.num_prompts:]
     if llm.llm_engine.config.is_pooling:
         if args.structured_output != "none":
@@ -401,7 +401,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         params = [dataclasses.replace(params, max_tokens=n) for n in _lengths(
             len(prompts), args.output_len, args.random_range_ratio, seed=1)]
     warmup_tokens = 0
-    if warmups:  # untimed, as vLLM's --num-warmups: each on the base model, with --output-len tokens
+    if warmups:  # untimed, as vLLM's --num-warmups: on the base model, --output-len tokens each
         warmup_tokens = sum(len(o.outputs[0].token_ids)
                             for o in llm.generate(warmups, _params(args), use_tqdm=False))
     if not isinstance(params, list) and params.structured_outputs is not None:
@@ -416,7 +416,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     after = resource.getrusage(resource.RUSAGE_SELF)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # time in the kernel (page faults, zeroing fresh pages) shows what the allocator costs
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "warmup_output_tokens": warmup_tokens,
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens,
+            "warmup_output_tokens": warmup_tokens,
             "output_tok_per_s": out_tokens / elapsed,
             "total_tok_per_s": (out_tokens + sum(len(p["prompt_token_ids"]) for p in prompts))
             / elapsed,

@@ -87,26 +87,33 @@ def gguf_llm(smollm_gguf, adapters):
     gc.collect()
 
 
-def test_a_mixed_batch_equals_each_request_alone_over_kept_gguf_blocks(gguf_llm, adapters,
-                                                                         caplog):
-    assert gguf_llm.llm_engine.config.quantization == "gguf"  # the base stays quantized
-    runner = model_runner(gguf_llm)
+def _mixed_batch_equals_alone_and_the_layer_loop(llm: LLM, adapters) -> None:
+    """On llm's C++ decode stack with LoRA: adapter 1, adapter 2 and the base in one batch equal
+    each request alone (tokens and logprobs, bit for bit), the adapters change the text, and the
+    model's layer loop (LoRALinear's C++ op) gives the stack's bits."""
+    runner = model_runner(llm)
     assert runner.captured_decode is not None and runner._stack_lora  # LoRA in the C++ stack
     loras = [adapters[0], adapters[1], None]
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
-        mixed = _texts(gguf_llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
-    alone = [_texts(gguf_llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False))[0]
+    mixed = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
+    alone = [_texts(llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False))[0]
              for p, lora in zip(PROMPTS, loras)]
-    assert mixed == alone  # tokens and logprobs, bit for bit
-    base = _texts(gguf_llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
-    assert [m[0] for m in mixed[:2]] != [b[0] for b in base]  # the adapters change the text
-    assert "decode steps with a LoRA adapter run the model's layer loop" not in caplog.text
+    assert mixed == alone
+    base = _texts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
+    assert [m[0] for m in mixed[:2]] != [b[0] for b in base]
     captured, runner.captured_decode = runner.captured_decode, None
-    try:  # the model's layer loop (LoRALinear's C++ op) gives the stack's bits
-        loop = _texts(gguf_llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
+    try:
+        loop = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
     finally:
         runner.captured_decode = captured
     assert loop == mixed
+
+
+def test_a_mixed_batch_equals_each_request_alone_over_kept_gguf_blocks(gguf_llm, adapters,
+                                                                         caplog):
+    assert gguf_llm.llm_engine.config.quantization == "gguf"  # the base stays quantized
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        _mixed_batch_equals_alone_and_the_layer_loop(gguf_llm, adapters)
+    assert "decode steps with a LoRA adapter run the model's layer loop" not in caplog.text
 
 
 def test_the_engine_names_the_adapters_of_waiting_and_running_requests(gguf_llm, adapters):
@@ -191,21 +198,7 @@ def test_adapters_over_an_hf_checkpoints_fast_path(quantization, smollm_hf_dir, 
               max_lora_rank=8, max_model_len=256)
     try:
         assert llm.llm_engine.config.quantization == quantization
-        runner = model_runner(llm)
-        assert runner.captured_decode is not None and runner._stack_lora
-        loras = [adapters[0], adapters[1], None]
-        mixed = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
-        alone = [_texts(llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False))[0]
-                 for p, lora in zip(PROMPTS, loras)]
-        assert mixed == alone
-        base = _texts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
-        assert [m[0] for m in mixed[:2]] != [b[0] for b in base]
-        captured, runner.captured_decode = runner.captured_decode, None
-        try:
-            loop = _texts(llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False))
-        finally:
-            runner.captured_decode = captured
-        assert loop == mixed
+        _mixed_batch_equals_alone_and_the_layer_loop(llm, adapters)
     finally:
         del llm
         gc.collect()

@@ -335,7 +335,8 @@ class CacheConfig:
     num_blocks: Optional[int] = None  # chosen by the memory planner (memory/plan.py)
     enable_prefix_caching: bool = True
     # the cache's dtype: None, the engine's compute dtype; torch.bfloat16 under float32 compute
-    # on the CPU with kv_cache_dtype="bfloat16" (config_builder.kv_cache_torch_dtype)
+    # on the CPU with kv_cache_dtype="bfloat16", or "auto" under bf16 weights
+    # (config_builder.kv_cache_torch_dtype)
     dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:

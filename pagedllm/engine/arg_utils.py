@@ -178,9 +178,12 @@ class EngineArgs:
                                           "checkpoint", choices=DTYPE_CHOICES)
     device: str = _opt("auto", DEVICE_HELP, metavar="DEVICE")
     kv_cache_dtype: str = _opt("auto", "the KV cache's dtype: auto (the dtype the model computes "
-                               "in), or bfloat16 where that is float32 on the CPU (half the "
-                               "cache's memory and the bytes decode attention reads; K/V rounded "
-                               "to bf16); another, fp8 included, is refused", metavar="DTYPE")
+                               "in; bf16 under bf16 weights on the CPU, as vLLM's auto), the "
+                               "compute dtype's name (float32: a float32 cache under bf16 "
+                               "weights too), or bfloat16 where that is float32 on the CPU (half "
+                               "the cache's memory and the bytes decode attention reads; K/V "
+                               "rounded to bf16); another, fp8 included, is refused",
+                               metavar="DTYPE")
     # None: a GGUF keeps its quantized blocks on the CPU, a bf16 checkpoint with dtype "auto"
     # its bf16 matrices ("bf16"); "gguf", "int8", "int8_g128", "int4", "bf16" or "none"
     quantization: Optional[str] = _opt(

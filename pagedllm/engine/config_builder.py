@@ -130,15 +130,21 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     return torch.float32
 
 
-def kv_cache_torch_dtype(requested: str, dtype: torch.dtype, platform: Platform) -> torch.dtype:
+def kv_cache_torch_dtype(requested: str, dtype: torch.dtype, platform: Platform,
+                         quantization: str = "none") -> torch.dtype:
     """The KV cache's dtype for kv_cache_dtype `requested` under compute dtype `dtype`: "auto"
-    (or that dtype's name) keeps the cache in it; "bfloat16" under float32 compute on the CPU
-    halves the cache (its C++ ops widen bf16 rows exactly; the rows are rounded once, as they
-    are written). Another is a ValueError naming both and what to use."""
+    keeps the cache in it, except under bf16 weights on the CPU (quantization "bf16": a bf16
+    checkpoint's matrices kept for pagedllm's kernels, float32 compute), where it is bf16, as
+    vLLM's "auto" (the model's dtype) and transformers in bf16 keep it; that dtype's name keeps
+    it there ("float32": the float32 cache). "bfloat16" under float32 compute on the CPU halves
+    the cache (its C++ ops widen bf16 rows exactly; the rows are rounded once, as they are
+    written). Another is a ValueError naming both and what to use."""
     name = _dtype_name(dtype)
+    cpu_bf16 = platform.name == "cpu" and dtype == torch.float32
+    if requested == "auto" and cpu_bf16 and quantization == "bf16":
+        return torch.bfloat16
     if requested in ("auto", name):
         return dtype
-    cpu_bf16 = platform.name == "cpu" and dtype == torch.float32
     if requested == "bfloat16" and cpu_bf16:
         return torch.bfloat16
     fp8 = " (fp8 KV caches are not implemented)" if requested.startswith("fp8") else ""
@@ -279,7 +285,7 @@ class CandidatePlanner:
         at_load = quantized_at_load(ckpt, quantization)
         if at_load:  # the blocks made slice by slice as the float tensors are read
             weights, name = layout.total, f"{_dtype_name(c.dtype)} with {quantization} blocks"
-        kv = kv_cache_torch_dtype(self.args.kv_cache_dtype, c.dtype, self.platform)
+        kv = kv_cache_torch_dtype(self.args.kv_cache_dtype, c.dtype, self.platform, quantization)
         fp = footprint(ckpt.arch, self.num_params, itemsize, name, self.params_source, weights,
                        layout.mapped_total if c.mapped else 0, layout,
                        kv_itemsize=torch.empty((), dtype=kv).element_size())
@@ -394,7 +400,7 @@ def _dtype_reason(args: EngineArgs, ckpt: Checkpoint, platform: Platform, quanti
     """Why the engine computes in `dtype` (one log line)."""
     if quantization != "none":
         return (f"quantization {quantization}: pagedllm's CPU block kernels compute in float32 "
-                "(norms, biases and the KV cache too)")
+                "(norms and biases too)")
     if halved:
         return "float32 weights do not fit in memory (dtype='auto')"
     if str(args.dtype).lower() != "auto":
@@ -469,10 +475,13 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
     if ckpt.kind != "gguf" and choice.platform.name == "cpu" and chosen is not None:
         logger.info("%s", format_summary(weight_format_costs(ckpt), chosen))
     dtype = planned
-    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype, choice.platform)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, dtype, choice.platform, quantization)
     if kv_dtype != dtype:
-        logger.info("KV cache in %s (kv_cache_dtype): keys and values rounded to it as they are "
-                    "written, half the cache's bytes", _dtype_name(kv_dtype))
+        why = ("auto with bf16 weights, as vLLM's auto and transformers in bf16; "
+               "kv_cache_dtype='float32' keeps a float32 cache"
+               if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+        logger.info("KV cache in %s (kv_cache_dtype %s): keys and values rounded to it as they "
+                    "are written, half the cache's bytes", _dtype_name(kv_dtype), why)
     batched = _max_num_batched_tokens(args, ckpt, choice.platform)
     chunked_pooling = runner.runner == "pooling" and not ckpt.arch.is_encoder
     if runner.runner == "pooling" and not chunked_pooling:
@@ -537,6 +546,8 @@ def plan_draft(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> DraftP
                          "one that generates")
     quantization = resolve_quantization(draft_args, ckpt, platform)
     dtype = engine_dtype(spec.dtype, ckpt.arch.torch_dtype, platform, quantization)
+    # the draft's cache is in its compute dtype (draft_runner.initialize_kv_cache)
+    draft_args = dataclasses.replace(draft_args, kv_cache_dtype=_dtype_name(dtype))
     planner = CandidatePlanner.of(draft_args, ckpt, platform, quantization, None)
     fp = planner.footprint(Candidate(dtype))
     return DraftPlan(ckpt, dtype, quantization, dataclasses.replace(

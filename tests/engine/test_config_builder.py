@@ -103,6 +103,24 @@ def test_kv_cache_dtype_auto_the_compute_dtype_or_bf16_under_float32(cpu, smollm
         EngineArgs(model=str(smollm_gguf), kv_cache_dtype="int8")
 
 
+def test_kv_cache_auto_is_bf16_under_bf16_weights(cpu, smollm_hf_dir):
+    """A bf16 checkpoint's matrices kept in bf16 (quantization "bf16", float32 compute): "auto"
+    keeps the KV cache in bf16, as vLLM's "auto" (the model's dtype), twice the tokens in the
+    same bytes; "float32" keeps the float32 cache. Blocks quantized at load (int8) and
+    dequantized weights keep the cache in the compute dtype."""
+    sized = dict(checkpoint_dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    auto = _config(smollm_hf_dir, **sized)
+    assert auto.quantization == "bf16" and auto.dtype == torch.float32
+    assert auto.cache.dtype == torch.bfloat16
+    f32 = _config(smollm_hf_dir, kv_cache_dtype="float32", **sized)
+    assert f32.quantization == "bf16" and f32.cache.dtype is None
+    assert auto.cache.num_blocks == 2 * f32.cache.num_blocks
+    assert _config(smollm_hf_dir, kv_cache_dtype="bfloat16", **sized).cache.dtype == torch.bfloat16
+    for quantization in ("int8", "none"):
+        config = _config(smollm_hf_dir, quantization=quantization, **sized)
+        assert config.cache.dtype is None, quantization
+
+
 def test_the_captured_decode_runs_on_both_cpus_with_the_same_tokens(smollm_gguf, monkeypatch):
     ckpt = resolve_checkpoint(smollm_gguf)
     tokenizer, gen = load_tokenizer(ckpt.tokenizer_path), generation_config(ckpt)

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace pagedllm_ops {
@@ -235,13 +236,25 @@ void attend_heads_avx512(const float* q, const T* kc, const T* vc, RowOffset row
     // (key rows below 32: the first block's, loaded now, and the next one's, asked for above)
     prefetch_kv_rows_l2(kc, vc, row_offset, far0, far1, 32, nkv * d * static_cast<int64_t>(sizeof(T)));
     for (int64_t g = 0; g < nkv; ++g) {
+      // bf16 key rows widened once into float32 for all the group's heads (widened per head, the
+      // loads' conversions outnumbered the multiplies; the same values either way)
+      alignas(64) float widened[std::is_same_v<T, float> ? 1 : 16 * d];
+      const float* krows[16];
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (std::is_same_v<T, float>) {
+          krows[j] = rows[j] + g * d;
+        } else {
+          for (int v = 0; v < NV; ++v) _mm512_store_ps(widened + j * d + 16 * v, load16(rows[j] + g * d + 16 * v));
+          krows[j] = widened + j * d;
+        }
+      }
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
         __m512 qh[NV];
         for (int v = 0; v < NV; ++v) qh[v] = _mm512_loadu_ps(q + h * d + 16 * v);
         __m512 acc[16];
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
-          const T* kr = rows[j] + g * d;
+          const float* kr = krows[j];
           acc[j] = _mm512_mul_ps(qh[0], load16(kr));
           for (int v = 1; v < NV; ++v) acc[j] = _mm512_fmadd_ps(qh[v], load16(kr + 16 * v), acc[j]);
         }

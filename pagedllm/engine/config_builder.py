@@ -124,7 +124,7 @@ def engine_dtype(requested: object, checkpoint_dtype: Optional[str], platform: P
     if str(requested or "auto").lower() != "auto" and dtype != torch.float32:
         name = _dtype_name(dtype)
         raise ValueError(f"dtype={name!r} with quantization={quantization!r}: the CPU block "
-                         "kernels compute in float32 (norms, biases and the KV cache too); pass "
+                         "kernels compute in float32 (norms and biases too); pass "
                          "dtype='auto' or 'float32', or quantization='none' to run dequantized "
                          f"{name} weights")
     return torch.float32

@@ -54,8 +54,8 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                  speculative_config: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Whether MODEL fits here and with which sizes, from its metadata; with a draft model
     (speculative_config method "draft_model"), whether the draft fits beside it too."""
-    from pagedllm.engine.config_builder import (engine_dtype, plan_engine_memory,
-                                                resolve_quantization)
+    from pagedllm.engine.config_builder import (engine_dtype, kv_cache_torch_dtype,
+                                                plan_engine_memory, resolve_quantization)
     from pagedllm.loader.checkpoint import resolve_checkpoint
     from pagedllm.loader.metadata import checkpoint_num_params
     from pagedllm.hub.sources import locate_model
@@ -89,8 +89,9 @@ def model_report(model: str, device: Optional[str] = None, dtype: str = "auto",
                        str(err), f"  - a model already on this machine (no download): "
                        f"{offline} (pagedllm serve {offline})"))
         return out
-    itemsize = torch.empty((), dtype=chosen).element_size()
-    per_token = kv_bytes_per_token(ckpt.arch, itemsize)
+    # the cache's dtype, as the engine will keep it (bf16 under bf16 matrices on the CPU)
+    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, chosen, choice.platform, quantization)
+    per_token = kv_bytes_per_token(ckpt.arch, torch.empty((), dtype=kv_dtype).element_size())
     out.update(fits=True, dtype=str(chosen).removeprefix("torch."),
                weight_bytes=plan.weight_bytes, mapped_bytes=plan.mapped_bytes,
                kv_bytes_per_token=per_token,

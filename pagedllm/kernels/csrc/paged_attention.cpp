@@ -1,8 +1,8 @@
-// Paged decode attention over a float32 KV cache: one query token per sequence, each sequence's
-// K/V rows read where they lie in the cache (no gathered copy). The `group` query heads sharing a
-// K/V head share every row read; one task takes a sequence's K/V heads together (their rows are
-// adjacent, so it reads each cache block as one stream) where the batch fills the threads, one
-// K/V head of it where it does not (one stream).
+// Paged decode attention over the KV cache (float32 or bf16 rows, below): one query token per
+// sequence, each sequence's K/V rows read where they lie in the cache (no gathered copy). The
+// `group` query heads sharing a K/V head share every row read; one task takes a sequence's K/V
+// heads together (their rows are adjacent, so it reads each cache block as one stream) where the
+// batch fills the threads, one K/V head of it where it does not (one stream).
 //
 // The AVX-512 path computes the same numbers as the AVX2 one, bit for bit: each dot product is
 // reduced in the AVX2 path's order (lanes j + j+8 of two 8-lane halves, then j + j+4, j + j+2,
@@ -10,7 +10,8 @@
 //
 // The cache holds float32 or bf16 rows (kv_cache_dtype "bfloat16": half the bytes a step reads);
 // a bf16 row widens to float32 exactly on its load, so a bf16 cache gives the numbers of a float32
-// cache holding the same rounded values, bit for bit, on every path.
+// cache holding the same rounded values, bit for bit, on every path. kv_cache_dtype "auto" keeps
+// it in bf16 under a bf16 checkpoint's bf16 matrices (config_builder.kv_cache_torch_dtype).
 //
 // Soft-capped scores (softcap > 0, Gemma 2) go through tanh(s / cap) * cap before the softmax.
 //

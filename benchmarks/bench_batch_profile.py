@@ -138,7 +138,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
     ap.add_argument("--quantization", default=None, help="LLM(quantization=...), e.g. bf16, int8, none")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="LLM(kv_cache_dtype=...): auto, float32 or bfloat16")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the main thread's CPU seconds instead of wall time: with "
                     "--threads 1 on a shared machine, the compute without other processes' turns")

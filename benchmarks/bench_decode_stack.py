@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=100)
     ap.add_argument("--at", type=int, default=40, help="the decode step whose inputs are replayed")
     ap.add_argument("--calls", type=int, default=30)
-    ap.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="LLM(kv_cache_dtype=...): auto, float32 or bfloat16")
     args = ap.parse_args()
     llm = LLM(model=args.model, max_num_seqs=max(64, args.batch), quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)

@@ -20,7 +20,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--quantization", nargs="+", default=["none", "gguf"])
-    ap.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="LLM(kv_cache_dtype=...): auto, float32 or bfloat16")
     args = ap.parse_args()
     base = None
     for method in args.quantization:

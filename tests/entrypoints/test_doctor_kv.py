@@ -10,10 +10,11 @@ from pagedllm.memory.footprint import kv_bytes_per_token
 
 def test_doctor_counts_the_kv_cache_in_its_own_dtype(smollm_hf_dir, smollm_gguf, tmp_path):
     bf16_dir = save_bf16_export(smollm_hf_dir, tmp_path)
-    arch = resolve_checkpoint(str(bf16_dir)).arch
     report = doctor.model_report(str(bf16_dir), device="cpu", max_model_len=512)
     assert report["fits"] and report["quantization"] == "bf16" and report["dtype"] == "float32"
-    assert report["kv_bytes_per_token"] == kv_bytes_per_token(arch, 2)
+    bf16_arch = resolve_checkpoint(str(bf16_dir)).arch
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token(bf16_arch, 2)
     report = doctor.model_report(str(smollm_gguf), device="cpu", max_model_len=512)
     assert report["fits"] and report["quantization"] == "gguf"
-    assert report["kv_bytes_per_token"] == kv_bytes_per_token(arch, 4)
+    gguf_arch = resolve_checkpoint(str(smollm_gguf)).arch
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token(gguf_arch, 4)

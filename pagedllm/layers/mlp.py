@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
+from pagedllm.layers.ggml_linear import GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 
 
@@ -19,6 +20,17 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, (i, i), ("gate_proj", "up_proj"), bias=False)
         self.down_proj = nn.Linear(i, hidden_size, bias=False)
         self.act = GeluTanhAndMul() if gelu else SiluAndMul()
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(*self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if (type(gate_up) is GGMLMergedLinear and gate_up.packed and gate_up.bias is None
+                and self.act.impl == "cpu" and x.dtype == torch.float32):
+            # one C++ call: the act's C++ op applied as the gate/up matmul stores (bf16 matrices),
+            # or after it (block types); the same numbers as the two steps below (a LoRA-wrapped
+            # gate_up_proj takes those, its deltas going between the matmul and act)
+            act = torch.ops.pagedllm.ggml_gated_x8(
+                x.reshape(-1, gate_up.in_features), list(gate_up.weights),
+                [int(t) for t in gate_up.qtypes], gate_up.in_features, self.gelu)
+            return self.down_proj(act.view(*x.shape[:-1], act.shape[-1]))
+        return self.down_proj(self.act(*gate_up(x)))

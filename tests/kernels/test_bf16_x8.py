@@ -234,3 +234,47 @@ def test_embed_and_unpack_give_the_checkpoint_values() -> None:
     assert torch.equal(torch.ops.pagedllm.bf16_embed_x8(packed, ids, 20), w[ids].float())
     with pytest.raises(RuntimeError, match="token id 32 is outside the embedding's 32 rows"):
         torch.ops.pagedllm.bf16_embed_x8(packed, torch.tensor([32]), 20)
+
+
+def _act(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    ops = torch.ops.pagedllm
+    return ops.gelu_tanh_mul(gate, up) if gelu else ops.silu_mul(gate, up)
+
+
+GATED_VARIANTS = [("avx512bf16", "avx512_bf16"), ("avx512f", "avx512f"), ("avx2", "avx2"),
+                  ("scalar_dp", None), ("scalar_fma", None)]
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+@pytest.mark.parametrize("variant,feature", GATED_VARIANTS)
+def test_gated_is_the_act_of_the_two_matmuls(variant: str, feature: str, gelu: bool) -> None:
+    """bf16_gated_x8 (the MLP's gate/up matmul with act applied as the vdpbf16ps blocks store,
+    each block a pair of gate and up groups) is bit for bit silu_mul / gelu_tanh_mul of the
+    variant's two matmuls: ragged rows, an odd number of 8-row groups (a last block of one gate
+    and one up group), and the decode and prefill row counts."""
+    if feature is not None and not _has(feature):
+        pytest.skip(f"this CPU lacks {feature}")
+    ops = torch.ops.pagedllm
+    for m, n, k in ((1, 40, 256), (5, 64, 96), (6, 72, 896), (7, 8, 64), (32, 136, 256),
+                    (130, 40, 100)):
+        x, gate = _data(m, n, k)
+        _, up = _data(m + 1, n, k)
+        gp, up_p = ops.bf16_pack_x8(gate), ops.bf16_pack_x8(up)
+        want = _act(ops.bf16_linear_x8(x, gp, k, variant), ops.bf16_linear_x8(x, up_p, k, variant), gelu)
+        got = ops.bf16_gated_x8(x, gp, up_p, k, gelu, variant)
+        assert torch.equal(got, want), (m, n, k)
+    assert ops.bf16_gated_x8(x[:0], gp, up_p, k, gelu, variant).shape == (0, n)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_ggml_gated_x8_takes_the_active_variant_and_checks_its_inputs(gelu: bool) -> None:
+    ops = torch.ops.pagedllm
+    x, gate = _data(9, 48, 128)
+    _, up = _data(10, 48, 128)
+    gp, up_p = ops.bf16_pack_x8(gate), ops.bf16_pack_x8(up)
+    got = ops.ggml_gated_x8(x, [gp, up_p], [BF16_TYPE] * 2, 128, gelu)
+    assert torch.equal(got, _act(*ops.ggml_linear_x8(x, [gp, up_p], [BF16_TYPE] * 2, 128), gelu))
+    with pytest.raises(RuntimeError, match="gate and up must have the same shape"):
+        ops.ggml_gated_x8(x, [gp, up_p[:2]], [BF16_TYPE] * 2, 128, gelu)
+    with pytest.raises(RuntimeError, match="need a gate and an up weight"):
+        ops.ggml_gated_x8(x, [gp], [BF16_TYPE], 128, gelu)

@@ -199,3 +199,16 @@ def test_low_bit_rows_equal_alone_at_every_batch_size(qtype):
                 assert torch.equal(y, alone[:m]), f"{variant}: {m} rows differ from each row alone"
     finally:
         ops.set_kernel_isa(before)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_gated_block_types_are_linear_then_act(gelu):
+    """ggml_gated_x8 on a Q4_K_M file's block types (gate Q4_K, up Q6_K): the two matmuls of
+    ggml_linear_x8, then silu_mul / gelu_tanh_mul, the same bits."""
+    types = [int(T.Q4_K), int(T.Q6_K)]
+    packed = [ops.ggml_pack_x8(torch.from_numpy(random_blocks(T(t), 24, 256, seed=i)), t, 256)
+              for i, t in enumerate(types)]
+    x = torch.randn(5, 256)
+    gate, up = ops.ggml_linear_x8(x, packed, types, 256)
+    want = ops.gelu_tanh_mul(gate, up) if gelu else ops.silu_mul(gate, up)
+    assert torch.equal(ops.ggml_gated_x8(x, packed, types, 256, gelu), want)

@@ -40,8 +40,12 @@ at::Tensor empty_weights(int64_t rows, int64_t cols) {
 
 #ifdef PAGEDLLM_AVX2
 using pagedllm_simd::exp_nonpositive;
+using pagedllm_simd::gelu_tanh_mul8;
+using pagedllm_simd::silu_mul8;
 #endif
 using pagedllm_simd::exp_nonpositive1;
+using pagedllm_simd::gelu_tanh_mul1;
+using pagedllm_simd::silu_mul1;
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), name,
@@ -206,58 +210,34 @@ at::Tensor gated_mul(const at::Tensor& gate, const at::Tensor& up, Body body, On
   return out;
 }
 
+// silu(gate) * up (simd.h's silu_mul8 / silu_mul1: the same bits in vectors and tail)
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   auto body = [](const float* g, const float* u, float* o, int64_t i, int64_t i1) {
 #ifdef PAGEDLLM_AVX2
-    // silu(x) = x / (1 + e^-x); with e = exp(-|x|) <= 1 that is x / (1 + e) for x >= 0 and
-    // x e / (1 + e) below, so the exp never overflows
-    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-    for (; i + 8 <= i1; i += 8) {
-      const __m256 x = _mm256_loadu_ps(g + i);
-      const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
-      const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
+    for (; i + 8 <= i1; i += 8)
+      _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #else
     (void)g, (void)u, (void)o, (void)i1;
 #endif
     return i;
   };
-  return gated_mul(gate, up, body, [](float x, float u) {
-    const float e = exp_nonpositive1(-std::fabs(x));
-    return (std::signbit(x) ? x * e : x) / (1.f + e) * u;
-  });
+  return gated_mul(gate, up, body, [](float x, float u) { return silu_mul1(x, u); });
 }
 
-// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), as
-// F.gelu(approximate="tanh"), computed as g sigmoid(2 y) (the same function: 1 + tanh(y) =
-// 2 / (1 + e^-2y)) with the exp of silu_mul, vectors and tail alike. std::tanh took ~15 ns a
-// value: Gemma 3 270M's 2,048 a layer, ~30 us, on one thread inside the decode step.
+// gelu_tanh(gate) * up, as F.gelu(approximate="tanh") (simd.h's gelu_tanh_mul8 / gelu_tanh_mul1,
+// with the exp of silu_mul). std::tanh took ~15 ns a value: Gemma 3 270M's 2,048 a layer, ~30 us,
+// on one thread inside the decode step.
 at::Tensor gelu_tanh_mul(const at::Tensor& gate, const at::Tensor& up) {
-  constexpr float c0 = 1.5957691216057308f, c1 = 0.07135481627260025f;  // 2 sqrt(2 / pi), times 0.044715
   auto body = [](const float* g, const float* u, float* o, int64_t i, int64_t i1) {
 #ifdef PAGEDLLM_AVX2
-    // sigmoid(z) = 1 / (1 + e) for z >= 0 and e / (1 + e) below, e = exp(-|z|) <= 1
-    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-    const __m256 a0 = _mm256_set1_ps(c0), a1 = _mm256_set1_ps(c1);
-    for (; i + 8 <= i1; i += 8) {
-      const __m256 x = _mm256_loadu_ps(g + i);
-      const __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(a1, _mm256_mul_ps(x, x), a0));
-      const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign));
-      const __m256 num = _mm256_blendv_ps(one, e, z);  // z < 0: e
-      const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, s), _mm256_loadu_ps(u + i)));
-    }
+    for (; i + 8 <= i1; i += 8)
+      _mm256_storeu_ps(o + i, gelu_tanh_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #else
     (void)g, (void)u, (void)o, (void)i1;
 #endif
     return i;
   };
-  return gated_mul(gate, up, body, [](float x, float u) {
-    const float z = x * std::fma(c1, x * x, c0);
-    const float e = exp_nonpositive1(-std::fabs(z));
-    return x * ((std::signbit(z) ? e : 1.f) / (1.f + e)) * u;
-  });
+  return gated_mul(gate, up, body, [](float x, float u) { return gelu_tanh_mul1(x, u); });
 }
 
 // The first index of each row's maximum, as torch.argmax; rows with a NaN go to torch (which

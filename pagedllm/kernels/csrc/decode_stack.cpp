@@ -218,9 +218,14 @@ class DecodeStack : public torch::CustomClassHolder {
         continue;
       }
       TORCH_CHECK(!w.gate_up.empty(), "layer ", l, " has neither an MLP nor routed experts (set_moe)");
-      std::vector<at::Tensor> gu = pagedllm_ggml::linear_x8(h, w.gate_up, w.gate_up_types, hidden);
-      add_lora_(gu, h, slots, lora[kGateUp]);
-      at::Tensor act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
+      at::Tensor act;
+      if (slots != nullptr && lora[kGateUp].a.defined()) {  // the deltas go between the matmuls and act
+        std::vector<at::Tensor> gu = pagedllm_ggml::linear_x8(h, w.gate_up, w.gate_up_types, hidden);
+        add_lora_(gu, h, slots, lora[kGateUp]);
+        act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
+      } else {
+        act = pagedllm_ggml::gated_x8(h, w.gate_up, w.gate_up_types, hidden, w.gelu);
+      }
       x = pagedllm_ggml::linear_x8(act, {w.down}, {w.down_type}, act.size(1))[0];
       add_lora_(x, act, slots, lora[kDown]);
       if (w.ffn_out_norm.defined()) x = pagedllm_ops::rms_norm(x, w.ffn_out_norm, eps_);

@@ -68,4 +68,43 @@ inline float exp_nonpositive1(float x) {
   return p * scale;
 }
 
+// The gated activations' elementwise step, act(x) * u, shared by silu_mul / gelu_tanh_mul
+// (cpu_ops.cpp) and the bf16 gate/up matmul that applies it as it stores (x8_bf16.cpp), so that
+// both give the same bits. The vector and one-value forms do the same operations in the same order.
+// silu(x) = x / (1 + e^-x); with e = exp(-|x|) <= 1 that is x / (1 + e) for x >= 0 and x e / (1 + e)
+// below, so the exp never overflows.
+inline float silu_mul1(float x, float u) {
+  const float e = exp_nonpositive1(-std::fabs(x));
+  return (std::signbit(x) ? x * e : x) / (1.f + e) * u;
+}
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), as
+// F.gelu(approximate="tanh"), computed as g sigmoid(2 y) (the same function: 1 + tanh(y) =
+// 2 / (1 + e^-2y)); sigmoid(z) = 1 / (1 + e) for z >= 0 and e / (1 + e) below, e = exp(-|z|) <= 1
+constexpr float kGeluC0 = 1.5957691216057308f, kGeluC1 = 0.07135481627260025f;  // 2 sqrt(2 / pi), times 0.044715
+inline float gelu_tanh_mul1(float x, float u) {
+  const float z = x * std::fma(kGeluC1, x * x, kGeluC0);
+  const float e = exp_nonpositive1(-std::fabs(z));
+  return x * ((std::signbit(z) ? e : 1.f) / (1.f + e)) * u;
+}
+
+#ifdef PAGEDLLM_AVX2
+inline __m256 silu_mul8(__m256 x, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));
+  const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), x);  // x < 0: x e
+  return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(one, e)), u);
+}
+
+inline __m256 gelu_tanh_mul8(__m256 x, __m256 u) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_set1_ps(kGeluC1), _mm256_mul_ps(x, x),
+                                                    _mm256_set1_ps(kGeluC0)));
+  const __m256 e = exp_nonpositive(_mm256_or_ps(z, sign));
+  const __m256 num = _mm256_blendv_ps(one, e, z);  // z < 0: e
+  const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_mul_ps(x, s), u);
+}
+#endif
+
 }  // namespace pagedllm_simd

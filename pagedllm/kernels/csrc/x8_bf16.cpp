@@ -43,6 +43,7 @@
 
 #include "ggml_x8_layout.h"
 #include "kernels.h"
+#include "simd.h"
 
 namespace {
 
@@ -116,11 +117,37 @@ struct Ahead {
   int64_t first = 0, count = 0, per = 0;
 };
 
-template <int G, int C>
-__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(const uint8_t* rec, int64_t gstride,
-                                                                               int64_t nq, const uint16_t* xb,
-                                                                               int64_t k, float* out, int64_t ldo,
+// What a block stores: its 8 G rows' sums (kNone), or for a gate/up pair act(gate) * up: the
+// block's groups [0, G/2) are rows of the gate matrix, [G/2, G) the same rows of up, and it
+// stores simd.h's silu_mul8 (kSilu) or gelu_tanh_mul8 (kGelu) of the sums it would have stored,
+// 4 G values a row (the bits of silu_mul / gelu_tanh_mul on linear_x8's gate and up)
+enum Act { kNone = 0, kSilu = 1, kGelu = 2 };
+
+template <int A>
+inline void store_act(float* out, __m256 gate, __m256 up) {
+#ifdef PAGEDLLM_AVX2
+  _mm256_storeu_ps(out, A == kSilu ? pagedllm_simd::silu_mul8(gate, up) : pagedllm_simd::gelu_tanh_mul8(gate, up));
+#else
+  alignas(32) float g[kRows], u[kRows];
+  _mm256_store_ps(g, gate);
+  _mm256_store_ps(u, up);
+  for (int r = 0; r < kRows; ++r)
+    out[r] = A == kSilu ? pagedllm_simd::silu_mul1(g[r], u[r]) : pagedllm_simd::gelu_tanh_mul1(g[r], u[r]);
+#endif
+}
+
+// rec: the records of groups [0, G) (kNone) or of the gate's [0, G/2); rec2: the up matrix's
+// records of the same rows (kSilu, kGelu), else unused
+template <int G, int C, int A>
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(const uint8_t* rec, const uint8_t* rec2,
+                                                                               int64_t gstride, int64_t nq,
+                                                                               const uint16_t* xb, int64_t k,
+                                                                               float* out, int64_t ldo,
                                                                                const Ahead& ahead) {
+  static_assert(A == kNone || G % 2 == 0, "a gate/up block pairs its groups");
+  constexpr int kOutGroups = A == kNone ? G : G / 2;
+  const uint8_t* base[G];
+  for (int g = 0; g < G; ++g) base[g] = A != kNone && g >= G / 2 ? rec2 + (g - G / 2) * gstride : rec + g * gstride;
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -129,10 +156,10 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(co
   // and the stores' misses at the end would each wait on memory (Zen 4, 2 threads: that gate
   // 371-388 -> 386-422 GFLOP/s; the head in the B=32 decode step 25.0-25.3 -> 21.5-21.8 ms)
   for (int c = 0; c < C; ++c)
-    for (int g = 0; g < G; ++g) __builtin_prefetch(out + c * ldo + kRows * g, 1, 3);
+    for (int g = 0; g < kOutGroups; ++g) __builtin_prefetch(out + c * ldo + kRows * g, 1, 3);
   const auto quad = [&](int64_t q) __attribute__((always_inline)) {
     __m512i w[G];
-    for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(rec + g * gstride + 64 * q);
+    for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(base[g] + 64 * q);
     for (int c = 0; c < C; ++c) {
       int64_t xq;
       std::memcpy(&xq, xb + c * k + 4 * q, 8);
@@ -158,43 +185,63 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(co
     }
   }
   for (; q < nq; ++q) quad(q);
+  // lane 2r + lane 2r + 1 -> row r (the add as store_pairs does it)
+  const auto rows = [&](int g, int c) __attribute__((always_inline)) {
+    const __m512 sum = _mm512_add_ps(acc[g][c], _mm512_permute_ps(acc[g][c], 0xB1));
+    return _mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, sum));
+  };
   for (int c = 0; c < C; ++c)
-    for (int g = 0; g < G; ++g) {  // lane 2r + lane 2r + 1 -> row r (the add as store_pairs does it)
-      const __m512 sum = _mm512_add_ps(acc[g][c], _mm512_permute_ps(acc[g][c], 0xB1));
-      _mm256_storeu_ps(out + c * ldo + kRows * g, _mm512_castps512_ps256(_mm512_maskz_compress_ps(0x5555, sum)));
+    for (int g = 0; g < kOutGroups; ++g) {
+      if constexpr (A == kNone) {
+        _mm256_storeu_ps(out + c * ldo + kRows * g, rows(g, c));
+      } else {
+        store_act<A>(out + c * ldo + kRows * g, rows(g, c), rows(g + G / 2, c));
+      }
     }
 }
 
+// The records a thread takes next, to prefetch into L2 while it works on this block: `lines`
+// cache lines from `base` (a gate/up block has two such spans, the gate's and the up's)
+struct Span {
+  const uint8_t* base = nullptr;
+  int64_t lines = 0;
+};
+
 // All m rows by chunks of kBlockCols. With more than one chunk, the chunks also prefetch the
-// next block's weights (next_lines cache lines from next) into L2, each chunk its share: the
+// next block's weights into L2, each chunk its share (of a second span, the later chunks): the
 // first chunk of a block would otherwise wait on memory for every record (24 layers of a 0.5B
 // model at 32 rows, one thread, Zen 4: 120 against 128 ms a step, the head 46 against 50.5).
-template <int G>
-void dp_block_rows(const uint8_t* rec, int64_t gstride, int64_t nq, const uint16_t* xb, int64_t k, int64_t m,
-                   float* out, int64_t ldo, const uint8_t* next, int64_t next_lines) {
+template <int G, int A>
+void dp_block_rows(const uint8_t* rec, const uint8_t* rec2, int64_t gstride, int64_t nq, const uint16_t* xb,
+                   int64_t k, int64_t m, float* out, int64_t ldo, Span next, Span next2) {
   // the rows split as evenly as the chunks allow (32 = 5 + 6 + 5 + 5 + 6 + 5, not 5 x 6 + 2):
   // a chunk of 2 rows keeps only 2 G dot chains in flight, too few to fill the pipes
   const int64_t chunks = (m + kBlockCols - 1) / kBlockCols;
-  const bool fetch = next != nullptr && chunks > 1;
+  const bool fetch = next.base != nullptr && chunks > 1;
+  // chunks [0, split) fetch the first span, [split, chunks) the second
+  const int64_t split = next2.base != nullptr && next2.lines > 0 ? chunks / 2 : chunks;
   for (int64_t i = 0, c = 0; i < chunks; ++i) {
     const int64_t rows = m * (i + 1) / chunks - c;
     Ahead ahead;
     if (fetch) {
-      ahead.base = next;
-      ahead.first = next_lines * i / chunks;
-      ahead.count = next_lines * (i + 1) / chunks - ahead.first;
+      const bool second = i >= split;
+      const Span& s = second ? next2 : next;
+      const int64_t j = second ? i - split : i, n = second ? chunks - split : split;
+      ahead.base = s.base;
+      ahead.first = s.lines * j / n;
+      ahead.count = s.lines * (j + 1) / n - ahead.first;
       ahead.per = (ahead.count + nq - 1) / nq;
     }
     const uint16_t* xc = xb + c * k;
     float* oc = out + c * ldo;
     c += rows;
     switch (rows) {
-      case 6: dp_block<G, 6>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 5: dp_block<G, 5>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 4: dp_block<G, 4>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 3: dp_block<G, 3>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 2: dp_block<G, 2>(rec, gstride, nq, xc, k, oc, ldo, ahead); break;
-      default: dp_block<G, 1>(rec, gstride, nq, xc, k, oc, ldo, ahead);
+      case 6: dp_block<G, 6, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 5: dp_block<G, 5, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 4: dp_block<G, 4, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 3: dp_block<G, 3, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 2: dp_block<G, 2, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      default: dp_block<G, 1, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead);
     }
   }
 }
@@ -206,13 +253,30 @@ void dp_blocked(const uint8_t* w, int64_t g0, int64_t groups, int64_t k, const u
   static_assert(kBlockCols == 6, "dp_block_rows' switch");
   const uint8_t* rec = w + g0 * 16 * k;
   float* o = out + g0 * kRows;
-  const int64_t nq = k / 4, gstride = 16 * k, lines = next_groups * nq;
+  const int64_t nq = k / 4, gstride = 16 * k;
+  const Span ahead{next, next_groups * nq}, none;
   switch (groups) {
-    case 4: dp_block_rows<4>(rec, gstride, nq, xb, k, m, o, ldo, next, lines); break;
-    case 3: dp_block_rows<3>(rec, gstride, nq, xb, k, m, o, ldo, next, lines); break;
-    case 2: dp_block_rows<2>(rec, gstride, nq, xb, k, m, o, ldo, next, lines); break;
-    default: dp_block_rows<1>(rec, gstride, nq, xb, k, m, o, ldo, next, lines);
+    case 4: dp_block_rows<4, kNone>(rec, nullptr, gstride, nq, xb, k, m, o, ldo, ahead, none); break;
+    case 3: dp_block_rows<3, kNone>(rec, nullptr, gstride, nq, xb, k, m, o, ldo, ahead, none); break;
+    case 2: dp_block_rows<2, kNone>(rec, nullptr, gstride, nq, xb, k, m, o, ldo, ahead, none); break;
+    default: dp_block_rows<1, kNone>(rec, nullptr, gstride, nq, xb, k, m, o, ldo, ahead, none);
   }
+}
+
+// groups [g0, g0 + groups) (groups <= kBlockGroups / 2) of a gate and an up matrix by all m x
+// rows, act(gate) * up into out; next_gate / next_up: the records of the thread's next block
+template <int A>
+void dp_blocked_gated(const uint8_t* gate, const uint8_t* up, int64_t g0, int64_t groups, int64_t k,
+                      const uint16_t* xb, int64_t m, float* out, int64_t ldo, const uint8_t* next_gate,
+                      const uint8_t* next_up, int64_t next_groups) {
+  static_assert(kBlockGroups == 4, "dp_blocked_gated's switch");
+  const int64_t nq = k / 4, gstride = 16 * k;
+  const Span ahead{next_gate, next_groups * nq}, ahead2{next_up, next_groups * nq};
+  float* o = out + g0 * kRows;
+  if (groups == 2)
+    dp_block_rows<4, A>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
+  else
+    dp_block_rows<2, A>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
 }
 
 // --- AVX-512F FMA ------------------------------------------------------------------------
@@ -714,6 +778,20 @@ at::Tensor widen_groups(const at::Tensor& wp, int64_t k, int64_t g0, int64_t g1)
   return bf.permute({0, 2, 1, 3}).reshape({(g1 - g0) * kRows, k}).to(at::kFloat);
 }
 
+// x [m, k] float32 rounded to bf16 (RNE), as vdpbf16ps takes it
+XPrep bf16_rows(const at::Tensor& x) {
+  XPrep prep;
+  const float* xp = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  prep.buf = at::empty({n}, x.options().dtype(at::kShort));
+  uint16_t* bf = reinterpret_cast<uint16_t*>(prep.buf.data_ptr<int16_t>());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) bf[i] = bf16_rne(xp[i]);
+  });
+  prep.bf = bf;
+  return prep;
+}
+
 // outs[j] = x (bf16, [m, k]) @ W_j^T by dp_blocked: blocks of kBlockGroups groups of every
 // matrix split over the threads together, each block taking all m rows
 void blocked_linear(const uint16_t* xb, int64_t m, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
@@ -763,12 +841,7 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
   XPrep prep;
   const float* xp = x.data_ptr<float>();
   if (v.bf16_x) {
-    prep.buf = at::empty({m * k}, x.options().dtype(at::kShort));
-    uint16_t* bf = reinterpret_cast<uint16_t*>(prep.buf.data_ptr<int16_t>());
-    at::parallel_for(0, m * k, 1 << 16, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) bf[i] = bf16_rne(xp[i]);
-    });
-    prep.bf = bf;
+    prep = bf16_rows(x);
   } else {
     prep.buf = at::empty({m * k}, x.options());
     float* perm = prep.buf.data_ptr<float>();
@@ -796,6 +869,54 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
     }
   });
   return outs;
+}
+
+// act(x @ G^T) * (x @ U^T) for bf16 x8 gate and up matrices of the same shape (act: silu, or
+// gelu_tanh with gelu), [M, N] float32: the bits of linear_with's two outputs through silu_mul /
+// gelu_tanh_mul. The vdpbf16ps blocks (dp_blocked) apply it as they store, each block a pair of
+// gate and up groups: no [M, 2 N] gate/up outputs written and read back, no pass of its own.
+// The other variants (and the AMX tiles) take linear_with, then the op.
+at::Tensor gated_with(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu,
+                      const Variant& v) {
+  check_packed(gate, k);
+  check_packed(up, k);
+  TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape, got ", gate.sizes(), " and ",
+              up.sizes());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0);
+  if (v.fn != nullptr || (v.amx && m >= kAmxMinRows)) {
+    const std::vector<at::Tensor> gu = linear_with(x, {gate, up}, k, v);
+    return gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
+  }
+  const int64_t groups = gate.size(0), n = groups * kRows;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const XPrep prep = bf16_rows(x);
+  const uint8_t* gp = gate.data_ptr<uint8_t>();
+  const uint8_t* upp = up.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kPair = kBlockGroups / 2;  // groups of each matrix a block takes
+  const int64_t ntasks = (groups + kPair - 1) / kPair, gstride = 16 * k;
+  const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
+  at::parallel_for(0, ntasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = t * kPair, count = std::min(kPair, groups - g);
+      const bool more = t + 1 < t1;
+      const int64_t next_count = more ? std::min(kPair, groups - g - kPair) : 0;
+      const uint8_t* ng = more ? gp + (g + kPair) * gstride : nullptr;
+      const uint8_t* nu = more ? upp + (g + kPair) * gstride : nullptr;
+      if (gelu)
+        dp_blocked_gated<kGelu>(gp, upp, g, count, k, prep.bf, m, op, n, ng, nu, next_count);
+      else
+        dp_blocked_gated<kSilu>(gp, upp, g, count, k, prep.bf, m, op, n, ng, nu, next_count);
+    }
+  });
+  return out;
+}
+
+at::Tensor bf16_gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu,
+                         const std::string& variant) {
+  return gated_with(x, gate, up, k, gelu, variant_of(variant));
 }
 
 // x [M, K] float32 @ W^T -> [M, N] float32 by the named variant (tests and benchmarks)
@@ -847,6 +968,11 @@ std::vector<at::Tensor> pagedllm_bf16::linear_x8(const at::Tensor& x, at::Tensor
   return linear_with(x, ws, k, v);
 }
 
+at::Tensor pagedllm_bf16::gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k,
+                                   bool gelu) {
+  return gated_with(x, gate, up, k, gelu, active().v);
+}
+
 std::string pagedllm_bf16::amx_q8_missing() { return missing_feature("amx"); }
 
 void pagedllm_bf16::amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
@@ -867,6 +993,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("bf16_unpack_x8(Tensor w, int k) -> Tensor");
   m.def("bf16_embed_x8(Tensor w, Tensor ids, int k) -> Tensor");
   m.def("bf16_linear_x8(Tensor x, Tensor w, int k, str variant) -> Tensor");
+  m.def("bf16_gated_x8(Tensor x, Tensor gate, Tensor up, int k, bool gelu, str variant) -> Tensor");
   // the variant BF16 weights run in ggml_linear_x8 and the decode stack, and why; the variants
   // this CPU runs, best first; force one
   m.def("bf16_kernel() -> (str, str)", &bf16_kernel);
@@ -879,4 +1006,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("bf16_unpack_x8", &bf16_unpack_x8);
   m.impl("bf16_embed_x8", &bf16_embed_x8);
   m.impl("bf16_linear_x8", &bf16_linear_x8);
+  m.impl("bf16_gated_x8", &bf16_gated_x8);
 }

@@ -123,6 +123,17 @@ def random_sample(
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [N]
 
 
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
+                top_p: Optional[torch.Tensor], min_p: Optional[torch.Tensor],
+                u: torch.Tensor) -> torch.Tensor:
+    """One id per row of logits [N, V] (kernels/csrc/sampling.cpp): z = logits / temperature,
+    then min-p, top-k, top-p as the full path filters, and the kept ids' CDF in id order
+    inverted at u [N] (float64 in [0, 1)); -1 where a row's logits are not finite."""
+    out = torch.ops.pagedllm.sample_rows(logits.float().contiguous(), temperature.float(),
+                                         top_k, top_p, min_p, u)
+    return out.to(logits.device)
+
+
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ import torch
 from pagedllm.sample import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
+from sampler_impls import make_sampler, sampler_impl  # noqa: F401 (sampler_impl: every test on both)
+
 V = 16
 
 
@@ -17,7 +19,7 @@ def meta_for(params, generators=None):
 
 
 def sample(logits, params, generators=None):
-    return Sampler()(logits, meta_for(params, generators)).sampled_token_ids.tolist()
+    return make_sampler()(logits, meta_for(params, generators)).sampled_token_ids.tolist()
 
 
 def peaked_logits(n=1):
@@ -74,7 +76,7 @@ def test_rows_without_them_are_bit_identical():
 
     def run(middle):
         gens = {i: torch.Generator().manual_seed(10 + i) for i in range(3)}
-        return Sampler()(logits, meta_for([plain, middle, plain], gens))
+        return make_sampler()(logits, meta_for([plain, middle, plain], gens))
 
     base, mixed = run(plain), run(special)
     for row in (0, 2):
@@ -111,7 +113,7 @@ def test_callers_logits_are_not_modified():
 def test_logprobs_come_from_the_raw_logits():
     logits = peaked_logits()
     params = SamplingParams(temperature=0, logprobs=1, logit_bias={9: 100})
-    out = Sampler()(logits, meta_for([params]))
+    out = make_sampler()(logits, meta_for([params]))
     raw = torch.log_softmax(logits, dim=-1)
     assert out.sampled_token_ids.tolist() == [9]
     assert out.logprobs.logprobs[0, 0].item() == pytest.approx(raw[0, 9].item())

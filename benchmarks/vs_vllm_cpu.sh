@@ -14,6 +14,8 @@
 # (48 x (100 + 128)), stopped; vLLM's as `python -m vllm.entrypoints.openai.api_server`.
 # vLLM runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1. EXTRA: flags added to
 # every pagedllm run (e.g. EXTRA="--kv-cache-dtype bfloat16", the KV cache in bf16 as vLLM's is).
+# SAMPLING: how every request of both engines samples (default greedy), e.g.
+# SAMPLING="--temperature 0.8 --top-p 0.95" (vLLM's quick start's SamplingParams).
 # The engines take turns going first: vLLM in odd pairs, pagedllm in even ones (ORDER=vllm-first
 # keeps vLLM first in every pair, as sittings before 2026-12-06 ran): the first run after a quiet
 # spell was often the sitting's fastest, and a fixed order gave that to one side only.
@@ -24,6 +26,7 @@ PAIRS="${PAIRS:-3}"
 FORMATS="${FORMATS:-auto int8}"
 PY=.venv/bin/python
 EXTRA="${EXTRA:-}"
+SAMPLING="${SAMPLING:-}"
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
 
 quant_flag() { [ "$1" = auto ] && echo "" || echo "--quantization $1"; }
@@ -43,15 +46,17 @@ serve_bench() {  # $1 label, then the server command
   "$@" >"/tmp/vs_vllm_server_$label.log" 2>&1 &
   local pid=$!
   wait_ready http://127.0.0.1:8011/v1/models 400
+  # shellcheck disable=SC2086
   $PY -m pagedllm.entrypoints.cli bench serve --url http://127.0.0.1:8011/v1 --num-prompts 48 \
-    --max-concurrency 16 --input-len 100 --output-len 128 2>/dev/null \
+    --max-concurrency 16 --input-len 100 --output-len 128 $SAMPLING 2>/dev/null \
     | grep -E "output_tok_per_s|ttft_p50_s|ttft_p99_s|itl_p50_s" | sed "s/^/$label /"
   echo "$label peak_rss_kib $(grep VmHWM /proc/$pid/status | awk '{print $2}')"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
 vllm_offline() {
-  "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" 2>/dev/null \
+  # shellcheck disable=SC2086
+  "$VLLM_PY" benchmarks/vllm_cpu_bench.py both --model "$MODEL" $SAMPLING 2>/dev/null \
     | "$PY" -c 'import json,sys
 for line in sys.stdin:
     if line.startswith("{"):
@@ -63,11 +68,11 @@ for line in sys.stdin:
 pagedllm_offline() {
   for f in $FORMATS; do
     # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") $EXTRA \
+    $PY -m pagedllm.entrypoints.cli bench throughput --model "$MODEL" $(quant_flag "$f") $EXTRA $SAMPLING \
       --num-prompts 32 --input-len 100 --output-len 128 --num-warmups 1 2>/dev/null \
       | awk -v f="$f" '/output_tok_per_s|peak_rss_bytes/ {print "pagedllm", f, "throughput", $1, $2}'
     # shellcheck disable=SC2046
-    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") $EXTRA \
+    $PY -m pagedllm.entrypoints.cli bench latency --model "$MODEL" $(quant_flag "$f") $EXTRA $SAMPLING \
       --input-len 16 --output-len 128 2>/dev/null \
       | awk -v f="$f" '/decode_tok_per_s/ {print "pagedllm", f, "latency", $1, $2}'
   done

@@ -49,6 +49,20 @@ def _range_ratio(text: str) -> float:
     return value
 
 
+def _float_in(lo: float, hi: float, name: str):
+    """A float in [lo, hi] for --temperature / --top-p."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not lo <= value <= hi or (name == "top-p" and value == 0.0):
+            raise argparse.ArgumentTypeError(
+                f"must be in {'(0' if name == 'top-p' else f'[{lo:g}'}, {hi:g}], got {value}")
+        return value
+    return parse
+
+
 def _lengths(n: int, length: int, ratio: float, seed: int) -> list[int]:
     """n lengths drawn uniformly from [length (1 - ratio), length (1 + ratio)] (all `length`
     at ratio 0), at least 1, the same for every run with this seed."""
@@ -78,6 +92,13 @@ def add_bench_parser(sub) -> None:
                        help="requests")
         p.add_argument("--output-json", default=None, metavar="PATH",
                        help="also write the results as JSON here (default: stdout only)")
+        # vLLM's `bench serve` names; the requests still run to --output-len (ignore_eos)
+        p.add_argument("--temperature", type=_float_in(0.0, float("inf"), "temperature"), default=0.0,
+                       help="sampling temperature of every request (default 0: greedy)")
+        p.add_argument("--top-p", type=_float_in(0.0, 1.0, "top-p"), default=1.0,
+                       help="nucleus sampling's p (default 1: off)")
+        p.add_argument("--top-k", type=_int_at_least(-1), default=-1,
+                       help="keep the k most likely tokens (default -1: off)")
         if name == "throughput":
             p.add_argument("--num-warmups", type=_non_negative, default=0,
                            help="vLLM's: prompts like the timed ones (other token ids, so no "
@@ -218,7 +239,8 @@ def _timed_request(engine, request_id: str, prompt: dict, params) -> tuple[float
 
 
 def _params(args: argparse.Namespace):
-    """Greedy, ignore_eos, --output-len tokens; constrained with --structured-output json."""
+    """ignore_eos, --output-len tokens, greedy unless --temperature / --top-p / --top-k say
+    otherwise; constrained with --structured-output json."""
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
     constraint = None
@@ -227,7 +249,8 @@ def _params(args: argparse.Namespace):
         # request before max_tokens: constrained and free requests generate the same counts
         schema = {"type": "array", "items": {"type": "integer"}, "minItems": args.output_len}
         constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-    return SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True,
+    return SamplingParams(max_tokens=args.output_len, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, ignore_eos=True,
                           structured_outputs=constraint)
 
 
@@ -490,8 +513,12 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         async def limited(i: int) -> dict[str, Any]:
             body = {"model": model, "prompt": " ".join(f"word{i}" if j == 0 else "hello"
                                                        for j in range(args.input_len)),
-                    "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "max_tokens": args.output_len, "temperature": args.temperature,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if args.top_p < 1.0:
+                body["top_p"] = args.top_p
+            if args.top_k > 0:
+                body["top_k"] = args.top_k
             async with sem:
                 try:
                     try:
@@ -533,7 +560,10 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         result = asyncio.run(_serve(args))
     result = {"mode": args.mode, "input_len": args.input_len, "output_len": args.output_len,
-              "num_prompts": args.num_prompts, **result,
+              "num_prompts": args.num_prompts,
+              "sampling": ("greedy" if args.temperature == 0.0 or args.top_k == 1
+                           else f"temperature {args.temperature:g}, top_p {args.top_p:g}, "
+                                f"top_k {args.top_k}"), **result,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "machine": machine()}
     if getattr(args, "model", None) and "model" not in result:

@@ -31,7 +31,7 @@ def _run(args: list[str], out) -> dict:
 def test_offline_modes(mode, keys, tmp_path, smollm_gguf):
     result = _run([mode, "--model", MODEL, "--dtype", "float32", "--input-len", "16",
                    "--output-len", "8", "--num-prompts", "4"], tmp_path / "r.json")
-    assert all(result[k] > 0 for k in keys)
+    assert all(result[k] > 0 for k in keys) and result["sampling"] == "greedy"
     if mode == "throughput":
         assert result["output_tokens"] == 4 * 8
         assert result["system_cpu_s"] >= 0 and result["minor_page_faults"] >= 0
@@ -166,11 +166,33 @@ def test_lengths_and_counts_are_checked(flag, value, least):
     assert f"argument {flag}: must be an integer of at least {least}, got '{value}'" in proc.stderr
 
 
+def test_sampled_requests(tmp_path, smollm_gguf):
+    """--temperature / --top-p / --top-k (vLLM's bench serve names) sample every request; the
+    requests still run to --output-len; the result says how they were sampled."""
+    result = _run(["throughput", "--model", MODEL, "--dtype", "float32", "--input-len", "16",
+                   "--output-len", "8", "--num-prompts", "4", "--temperature", "0.8",
+                   "--top-p", "0.95", "--top-k", "40"], tmp_path / "r.json")
+    assert result["sampling"] == "temperature 0.8, top_p 0.95, top_k 40"
+    assert result["output_tokens"] == 4 * 8
+
+
+@pytest.mark.parametrize("flag,value,allowed", [("--top-p", "0", "(0, 1]"),
+                                                ("--top-p", "1.5", "(0, 1]"),
+                                                ("--temperature", "-1", "[0, inf]")])
+def test_sampling_flags_are_checked(flag, value, allowed):
+    proc = subprocess.run(CLI + ["throughput", flag, value], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert f"argument {flag}: must be in {allowed}, got {float(value)}" in proc.stderr
+
+
 def test_serve_mode_against_a_running_server(server, tmp_path):
     result = _run(["serve", "--url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
-                   "--max-concurrency", "3", "--input-len", "16", "--output-len", "8"],
+                   "--max-concurrency", "3", "--input-len", "16", "--output-len", "8",
+                   "--temperature", "0.7", "--top-p", "0.9"],
                   tmp_path / "s.json")
     assert result["model"] == MODEL and result["output_tokens"] == 6 * 8
+    assert result["sampling"] == "temperature 0.7, top_p 0.9, top_k -1"
     for key in ("output_tok_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
         assert result[key] > 0, key
     assert result["ttft_p50_s"] <= result["ttft_p99_s"]

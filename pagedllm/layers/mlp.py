@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
-from pagedllm.layers.ggml_linear import GGMLMergedLinear
+from pagedllm.layers.ggml_linear import BF16, GGMLLinear, GGMLMergedLinear
 from pagedllm.layers.linear import MergedLinear
 
 
@@ -28,9 +28,17 @@ class GatedMLP(nn.Module):
                 and self.act.impl == "cpu" and x.dtype == torch.float32):
             # one C++ call: the act's C++ op applied as the gate/up matmul stores (bf16 matrices),
             # or after it (block types); the same numbers as the two steps below (a LoRA-wrapped
-            # gate_up_proj takes those, its deltas going between the matmul and act)
+            # gate_up_proj takes those, its deltas going between the matmul and act). Before a
+            # packed BF16 down_proj the values come rounded to bf16, as its kernels round them.
+            down = self.down_proj
+            bf16 = type(down) is GGMLLinear and down.packed and down.qtype == BF16
             act = torch.ops.pagedllm.ggml_gated_x8(
                 x.reshape(-1, gate_up.in_features), list(gate_up.weights),
-                [int(t) for t in gate_up.qtypes], gate_up.in_features, self.gelu)
-            return self.down_proj(act.view(*x.shape[:-1], act.shape[-1]))
+                [int(t) for t in gate_up.qtypes], gate_up.in_features, self.gelu, bf16)
+            if act.dtype != torch.bfloat16:
+                return down(act.view(*x.shape[:-1], act.shape[-1]))
+            y = torch.ops.pagedllm.ggml_linear_x8(act, [down.weight], [int(down.qtype)],
+                                                  down.in_features)[0]
+            y = y.view(*x.shape[:-1], down.out_features)
+            return y if down.bias is None else y + down.bias
         return self.down_proj(self.act(*gate_up(x)))

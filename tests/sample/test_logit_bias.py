@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.sample import Sampler, SamplingMetadata
+from pagedllm.sample import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
 from sampler_impls import make_sampler, sampler_impl  # noqa: F401 (sampler_impl: every test on both)

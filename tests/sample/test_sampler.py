@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.sample import Sampler, SamplingMetadata, compute_prompt_logprobs, ops
+from pagedllm.sample import SamplingMetadata, compute_prompt_logprobs, ops
 from pagedllm.sampling_params import SamplingParams
 
 from sampler_impls import make_sampler, sampler_impl  # noqa: F401 (sampler_impl: every test on both)

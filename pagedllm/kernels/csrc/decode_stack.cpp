@@ -224,7 +224,10 @@ class DecodeStack : public torch::CustomClassHolder {
         add_lora_(gu, h, slots, lora[kGateUp]);
         act = w.gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
       } else {
-        act = pagedllm_ggml::gated_x8(h, w.gate_up, w.gate_up_types, hidden, w.gelu);
+        // bf16 for a BF16 down matrix whose x is not also a LoRA delta's (the delta takes float32)
+        constexpr int64_t kBF16 = 30;  // ggml_common.h
+        const bool bf16_act = w.down_type == kBF16 && !(slots != nullptr && lora[kDown].a.defined());
+        act = pagedllm_ggml::gated_x8(h, w.gate_up, w.gate_up_types, hidden, w.gelu, bf16_act);
       }
       x = pagedllm_ggml::linear_x8(act, {w.down}, {w.down_type}, act.size(1))[0];
       add_lora_(x, act, slots, lora[kDown]);

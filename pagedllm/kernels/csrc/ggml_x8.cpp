@@ -265,9 +265,10 @@ std::vector<at::Tensor> ggml_linear_x8(const at::Tensor& x_in, at::TensorList ws
 // act(x @ W_0^T) * (x @ W_1^T) for a gate and an up matrix (act: silu, or gelu_tanh with gelu): BF16
 // ones in one pass (pagedllm_bf16::gated_x8), the block types through linear_x8 and the op; the
 // same bits either way
-at::Tensor ggml_gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k, bool gelu) {
+at::Tensor ggml_gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k, bool gelu,
+                         bool bf16_out) {
   TORCH_CHECK(ws.size() == 2 && qtypes.size() == 2, "need a gate and an up weight, each with its qtype");
-  if (qtypes[0] == kBF16 && qtypes[1] == kBF16) return pagedllm_bf16::gated_x8(x, ws[0], ws[1], k, gelu);
+  if (qtypes[0] == kBF16 && qtypes[1] == kBF16) return pagedllm_bf16::gated_x8(x, ws[0], ws[1], k, gelu, bf16_out);
   const std::vector<at::Tensor> gu = ggml_linear_x8(x, ws, qtypes, k);
   return gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
 }
@@ -275,8 +276,8 @@ at::Tensor ggml_gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
 }  // namespace
 
 at::Tensor pagedllm_ggml::gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k,
-                                   bool gelu) {
-  return ggml_gated_x8(x, ws, qtypes, k, gelu);
+                                   bool gelu, bool bf16_out) {
+  return ggml_gated_x8(x, ws, qtypes, k, gelu, bf16_out);
 }
 
 std::vector<at::Tensor> pagedllm_ggml::linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes,
@@ -290,7 +291,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("ggml_dequant_x8(Tensor w, int qtype, int k) -> Tensor");
   m.def("ggml_embed_x8(Tensor w, Tensor ids, int qtype, int k) -> Tensor");
   m.def("ggml_linear_x8(Tensor x, Tensor[] ws, int[] qtypes, int k) -> Tensor[]");
-  m.def("ggml_gated_x8(Tensor x, Tensor[] ws, int[] qtypes, int k, bool gelu) -> Tensor");
+  m.def("ggml_gated_x8(Tensor x, Tensor[] ws, int[] qtypes, int k, bool gelu, bool bf16_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

@@ -47,16 +47,20 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t k);
 // ggml_x8.cpp
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k);
 // act(x @ gate^T) * (x @ up^T), ws = {gate, up} (act: silu, or gelu_tanh with gelu): linear_x8 then
-// silu_mul / gelu_tanh_mul, the same bits; BF16 matrices in one pass that applies act as it stores
-at::Tensor gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k, bool gelu);
+// silu_mul / gelu_tanh_mul, the same bits; BF16 matrices in one pass that applies act as it stores,
+// rounded to bf16 there with bf16_out (for a BF16 down matrix: linear_x8 takes the bf16 tensor)
+at::Tensor gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k, bool gelu,
+                    bool bf16_out = false);
 }  // namespace pagedllm_ggml
 
 namespace pagedllm_bf16 {  // x8_bf16.cpp: y_j = x @ W_j^T for bf16 x8 weights (ggml type BF16), by the active variant
 std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, int64_t k);
 // act(x @ gate^T) * (x @ up^T) [M, N] (act: silu, or gelu_tanh with gelu): the bits of linear_x8's
 // two outputs through silu_mul / gelu_tanh_mul, in one pass over both matrices where the variant
-// has blocks
-at::Tensor gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu);
+// has blocks; there, with bf16_out, rounded to bf16 (a kBFloat16 tensor) for a next BF16 matrix
+// (linear_x8 takes it as it is; the other paths give float32)
+at::Tensor gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu,
+                    bool bf16_out);
 // Q8_0 x8 weights (ggml_x8_layout.h) on the AMX-BF16 tiles: outs[j] [M, N_j] (allocated) = bf16(x) @
 // bf16(q d)^T, each record dequantized to bf16 once per call; the avx512amx_bf16 x8 variant's gemm
 void amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs);

@@ -39,6 +39,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ggml_x8_layout.h"
@@ -120,30 +121,46 @@ struct Ahead {
 // What a block stores: its 8 G rows' sums (kNone), or for a gate/up pair act(gate) * up: the
 // block's groups [0, G/2) are rows of the gate matrix, [G/2, G) the same rows of up, and it
 // stores simd.h's silu_mul8 (kSilu) or gelu_tanh_mul8 (kGelu) of the sums it would have stored,
-// 4 G values a row (the bits of silu_mul / gelu_tanh_mul on linear_x8's gate and up)
+// 4 G values a row (the bits of silu_mul / gelu_tanh_mul on linear_x8's gate and up), as float32
+// or (O = uint16_t) rounded to bf16 as bf16_rne rounds them: what the next matmul's vdpbf16ps
+// takes, so that it need not round a float32 copy
 enum Act { kNone = 0, kSilu = 1, kGelu = 2 };
 
-template <int A>
-inline void store_act(float* out, __m256 gate, __m256 up) {
+template <int A, typename O>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void store_act(O* out, __m256 gate, __m256 up) {
 #ifdef PAGEDLLM_AVX2
-  _mm256_storeu_ps(out, A == kSilu ? pagedllm_simd::silu_mul8(gate, up) : pagedllm_simd::gelu_tanh_mul8(gate, up));
+  const __m256 act = A == kSilu ? pagedllm_simd::silu_mul8(gate, up) : pagedllm_simd::gelu_tanh_mul8(gate, up);
+  if constexpr (std::is_same_v<O, float>) {
+    _mm256_storeu_ps(out, act);
+  } else {  // bf16_rne on 8 lanes: (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    const __m256i u = _mm256_castps_si256(act);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtepi32_epi16(r));
+  }
 #else
   alignas(32) float g[kRows], u[kRows];
   _mm256_store_ps(g, gate);
   _mm256_store_ps(u, up);
-  for (int r = 0; r < kRows; ++r)
-    out[r] = A == kSilu ? pagedllm_simd::silu_mul1(g[r], u[r]) : pagedllm_simd::gelu_tanh_mul1(g[r], u[r]);
+  for (int r = 0; r < kRows; ++r) {
+    const float a = A == kSilu ? pagedllm_simd::silu_mul1(g[r], u[r]) : pagedllm_simd::gelu_tanh_mul1(g[r], u[r]);
+    if constexpr (std::is_same_v<O, float>)
+      out[r] = a;
+    else
+      out[r] = bf16_rne(a);
+  }
 #endif
 }
 
 // rec: the records of groups [0, G) (kNone) or of the gate's [0, G/2); rec2: the up matrix's
 // records of the same rows (kSilu, kGelu), else unused
-template <int G, int C, int A>
+template <int G, int C, int A, typename O>
 __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(const uint8_t* rec, const uint8_t* rec2,
                                                                                int64_t gstride, int64_t nq,
                                                                                const uint16_t* xb, int64_t k,
-                                                                               float* out, int64_t ldo,
+                                                                               O* out, int64_t ldo,
                                                                                const Ahead& ahead) {
+  static_assert(A != kNone || std::is_same_v<O, float>, "sums are stored as float32");
   static_assert(A == kNone || G % 2 == 0, "a gate/up block pairs its groups");
   constexpr int kOutGroups = A == kNone ? G : G / 2;
   const uint8_t* base[G];
@@ -195,7 +212,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void dp_block(co
       if constexpr (A == kNone) {
         _mm256_storeu_ps(out + c * ldo + kRows * g, rows(g, c));
       } else {
-        store_act<A>(out + c * ldo + kRows * g, rows(g, c), rows(g + G / 2, c));
+        store_act<A, O>(out + c * ldo + kRows * g, rows(g, c), rows(g + G / 2, c));
       }
     }
 }
@@ -211,9 +228,9 @@ struct Span {
 // next block's weights into L2, each chunk its share (of a second span, the later chunks): the
 // first chunk of a block would otherwise wait on memory for every record (24 layers of a 0.5B
 // model at 32 rows, one thread, Zen 4: 120 against 128 ms a step, the head 46 against 50.5).
-template <int G, int A>
+template <int G, int A, typename O = float>
 void dp_block_rows(const uint8_t* rec, const uint8_t* rec2, int64_t gstride, int64_t nq, const uint16_t* xb,
-                   int64_t k, int64_t m, float* out, int64_t ldo, Span next, Span next2) {
+                   int64_t k, int64_t m, O* out, int64_t ldo, Span next, Span next2) {
   // the rows split as evenly as the chunks allow (32 = 5 + 6 + 5 + 5 + 6 + 5, not 5 x 6 + 2):
   // a chunk of 2 rows keeps only 2 G dot chains in flight, too few to fill the pipes
   const int64_t chunks = (m + kBlockCols - 1) / kBlockCols;
@@ -233,15 +250,15 @@ void dp_block_rows(const uint8_t* rec, const uint8_t* rec2, int64_t gstride, int
       ahead.per = (ahead.count + nq - 1) / nq;
     }
     const uint16_t* xc = xb + c * k;
-    float* oc = out + c * ldo;
+    O* oc = out + c * ldo;
     c += rows;
     switch (rows) {
-      case 6: dp_block<G, 6, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 5: dp_block<G, 5, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 4: dp_block<G, 4, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 3: dp_block<G, 3, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
-      case 2: dp_block<G, 2, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
-      default: dp_block<G, 1, A>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead);
+      case 6: dp_block<G, 6, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 5: dp_block<G, 5, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 4: dp_block<G, 4, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 3: dp_block<G, 3, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      case 2: dp_block<G, 2, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead); break;
+      default: dp_block<G, 1, A, O>(rec, rec2, gstride, nq, xc, k, oc, ldo, ahead);
     }
   }
 }
@@ -264,19 +281,20 @@ void dp_blocked(const uint8_t* w, int64_t g0, int64_t groups, int64_t k, const u
 }
 
 // groups [g0, g0 + groups) (groups <= kBlockGroups / 2) of a gate and an up matrix by all m x
-// rows, act(gate) * up into out; next_gate / next_up: the records of the thread's next block
-template <int A>
+// rows, act(gate) * up into out (float32, or bf16 bits with O = uint16_t); next_gate / next_up:
+// the records of the thread's next block
+template <int A, typename O>
 void dp_blocked_gated(const uint8_t* gate, const uint8_t* up, int64_t g0, int64_t groups, int64_t k,
-                      const uint16_t* xb, int64_t m, float* out, int64_t ldo, const uint8_t* next_gate,
+                      const uint16_t* xb, int64_t m, O* out, int64_t ldo, const uint8_t* next_gate,
                       const uint8_t* next_up, int64_t next_groups) {
   static_assert(kBlockGroups == 4, "dp_blocked_gated's switch");
   const int64_t nq = k / 4, gstride = 16 * k;
   const Span ahead{next_gate, next_groups * nq}, ahead2{next_up, next_groups * nq};
-  float* o = out + g0 * kRows;
+  O* o = out + g0 * kRows;
   if (groups == 2)
-    dp_block_rows<4, A>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
+    dp_block_rows<4, A, O>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
   else
-    dp_block_rows<2, A>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
+    dp_block_rows<2, A, O>(gate + g0 * gstride, up + g0 * gstride, gstride, nq, xb, k, m, o, ldo, ahead, ahead2);
 }
 
 // --- AVX-512F FMA ------------------------------------------------------------------------
@@ -820,8 +838,17 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
   TORCH_CHECK(!ws.empty(), "need at least one weight");
   for (const at::Tensor& w : ws) check_packed(w, k);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  const int64_t m = x_in.size(0), nq = k / 4;
+  if (x_in.scalar_type() == at::kBFloat16 && v.fn == nullptr && !(v.amx && m >= kAmxMinRows)) {
+    // bf16 x (gated_with's bf16_out) for the vdpbf16ps blocks: its bits are what they would have
+    // rounded a float32 x to
+    const at::Tensor xb = x_in.contiguous();
+    std::vector<at::Tensor> outs;
+    for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, xb.options().dtype(at::kFloat)));
+    blocked_linear(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), m, ws, k, outs);
+    return outs;
+  }
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0), nq = k / 4;
   std::vector<at::Tensor> outs;
   for (const at::Tensor& w : ws) outs.push_back(at::empty({m, w.size(0) * kRows}, x.options()));
   if (v.amx && m >= kAmxMinRows) {
@@ -875,9 +902,12 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
 // gelu_tanh with gelu), [M, N] float32: the bits of linear_with's two outputs through silu_mul /
 // gelu_tanh_mul. The vdpbf16ps blocks (dp_blocked) apply it as they store, each block a pair of
 // gate and up groups: no [M, 2 N] gate/up outputs written and read back, no pass of its own.
-// The other variants (and the AMX tiles) take linear_with, then the op.
+// The other variants (and the AMX tiles) take linear_with, then the op. bf16_out: the blocks
+// store the values rounded to bf16 (a kBFloat16 tensor: what linear_with's vdpbf16ps variants
+// would round them to, so that they need not; the caller's next matrix must be one of those);
+// the other paths return float32 whatever it asks.
 at::Tensor gated_with(const at::Tensor& x_in, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu,
-                      const Variant& v) {
+                      bool bf16_out, const Variant& v) {
   check_packed(gate, k);
   check_packed(up, k);
   TORCH_CHECK(gate.sizes() == up.sizes(), "gate and up must have the same shape, got ", gate.sizes(), " and ",
@@ -890,11 +920,12 @@ at::Tensor gated_with(const at::Tensor& x_in, const at::Tensor& gate, const at::
     return gelu ? pagedllm_ops::gelu_tanh_mul(gu[0], gu[1]) : pagedllm_ops::silu_mul(gu[0], gu[1]);
   }
   const int64_t groups = gate.size(0), n = groups * kRows;
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   const XPrep prep = bf16_rows(x);
   const uint8_t* gp = gate.data_ptr<uint8_t>();
   const uint8_t* upp = up.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
+  float* op = bf16_out ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   constexpr int64_t kPair = kBlockGroups / 2;  // groups of each matrix a block takes
   const int64_t ntasks = (groups + kPair - 1) / kPair, gstride = 16 * k;
   const int64_t grain = std::max<int64_t>(1, (ntasks + at::get_num_threads() - 1) / at::get_num_threads());
@@ -905,7 +936,11 @@ at::Tensor gated_with(const at::Tensor& x_in, const at::Tensor& gate, const at::
       const int64_t next_count = more ? std::min(kPair, groups - g - kPair) : 0;
       const uint8_t* ng = more ? gp + (g + kPair) * gstride : nullptr;
       const uint8_t* nu = more ? upp + (g + kPair) * gstride : nullptr;
-      if (gelu)
+      if (bf16_out && gelu)
+        dp_blocked_gated<kGelu>(gp, upp, g, count, k, prep.bf, m, ob, n, ng, nu, next_count);
+      else if (bf16_out)
+        dp_blocked_gated<kSilu>(gp, upp, g, count, k, prep.bf, m, ob, n, ng, nu, next_count);
+      else if (gelu)
         dp_blocked_gated<kGelu>(gp, upp, g, count, k, prep.bf, m, op, n, ng, nu, next_count);
       else
         dp_blocked_gated<kSilu>(gp, upp, g, count, k, prep.bf, m, op, n, ng, nu, next_count);
@@ -915,8 +950,8 @@ at::Tensor gated_with(const at::Tensor& x_in, const at::Tensor& gate, const at::
 }
 
 at::Tensor bf16_gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k, bool gelu,
-                         const std::string& variant) {
-  return gated_with(x, gate, up, k, gelu, variant_of(variant));
+                         bool bf16_out, const std::string& variant) {
+  return gated_with(x, gate, up, k, gelu, bf16_out, variant_of(variant));
 }
 
 // x [M, K] float32 @ W^T -> [M, N] float32 by the named variant (tests and benchmarks)
@@ -969,8 +1004,8 @@ std::vector<at::Tensor> pagedllm_bf16::linear_x8(const at::Tensor& x, at::Tensor
 }
 
 at::Tensor pagedllm_bf16::gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t k,
-                                   bool gelu) {
-  return gated_with(x, gate, up, k, gelu, active().v);
+                                   bool gelu, bool bf16_out) {
+  return gated_with(x, gate, up, k, gelu, bf16_out, active().v);
 }
 
 std::string pagedllm_bf16::amx_q8_missing() { return missing_feature("amx"); }
@@ -993,7 +1028,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("bf16_unpack_x8(Tensor w, int k) -> Tensor");
   m.def("bf16_embed_x8(Tensor w, Tensor ids, int k) -> Tensor");
   m.def("bf16_linear_x8(Tensor x, Tensor w, int k, str variant) -> Tensor");
-  m.def("bf16_gated_x8(Tensor x, Tensor gate, Tensor up, int k, bool gelu, str variant) -> Tensor");
+  m.def("bf16_gated_x8(Tensor x, Tensor gate, Tensor up, int k, bool gelu, bool bf16_out, str variant) -> Tensor");
   // the variant BF16 weights run in ggml_linear_x8 and the decode stack, and why; the variants
   // this CPU runs, best first; force one
   m.def("bf16_kernel() -> (str, str)", &bf16_kernel);

@@ -49,16 +49,16 @@ def _range_ratio(text: str) -> float:
     return value
 
 
-def _float_in(lo: float, hi: float, name: str):
-    """A float in [lo, hi] for --temperature / --top-p."""
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    """A float in [lo, hi] ((lo, hi] with lo_open) for --temperature / --top-p."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-        if not lo <= value <= hi or (name == "top-p" and value == 0.0):
+        if not lo <= value <= hi or (lo_open and value == lo):
             raise argparse.ArgumentTypeError(
-                f"must be in {'(0' if name == 'top-p' else f'[{lo:g}'}, {hi:g}], got {value}")
+                f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value}")
         return value
     return parse
 
@@ -93,9 +93,9 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--output-json", default=None, metavar="PATH",
                        help="also write the results as JSON here (default: stdout only)")
         # vLLM's `bench serve` names; the requests still run to --output-len (ignore_eos)
-        p.add_argument("--temperature", type=_float_in(0.0, float("inf"), "temperature"), default=0.0,
+        p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0,
                        help="sampling temperature of every request (default 0: greedy)")
-        p.add_argument("--top-p", type=_float_in(0.0, 1.0, "top-p"), default=1.0,
+        p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0,
                        help="nucleus sampling's p (default 1: off)")
         p.add_argument("--top-k", type=_int_at_least(-1), default=-1,
                        help="keep the k most likely tokens (default -1: off)")

@@ -101,6 +101,18 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def uniforms(n: int, generators: dict[int, torch.Generator], seeded_rows: list[int],
+             device: torch.device) -> torch.Tensor:
+    """n float64 uniforms in [0, 1), one a row: a seeded row's from its own generator, so that
+    other rows cannot shift it; the others' from torch's."""
+    u = torch.empty(n, dtype=torch.float64, device=device)  # [N]
+    if len(seeded_rows) < n:
+        u.uniform_()
+    for row in seeded_rows:
+        u[row:row + 1].uniform_(generator=generators[row])
+    return u
+
+
 def random_sample(
     probs: torch.Tensor, generators: dict[int, torch.Generator], seeded_rows: list[int]
 ) -> torch.Tensor:
@@ -109,13 +121,7 @@ def random_sample(
     vLLM draws an exponential for every id instead (argmax of p / q); on the CPU torch makes
     those one at a time, 93 ms for 32 rows of a 152k vocabulary on one Zen 4 core, against
     17 ms for this (a float64 cumsum: float32 would drift by up to V x 6e-8 over the row)."""
-    n = probs.shape[0]
-    u = torch.empty(n, dtype=torch.float64, device=probs.device)  # [N]
-    if len(seeded_rows) < n:
-        u.uniform_()
-    # Each seeded row draws only from its own generator, so other rows cannot shift it.
-    for row in seeded_rows:
-        u[row:row + 1].uniform_(generator=generators[row])
+    u = uniforms(probs.shape[0], generators, seeded_rows, probs.device)  # [N]
     cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [N, V]
     total = cdf[:, -1]  # [N]; 1 up to rounding
     # Strictly below the total, so the id found is one whose probability is not zero.

@@ -98,17 +98,19 @@ class Sampler(torch.nn.Module):
         is_greedy = temperature < SAMPLING_EPS
         # Greedy rows get temperature 1 only to avoid dividing by zero; their draw is discarded.
         temperature = torch.where(is_greedy, 1.0, temperature)
+        # Greedy rows leave their generator untouched, so mixing batches cannot advance it.
+        greedy_rows = is_greedy.tolist() if meta.generators else []
+        seeded = {row for row in meta.generators if not greedy_rows[row]}
         if self._cpu_ops:
-            drawn = _draw_cpu(logits, temperature, is_greedy, meta)
+            # one uniform number a row, a seeded row's from its own generator
+            u = ops.uniforms(logits.shape[0], meta.generators, sorted(seeded), torch.device("cpu"))
+            drawn = ops.sample_rows(logits, temperature, meta.top_k, meta.top_p, meta.min_p, u)
             return drawn if greedy is None else torch.where(is_greedy, greedy, drawn)
         logits = logits / temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = ops.apply_min_p(logits, meta.min_p.to(logits.device))
         top_k = None if meta.top_k is None else meta.top_k.to(logits.device)
         top_p = None if meta.top_p is None else meta.top_p.to(logits.device)
-        # Greedy rows leave their generator untouched, so mixing batches cannot advance it.
-        greedy_rows = is_greedy.tolist() if meta.generators else []
-        seeded = {row for row in meta.generators if not greedy_rows[row]}
         drawn = _draw(logits, ~is_greedy.cpu(), top_k, top_p, meta.generators, seeded)  # [N]
         if greedy is None:
             return drawn
@@ -140,21 +142,6 @@ def _draw(logits: torch.Tensor, random: torch.Tensor, top_k: Optional[torch.Tens
         gens = {i: generators[r] for i, r in enumerate(rest) if r in seeded}
         drawn[rest] = ops.random_sample(probs, gens, sorted(gens))
     return drawn
-
-
-def _draw_cpu(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: torch.Tensor,
-              meta: SamplingMetadata) -> torch.Tensor:
-    """One draw per row of logits [N, V] by ops.sample_rows: temperature, min-p, top-k, top-p
-    and the inverse CDF at one uniform number per row; a seeded random row draws that number
-    from its own generator (greedy rows leave theirs untouched), so its tokens do not depend
-    on the other rows. -1 for a row whose logits are not finite."""
-    u = torch.empty(logits.shape[0], dtype=torch.float64)  # [N]
-    u.uniform_()
-    greedy_rows = is_greedy.tolist() if meta.generators else []
-    for row, gen in meta.generators.items():
-        if not greedy_rows[row]:
-            u[row:row + 1].uniform_(generator=gen)
-    return ops.sample_rows(logits, temperature, meta.top_k, meta.top_p, meta.min_p, u)
 
 
 def _rows_of(t: Optional[torch.Tensor], rows: list[int], whole: bool) -> Optional[torch.Tensor]:

@@ -253,26 +253,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* p = xp + r * v;
-      float best = p[0];
-      bool nan = false;
-      int64_t i = 0;
-#ifdef PAGEDLLM_AVX2
-      __m256 m = _mm256_set1_ps(p[0]);
-      __m256 bad = _mm256_setzero_ps();
-      for (; i + 8 <= v; i += 8) {
-        const __m256 a = _mm256_loadu_ps(p + i);
-        m = _mm256_max_ps(m, a);
-        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-      }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, m);
-      best = *std::max_element(lanes, lanes + 8);
-      nan = _mm256_movemask_ps(bad) != 0;
-#endif
-      for (; i < v; ++i) {
-        nan |= std::isnan(p[i]);
-        best = std::max(best, p[i]);
-      }
+      bool nan;
+      const float best = pagedllm_simd::row_max<false>(p, v, 1.f, nan);
       if (nan) {
         op[r] = x.select(0, r).argmax().item<int64_t>();
         continue;

@@ -49,29 +49,9 @@ constexpr size_t kSortMax = 8192;  // top-p candidates up to this: sorted; beyon
 
 // m = max of l / t; false when a value is NaN or the max is not finite
 bool row_max(const float* l, int64_t v, float t, float& m) {
-  float best = -std::numeric_limits<float>::infinity();
-  bool nan = false;
-  int64_t i = 0;
-#ifdef PAGEDLLM_AVX2
-  const __m256 tv = _mm256_set1_ps(t);
-  __m256 mv = _mm256_set1_ps(best), bad = _mm256_setzero_ps();
-  for (; i + 8 <= v; i += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(l + i), tv);
-    mv = _mm256_max_ps(mv, z);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  best = *std::max_element(lanes, lanes + 8);
-  nan = _mm256_movemask_ps(bad) != 0;
-#endif
-  for (; i < v; ++i) {
-    const float z = l[i] / t;
-    nan |= std::isnan(z);
-    best = std::max(best, z);
-  }
-  m = best;
-  return !nan && std::isfinite(best);
+  bool nan;
+  m = pagedllm_simd::row_max<true>(l, v, t, nan);
+  return !nan && std::isfinite(m);
 }
 
 // e_i = exp(l_i / t - m), 0 below kExpFloor (the top id's e is exactly 1)

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -66,6 +67,35 @@ inline float exp_nonpositive1(float x) {
   float scale;
   std::memcpy(&scale, &e, 4);
   return p * scale;
+}
+
+// The max of a row's p[i] / t (kScaled) or p[i], and whether any of them is NaN (-inf for no
+// values): the greedy argmax's and the sampler's first pass
+template <bool kScaled>
+inline float row_max(const float* p, int64_t v, float t, bool& nan) {
+  float best = -std::numeric_limits<float>::infinity();
+  nan = false;
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+  const __m256 tv = _mm256_set1_ps(t);
+  __m256 m = _mm256_set1_ps(best), bad = _mm256_setzero_ps();
+  for (; i + 8 <= v; i += 8) {
+    __m256 z = _mm256_loadu_ps(p + i);
+    if constexpr (kScaled) z = _mm256_div_ps(z, tv);
+    m = _mm256_max_ps(m, z);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  best = *std::max_element(lanes, lanes + 8);
+  nan = _mm256_movemask_ps(bad) != 0;
+#endif
+  for (; i < v; ++i) {
+    const float z = kScaled ? p[i] / t : p[i];
+    nan |= std::isnan(z);
+    best = std::max(best, z);
+  }
+  return best;
 }
 
 // The gated activations' elementwise step, act(x) * u, shared by silu_mul / gelu_tanh_mul

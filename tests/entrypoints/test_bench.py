@@ -1,6 +1,7 @@
 """`pagedllm bench`: latency and throughput in-process, serve against a real server; JSON keys."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -174,6 +175,12 @@ def test_sampled_requests(tmp_path, smollm_gguf):
                    "--top-p", "0.95", "--top-k", "40"], tmp_path / "r.json")
     assert result["sampling"] == "temperature 0.8, top_p 0.95, top_k 40"
     assert result["output_tokens"] == 4 * 8
+    from pagedllm.entrypoints.bench import _params  # what every offline request is given
+
+    params = _params(argparse.Namespace(output_len=8, temperature=0.8, top_p=0.95, top_k=40,
+                                        structured_output="none"))
+    assert (params.temperature, params.top_p, params.top_k) == (0.8, 0.95, 40)
+    assert params.ignore_eos and params.max_tokens == 8
 
 
 @pytest.mark.parametrize("flag,value,allowed", [("--top-p", "0", "(0, 1]"),

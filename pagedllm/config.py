@@ -665,6 +665,8 @@ class EngineConfig:
     # speculative method "draft_model": the draft model's own config (its model, dtype and
     # quantization; the target's platform, cache blocks and scheduler limits)
     draft: Optional["EngineConfig"] = None
+    # greedy rows take the head's int8 screen (layers/head_screen.py); its bytes are planned
+    head_screen: bool = False
 
     def __post_init__(self) -> None:
         self.parallel.check_layers(self.arch.num_hidden_layers)

@@ -13,6 +13,7 @@ from pagedllm.config import (AT_LOAD_METHODS, CacheConfig, EngineConfig, ModelAr
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
+from pagedllm.layers.head_screen import screen_bytes, screen_planned
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
@@ -256,21 +257,24 @@ class CandidatePlanner:
     batched: int  # max_num_batched_tokens
     keeps_blocks: bool  # a GGUF keeping some of its blocks (_keeps_gguf_blocks)
     draft: Optional[ModelFootprint] = None  # a draft model's, held beside this model's
+    head_screen: bool = False  # the greedy head's int8 screen sits beside the weights
 
     @classmethod
     def of(cls, args: EngineArgs, ckpt: Checkpoint, platform: Platform, quantization: str,
            rank_mems: Optional[Sequence[MemoryInfo]],
-           draft: Optional[ModelFootprint] = None) -> "CandidatePlanner":
+           draft: Optional[ModelFootprint] = None, screens: bool = True) -> "CandidatePlanner":
         """Read the checkpoint's metadata and the memory once; rank_mems None: each rank's
-        cgroup with pipeline parallelism (_rank_cgroup_memories)."""
+        cgroup with pipeline parallelism (_rank_cgroup_memories); screens: whether this model
+        may get a head screen (not a draft model: its runner has none)."""
         tensors = gguf_tensors(ckpt)
         num_params, source = checkpoint_num_params(ckpt, tensors)
         mem = platform.memory()
         if rank_mems is None:
             rank_mems = _rank_cgroup_memories(args, platform)
+        screen = screens and head_screen_planned(args, ckpt, platform, quantization)
         return cls(args, ckpt, platform, quantization, tensors, num_params, source, mem,
                    rank_mems, _max_num_batched_tokens(args, ckpt, platform),
-                   _keeps_gguf_blocks(ckpt, platform, quantization, tensors), draft)
+                   _keeps_gguf_blocks(ckpt, platform, quantization, tensors), draft, screen)
 
     def footprint(self, c: Candidate) -> ModelFootprint:
         """The model's footprint in this candidate's dtype, with the bytes its weights hold:
@@ -296,6 +300,11 @@ class CandidatePlanner:
                          f"read adapters of rank {lora.max_lora_rank} ({fmt_bytes(extra)})")
             fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra, lora_bytes=extra,
                                      dtype_name=described)
+        if self.head_screen:
+            extra = screen_bytes(ckpt.arch)
+            fp = dataclasses.replace(fp, weight_bytes=fp.weight_bytes + extra,
+                                     dtype_name=f"{fp.dtype_name} + the greedy head's int8 "
+                                                f"screen ({fmt_bytes(extra)})")
         if not c.mapped and (ckpt.kind == "gguf" or at_load):  # regrouping holds the blocks twice
             fp = dataclasses.replace(fp, load_extra_bytes=regrouped_bytes(
                 layout, at_load, one_matrix=quantization == "bf16"))
@@ -502,7 +511,8 @@ def make_engine_config(args: EngineArgs, ckpt: Checkpoint,
         rank_nodes=() if nodes is None else nodes.node_ids,
         step_timeout=args.step_timeout, runner=runner.runner, pooler=runner.pooler,
         hf_overrides=args.hf_overrides, lora=lora,
-        speculative=args.speculative())
+        speculative=args.speculative(),
+        head_screen=head_screen_planned(args, ckpt, choice.platform, quantization))
     if draft is None:
         return config
     logger.info("draft model %s: %s, %s of weights, a KV cache of %d blocks beside the "
@@ -530,6 +540,13 @@ class DraftPlan:
                             quantization=self.quantization, step_timeout=None)
 
 
+def head_screen_planned(args: EngineArgs, ckpt: Checkpoint, platform: Platform,
+                        quantization: str) -> bool:
+    """Whether this model's greedy rows get the head's int8 screen (layers/head_screen.py)."""
+    return screen_planned(ckpt.arch, quantization, platform.name == "cpu",
+                          choose_runner(args, ckpt).runner, args.parallel_config().world_size)
+
+
 def plan_draft(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> DraftPlan:
     """The draft model of args' speculative_config (method "draft_model") resolved as any
     model is (its own quantization and dtype), refused by name if it cannot draft."""
@@ -548,7 +565,7 @@ def plan_draft(args: EngineArgs, ckpt: Checkpoint, platform: Platform) -> DraftP
     dtype = engine_dtype(spec.dtype, ckpt.arch.torch_dtype, platform, quantization)
     # the draft's cache is in its compute dtype (draft_runner.initialize_kv_cache)
     draft_args = dataclasses.replace(draft_args, kv_cache_dtype=_dtype_name(dtype))
-    planner = CandidatePlanner.of(draft_args, ckpt, platform, quantization, None)
+    planner = CandidatePlanner.of(draft_args, ckpt, platform, quantization, None, screens=False)
     fp = planner.footprint(Candidate(dtype))
     return DraftPlan(ckpt, dtype, quantization, dataclasses.replace(
         fp, dtype_name=f"{_dtype_name(dtype)}, quantization {quantization}"))

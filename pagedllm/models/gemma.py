@@ -16,6 +16,8 @@ global ones use rope_theta and rope_scaling; no attention soft-cap, the final on
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -96,6 +98,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def greedy_head(self) -> Optional[nn.Module]:
+        """The module whose output compute_logits is, as it is; None under soft-capping (a
+        tanh can make logits equal that were not)."""
+        return self.lm_head if self.config.gemma.final_logit_softcapping is None else None
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -174,6 +174,10 @@ class LlamaForCausalLM(nn.Module):
         """Vocabulary logits [N, V] for hidden states [N, H]."""
         return self.lm_head(hidden)
 
+    def greedy_head(self) -> nn.Module:
+        """The module whose output compute_logits is, as it is (the head screen's)."""
+        return self.lm_head
+
     def checkpoint_params(self) -> dict[str, torch.Tensor]:
         """Checkpoint tensor name -> the tensor it loads into (models/checkpoint_names.py)."""
         return checkpoint_params(self)

@@ -36,11 +36,13 @@ from pagedllm.distributed.stage import PipelineStage
 from pagedllm.distributed.tensor_parallel import TensorParallelRank
 from pagedllm.layers.attention import bind_kv_cache
 from pagedllm.layers.custom_op import attn_backend_for, build_context
+from pagedllm.layers.head_screen import HeadScreen
 from pagedllm.layers.lora import LoRAGroup, set_lora_groups, step_lora_slots
 from pagedllm.layers.pooler import Pooler
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.rejection import verify_point_mass
 from pagedllm.sample.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.bitmask import allocate_bitmask
 from pagedllm.worker.captured_decode import CapturedDecode, decide
 from pagedllm.worker.draft_runner import DraftJob, DraftRunner
@@ -88,6 +90,8 @@ class ModelRunner:
         self.lora: Optional[LoRASlots] = None  # enable_lora: the adapters' slots (load_model)
         self._told_lora_decode = False  # the log said once that LoRA steps skip the C++ stack
         self._stack_lora = False  # the captured decode step applies LoRA (take_lora)
+        # greedy rows' tokens without the head's logits (layers/head_screen.py), when planned
+        self.head_screen: Optional[HeadScreen] = None
         # speculative method "draft_model": proposes drafts after each step
         self.drafter = None if config.draft is None else DraftRunner(
             config.draft, self.vocab_size, self.buffers)
@@ -117,6 +121,12 @@ class ModelRunner:
                                       self.device)
             self._stack_lora = (self.captured_decode is not None
                                 and self.captured_decode.take_lora())
+        if self.config.head_screen:
+            self.head_screen = HeadScreen.build(getattr(self.model, "greedy_head", lambda: None)())
+            logger.info("greedy rows: %s", "the head's int8 screen (a Q8_0 copy, %.0f MB: the "
+                        "bf16 logits of the ids it cannot rule out, the same tokens)"
+                        % (self.head_screen.nbytes / 1e6) if self.head_screen is not None else
+                        "the full head (it is not one packed bf16 matrix the screen can copy)")
 
     @property
     def samples(self) -> bool:
@@ -306,32 +316,45 @@ class ModelRunner:
         if not seqs:
             return
         width = [1 + len(spec.get(s.state.req_id, ())) for s in seqs]
-        rows = torch.tensor([s.start + s.num_tokens - w + j for s, w in zip(seqs, width)
-                             for j in range(w)], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]; every tensor rank gathers
-        if not self.samples:
-            return  # tensor parallel rank > 0: rank 0 samples, its tokens come next step
+        rows = [s.start + s.num_tokens - w + j for s, w in zip(seqs, width) for j in range(w)]
         # row r belongs to states[r] and sees outputs[r] (its drafts before it, if any)
         states = [s.state for s, w in zip(seqs, width) for _ in range(w)]
         outputs = [s.state.token_ids[s.state.num_prompt_tokens:len(s.state.token_ids) - w + 1 + j]
                    for s, w in zip(seqs, width) for j in range(w)]
-        generators = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
-        meta = SamplingMetadata.from_params(
-            [st.sampling_params for st in states], [st.prompt_token_ids for st in states],
-            outputs, generators, self.vocab_size, self.eos_token_ids, self.device)
-        if grammar is not None:
-            meta.grammar_bitmask = _bitmask_rows(grammar, [st.req_id for st in states],
-                                                 self.vocab_size, self.device)
-        result = self.sampler(logits, meta)
-        tokens = result.sampled_token_ids.tolist()
-        for i in result.no_allowed_token:
-            out.errors[states[i].req_id] = (
-                "no token is allowed: the request's constraints together exclude every token "
-                "(allowed_token_ids, structured output, min_tokens' ban on EOS)")
-        for i in result.not_finite:
-            out.errors[states[i].req_id] = (
-                "sampling failed: the model's logits for this request are not finite (NaN), so "
-                "no token could be drawn")
+        # plain greedy rows the head screen decides take no logits (a 1-row request has no drafts)
+        screened = self._screen_greedy(states, outputs, hidden, rows, grammar,
+                                       [w for w in width for _ in range(w)])
+        rest = [i for i in range(len(rows)) if i not in screened]
+        tokens: list[int] = [screened.get(i, 0) for i in range(len(rows))]
+        result = None
+        if rest:
+            logits = self.model.compute_logits(  # [R, V]; every tensor rank gathers
+                hidden[torch.tensor([rows[i] for i in rest], device=self.device)])
+            if not self.samples:
+                return  # tensor parallel rank > 0: rank 0 samples, its tokens come next step
+            rstates = [states[i] for i in rest]
+            generators = {j: st.generator for j, st in enumerate(rstates)
+                          if st.generator is not None}
+            meta = SamplingMetadata.from_params(
+                [st.sampling_params for st in rstates], [st.prompt_token_ids for st in rstates],
+                [outputs[i] for i in rest], generators, self.vocab_size, self.eos_token_ids,
+                self.device)
+            if grammar is not None:
+                meta.grammar_bitmask = _bitmask_rows(grammar, [st.req_id for st in rstates],
+                                                     self.vocab_size, self.device)
+            result = self.sampler(logits, meta)
+            for i, tok in zip(rest, result.sampled_token_ids.tolist()):
+                tokens[i] = tok
+            for j in result.no_allowed_token:
+                out.errors[rstates[j].req_id] = (
+                    "no token is allowed: the request's constraints together exclude every "
+                    "token (allowed_token_ids, structured output, min_tokens' ban on EOS)")
+            for j in result.not_finite:
+                out.errors[rstates[j].req_id] = (
+                    "sampling failed: the model's logits for this request are not finite "
+                    "(NaN), so no token could be drawn")
+        # a row's place among the sampler's rows (its logprobs' row); screened rows have none
+        at = {i: j for j, i in enumerate(rest)}
         first = 0
         for seq, w in zip(seqs, width):
             st, row = seq.state, first
@@ -339,16 +362,35 @@ class ModelRunner:
             if st.req_id in out.errors:
                 continue  # fails at the scheduler's update
             k = st.sampling_params.logprobs
+            lp = None if result is None or k is None else result.logprobs
             if w == 1:
                 out.sampled[st.req_id] = tokens[row]  # the state gets it with the next step
-                if k is not None and result.logprobs is not None:
-                    out.logprobs[st.req_id] = _row_logprobs(result.logprobs, row, k)
+                if lp is not None:
+                    out.logprobs[st.req_id] = _row_logprobs(lp, at[row], k)
                 continue
             kept = verify_point_mass(tokens[row:row + w], spec[st.req_id])
             out.spec_token_ids[st.req_id] = kept
-            if k is not None and result.logprobs is not None:
-                out.spec_logprobs[st.req_id] = [_row_logprobs(result.logprobs, row + j, k)
+            if lp is not None:
+                out.spec_logprobs[st.req_id] = [_row_logprobs(lp, at[row] + j, k)
                                                 for j in range(len(kept))]
+
+    def _screen_greedy(self, states: list[CachedRequestState], outputs: list[list[int]],
+                       hidden: torch.Tensor, rows: list[int], grammar: Optional[GrammarBitmask],
+                       width: list[int]) -> dict[int, int]:
+        """Row -> token for the plain greedy rows (nothing but the argmax of the logits: no
+        logprobs, penalties, logit_bias, allowed ids, min_tokens ban, grammar or drafts) that the
+        head screen decides; the rest take the logits and the sampler."""
+        if self.head_screen is None:
+            return {}
+        constrained = set(grammar.req_ids) if grammar is not None else set()
+        plain = [i for i, (st, o) in enumerate(zip(states, outputs))
+                 if width[i] == 1 and st.req_id not in constrained
+                 and _plain_greedy(st.sampling_params, len(o))]
+        if not plain:
+            return {}
+        got = self.head_screen.argmax(
+            hidden[torch.tensor([rows[i] for i in plain], device=self.device)]).tolist()
+        return {i: tok for i, tok in zip(plain, got) if tok >= 0}
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:
@@ -398,6 +440,13 @@ def _bitmask_rows(grammar: GrammarBitmask, req_ids: list[str], vocab_size: int,
     if targets:
         rows[targets] = grammar.bitmask[sources]
     return rows.to(device)
+
+
+def _plain_greedy(p: SamplingParams, num_output: int) -> bool:
+    """Whether a row's token is the argmax of its raw logits and nothing else is wanted of them."""
+    return (p.is_greedy and p.logprobs is None and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+            and not p.logit_bias and not p.allowed_token_ids and num_output >= p.min_tokens)
 
 
 def _row_logprobs(lp: LogprobsTensors, row: int, k: int) -> TokenLogprobs:

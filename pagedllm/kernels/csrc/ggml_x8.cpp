@@ -285,6 +285,37 @@ std::vector<at::Tensor> pagedllm_ggml::linear_x8(const at::Tensor& x, at::Tensor
   return ggml_linear_x8(x, ws, qtypes, k);
 }
 
+bool pagedllm_ggml::q8_int_linear(const at::Tensor& x, const at::Tensor& wq, int64_t k, at::Tensor& out,
+                                  at::Tensor& xt) {
+#ifdef PAGEDLLM_AVX2
+  const IsaVariant& isa = active_isa();
+  if (isa.kernels_for == nullptr) return false;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == k && k % 32 == 0,
+              "x must be a contiguous float32 [M, ", k, "] with k a multiple of 32");
+  check_packed(wq, kQ8_0, k);
+  const int64_t m = x.size(0), nb = k / 32;
+  std::vector<at::Tensor> outs{at::empty({m, wq.size(0) * kRows}, x.options())};
+  linear_simd(isa, x, {wq}, {kQ8_0}, k, outs);
+  out = outs[0];
+  // x as linear_simd's quantize_x made it (the same call here): d q per 32 values
+  xt = at::empty({m, k}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* tp = xt.data_ptr<float>();
+  at::parallel_for(0, m, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int8_t> q(k);
+    std::vector<float> d(nb), s(nb);
+    for (int64_t i = i0; i < i1; ++i) {
+      quantize_x(xp + i * k, k, q.data(), d.data(), s.data(), nullptr, 32, 1, 1);
+      for (int64_t j = 0; j < k; ++j) tp[i * k + j] = d[j / 32] * static_cast<float>(q[j]);
+    }
+  });
+  return true;
+#else
+  (void)x, (void)wq, (void)k, (void)out, (void)xt;
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("ggml_pack_x8(Tensor w, int qtype, int k) -> Tensor");
   m.def("ggml_unpack_x8(Tensor w, int qtype, int k) -> Tensor");

@@ -51,6 +51,11 @@ std::vector<at::Tensor> linear_x8(const at::Tensor& x, at::TensorList ws, at::In
 // rounded to bf16 there with bf16_out (for a BF16 down matrix: linear_x8 takes the bf16 tensor)
 at::Tensor gated_x8(const at::Tensor& x, at::TensorList ws, at::IntArrayRef qtypes, int64_t k, bool gelu,
                     bool bf16_out = false);
+// x [M, K] float32 @ Wq^T for a Q8_0 x8 weight by the active variant's integer kernels (never the
+// AMX-BF16 tiles) into out [M, N], and xt [M, K]: x as those kernels quantize it (d q per 32
+// values, d float32), so that out is x~ @ Wq~^T up to the float updates' rounding. false where the
+// variant has no integer kernels (the generic one, or a build without AVX2).
+bool q8_int_linear(const at::Tensor& x, const at::Tensor& wq, int64_t k, at::Tensor& out, at::Tensor& xt);
 }  // namespace pagedllm_ggml
 
 namespace pagedllm_bf16 {  // x8_bf16.cpp: y_j = x @ W_j^T for bf16 x8 weights (ggml type BF16), by the active variant
@@ -64,7 +69,20 @@ at::Tensor gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tenso
 // Q8_0 x8 weights (ggml_x8_layout.h) on the AMX-BF16 tiles: outs[j] [M, N_j] (allocated) = bf16(x) @
 // bf16(q d)^T, each record dequantized to bf16 once per call; the avx512amx_bf16 x8 variant's gemm
 void amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs);
-std::string amx_q8_missing();  // "" when this CPU and process can run amx_q8_linear, else what is missing
+std::string amx_q8_missing();
+// x as the active variant multiplies it: float32 [M, K], rounded to bf16 for the vdpbf16ps
+// variants, x itself for the FMA ones; alone: whether linear_x8 of these M rows computes each row
+// by itself with the bits group_logits gives (all but the AMX tiles from 8 rows on and the FMA
+// variants' BLAS path from 64)
+struct SeenX {
+  at::Tensor x;
+  std::string variant;  // the active variant when seen_x ran: group_logits takes the same
+  bool alone;
+};
+SeenX seen_x(const at::Tensor& x, int64_t k);
+// out[8 j + r] = row r of group groups[j] of w (bf16 x8, [N / 8, 16 k]) times row `row` of seen.x
+void group_logits(const SeenX& seen, int64_t row, const at::Tensor& w, int64_t k, const int64_t* groups, int64_t n,
+                  float* out);  // "" when this CPU and process can run amx_q8_linear, else what is missing
 }  // namespace pagedllm_bf16
 
 namespace pagedllm_amx {  // x8_bf16.cpp: the AMX tile data permission, asked of the kernel once a

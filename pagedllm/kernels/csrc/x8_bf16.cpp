@@ -1008,6 +1008,52 @@ at::Tensor pagedllm_bf16::gated_x8(const at::Tensor& x, const at::Tensor& gate, 
   return gated_with(x, gate, up, k, gelu, bf16_out, active().v);
 }
 
+pagedllm_bf16::SeenX pagedllm_bf16::seen_x(const at::Tensor& x_in, int64_t k) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  const Active a = active();
+  const Variant& v = a.v;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0);
+  SeenX seen{x, a.name, !(v.amx && m >= kAmxMinRows) && !(m >= kDenseRows && !v.bf16_x)};
+  if (v.bf16_x) {  // what bf16_rows hands the vdpbf16ps blocks, widened back (exact)
+    seen.x = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    float* sp = seen.x.data_ptr<float>();
+    at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) sp[i] = widen(bf16_rne(xp[i]));
+    });
+  }
+  return seen;
+}
+
+void pagedllm_bf16::group_logits(const SeenX& seen, int64_t row, const at::Tensor& w, int64_t k,
+                                 const int64_t* groups, int64_t n, float* out) {
+  check_packed(w, k);
+  const Variant v = variant_of(seen.variant);
+  const float* xr = seen.x.data_ptr<float>() + row * k;
+  std::vector<uint16_t> bf(v.bf16_x ? k : 0);
+  std::vector<float> perm(v.bf16_x ? 0 : k);
+  XPrep prep;  // this row alone, as bf16_rows or linear_with's permutation prepares it
+  if (v.bf16_x) {
+    for (int64_t i = 0; i < k; ++i) bf[i] = bf16_rne(xr[i]);  // exact: the values are bf16 already
+    prep.bf = bf.data();
+  } else {
+    static const int kPerm[4] = {0, 2, 1, 3};
+    for (int64_t i = 0; i < k; i += 4)
+      for (int e = 0; e < 4; ++e) perm[i + e] = xr[i + kPerm[e]];
+    prep.perm = perm.data();
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(groups[j] >= 0 && groups[j] < w.size(0), "group ", groups[j], " is outside the weight's ", w.size(0));
+    const uint8_t* rec = wp + groups[j] * 16 * k;
+    if (v.fn != nullptr)
+      v.fn(rec, k / 4, prep, k, 0, 1, out + kRows * j, 0);
+    else
+      dp_blocked(rec, 0, 1, k, prep.bf, 1, out + kRows * j, kRows, nullptr, 0);
+  }
+}
+
 std::string pagedllm_bf16::amx_q8_missing() { return missing_feature("amx"); }
 
 void pagedllm_bf16::amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {

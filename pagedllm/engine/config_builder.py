@@ -13,12 +13,12 @@ from pagedllm.config import (AT_LOAD_METHODS, CacheConfig, EngineConfig, ModelAr
 from pagedllm.distributed.stage import PipelineStage
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.runner_choice import RunnerChoice, choose_runner
-from pagedllm.layers.head_screen import screen_bytes, screen_planned
 from pagedllm.loader.checkpoint import Checkpoint
 from pagedllm.loader.gguf.header import GGUFTensorInfo
 from pagedllm.loader.metadata import checkpoint_num_params, gguf_kept_embedding, gguf_tensors
 from pagedllm.memory.advice_text import advise
 from pagedllm.memory.footprint import ModelFootprint, footprint, lora_bytes, regrouped_bytes
+from pagedllm.memory.head_screen import screen_bytes, screen_planned
 from pagedllm.memory.plan import (InsufficientMemoryError, MemoryPlan, PlanLimits, plan_memory,
                                   plan_pipeline_memory)
 from pagedllm.memory.rank_memory import RankNodes, rank_memories

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.config import ModelArchConfig
+from pagedllm.memory.head_screen import screen_bytes, screen_planned
 from pagedllm.memory.weight_layout import AT_LOAD_BYTES, WeightLayout
 from pagedllm.platforms.interface import fmt_bytes
 
@@ -78,17 +79,23 @@ class FormatCost:
     how: str  # the LLM() arguments that choose it
     weight_bytes: int  # resident after the load
     load_peak_bytes: int  # weights held at the load's peak
-    step_bytes: int  # weight bytes one decode step reads
+    step_bytes: int  # weight bytes one decode step reads (greedy)
     decode_bound_tok_per_s: float  # at READ_BYTES_PER_S
     measured: Optional[Measured]  # this model measured (None: not measured)
+    # bf16x8: the greedy head's int8 screen (layers/head_screen.py), in weight_bytes; a greedy
+    # step reads it instead of the bf16 head
+    screen_bytes: int = 0
 
     def describe(self) -> str:
         """One clause: memory, the speed bound, and what was measured."""
         text = (f"{self.name} ({self.how}): weights {fmt_bytes(self.weight_bytes)}"
                 + (f" (load peak {fmt_bytes(self.load_peak_bytes)})"
                    if self.load_peak_bytes > self.weight_bytes else "")
-                + f", one-stream decode at most ~{self.decode_bound_tok_per_s:.0f} tok/s at "
-                  f"{READ_BYTES_PER_S / 1e9:.1f} GB/s")
+                + (f" with the greedy head's int8 screen ({fmt_bytes(self.screen_bytes)})"
+                   if self.screen_bytes else "")
+                + f", one-stream decode at most ~{self.decode_bound_tok_per_s:.0f} tok/s"
+                + (" greedy" if self.screen_bytes else "")
+                + f" at {READ_BYTES_PER_S / 1e9:.1f} GB/s")
         if self.measured is not None:
             text += (f", measured {self.measured.decode_tok_per_s:.1f} tok/s and perplexity "
                      f"{self.measured.perplexity:.3f} on the shipped text")
@@ -110,16 +117,20 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
     big = values.embedding + values.head
     step_big = values.embedding + values.head if values.tied else values.head
     costs = {}
+    screen = screen_bytes(arch) if screen_planned(arch, "bf16", True, "generate", 1) else 0
     for name, (how, per_matrix, per_big) in FORMATS.items():
         weights = int(matrices * per_matrix + big * per_big)
         step = int(matrices * per_matrix + step_big * per_big)
+        held = screen if name == "bf16x8" else 0
+        if held:  # greedy steps read the head's Q8_0 copy instead of its bf16 rows
+            weights, step = weights + held, step - int(values.head or values.embedding) * 2 + held
         # int8/int4/bf16x8 are made slice by slice as the float tensors are read, then
         # regrouped for the kernels (model_loader): the blocks held twice at the peak (bf16x8:
         # one matrix at a time, footprint.regrouped_bytes; bounded by the largest part)
         peak = (weights + int(max(max(values.layers, default=0) * per_matrix, big * per_big))
                 if name == "bf16x8" else 2 * weights if name in MADE_AT_LOAD else weights)
         costs[name] = FormatCost(name, how, weights, peak, step, READ_BYTES_PER_S / max(1, step),
-                                 None if known is None else known[1].get(name))
+                                 None if known is None else known[1].get(name), held)
     return costs
 
 

@@ -7,6 +7,7 @@ import pytest
 from pagedllm.engine.config_builder import weight_format_costs
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from pagedllm.memory import weight_formats as wf
+from pagedllm.memory.head_screen import ENV, screen_bytes
 from pagedllm.memory.weight_layout import weight_layout
 
 
@@ -21,8 +22,14 @@ def test_bytes_follow_the_block_formats(qwen_hf_dir):
     # made slice by slice at load, then regrouped for the kernels: the blocks twice
     assert costs["int8"].load_peak_bytes == 2 * costs["int8"].weight_bytes
     assert costs["bf16"].load_peak_bytes == costs["bf16"].weight_bytes
-    # bf16 regrouped for pagedllm's kernels: bf16's bytes, made at load like int8
-    assert costs["bf16x8"].weight_bytes == costs["bf16"].weight_bytes
+    # bf16 regrouped for pagedllm's kernels: bf16's bytes, made at load like int8, and the
+    # greedy head's int8 screen, which a greedy step reads instead of the bf16 head
+    screen = costs["bf16x8"].screen_bytes
+    assert screen == screen_bytes(ckpt.arch) > 0
+    assert costs["bf16x8"].weight_bytes == costs["bf16"].weight_bytes + screen
+    head = weight_layout(ckpt, 2).head
+    assert costs["bf16x8"].step_bytes == costs["bf16"].step_bytes - head + screen
+    assert "with the greedy head's int8 screen" in costs["bf16x8"].describe()
     # regrouped one matrix at a time: the peak holds the largest part twice, not all
     assert (costs["bf16x8"].weight_bytes < costs["bf16x8"].load_peak_bytes
             < 1.5 * costs["bf16x8"].weight_bytes)
@@ -31,6 +38,14 @@ def test_bytes_follow_the_block_formats(qwen_hf_dir):
     assert not layout.tied and costs["fp32"].step_bytes == layout.total - layout.embedding
     for cost in costs.values():
         assert cost.decode_bound_tok_per_s == pytest.approx(wf.READ_BYTES_PER_S / cost.step_bytes)
+
+
+def test_without_the_screen_bf16x8_holds_bf16s_bytes(qwen_hf_dir, monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    costs = weight_format_costs(resolve_checkpoint(qwen_hf_dir))
+    assert costs["bf16x8"].screen_bytes == 0
+    assert costs["bf16x8"].weight_bytes == costs["bf16"].weight_bytes
+    assert costs["bf16x8"].step_bytes == costs["bf16"].step_bytes
 
 
 def test_measured_figures_belong_to_the_measured_model_only(qwen_hf_dir, smollm_hf_dir):

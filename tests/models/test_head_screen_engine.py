@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.config_builder import plan_engine_memory
 from pagedllm.kernels import kernels_available
-from pagedllm.layers.head_screen import ENV, screen_bytes
+from pagedllm.memory.head_screen import ENV, screen_bytes
 from pagedllm.loader.checkpoint import resolve_checkpoint
 from tiny_models import VOCAB, prompts, random_init, save_hf_dir
 

@@ -68,7 +68,7 @@ def main() -> None:
         raise SystemExit("this model runs without the head screen (see the start-up log)")
     rows = []
     argmax = screen.argmax
-    screen.argmax = lambda x: rows.append(x.clone()) or argmax(x)
+    screen.argmax = lambda x, step_rows=0: rows.append(x.clone()) or argmax(x, step_rows)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 150000) for _ in range(100)]}
                for _ in range(32)]

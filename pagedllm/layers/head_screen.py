@@ -46,7 +46,8 @@ class HeadScreen:
     def nbytes(self) -> int:
         return self.wq.numel() + self.norms.numel() * 4
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Greedy token of each row of x [M, H] under the head ([M] int64), -1 where undecided."""
+    def argmax(self, x: torch.Tensor, step_rows: int = 0) -> torch.Tensor:
+        """Greedy token of each row of x [M, H] under the head ([M] int64), -1 where undecided:
+        the head's argmax in a call of step_rows rows (0: M), the step's rows x is part of."""
         return torch.ops.pagedllm.bf16_head_argmax(x, self.head.weight, self.wq, self.norms,
-                                                   self.head.in_features)
+                                                   self.head.in_features, step_rows)

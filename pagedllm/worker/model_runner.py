@@ -389,7 +389,8 @@ class ModelRunner:
         if not plain:
             return {}
         got = self.head_screen.argmax(
-            hidden[torch.tensor([rows[i] for i in plain], device=self.device)]).tolist()
+            hidden[torch.tensor([rows[i] for i in plain], device=self.device)],
+            len(rows)).tolist()
         return {i: tok for i, tok in zip(plain, got) if tok >= 0}
 
     def _prompt_logprobs(self, step: StepInputs, hidden: torch.Tensor,

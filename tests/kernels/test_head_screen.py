@@ -142,6 +142,8 @@ def test_bad_inputs_name_what_is_wrong():
         ops.bf16_head_argmax(_x(2, 0)[:, :64], wp, wq, norms, K)
     with pytest.raises(RuntimeError, match="groups"):
         ops.bf16_head_argmax(_x(2, 0), wp, wq[:4], norms, K)
+    with pytest.raises(RuntimeError, match="w must be a bf16 x8 weight"):
+        ops.bf16_head_argmax(_x(2, 0), wq, wq, norms, K)
 
 
 @pytest.mark.parametrize("isa", torch.ops.pagedllm.kernel_isas() if kernels_available() else [])
@@ -162,3 +164,20 @@ def test_every_int8_variant_screens_alike(isa):
         assert (got == -1).all()  # 20 rows on the bf16 tiles
     else:
         assert torch.equal(got, _full(x, wp))
+
+
+def test_a_step_too_large_for_rows_alone_is_left_to_the_full_head():
+    """step_rows: the rows of the step's full head call, of which x holds some. Under a float32-x
+    variant a 64-row call takes BLAS, so even 3 rows of such a step are not decided."""
+    fma = [v for v in bf16_kernel().runnable if v not in ("amx", "avx512bf16")]
+    chosen = bf16_kernel().name
+    wp, wq, norms = _screen(_head(256, seed=9))
+    x = _x(3, 4)
+    try:
+        ops.set_bf16_kernel(fma[0])
+        assert (ops.bf16_head_argmax(x, wp, wq, norms, K, 64) == -1).all()
+        assert torch.equal(ops.bf16_head_argmax(x, wp, wq, norms, K, 63), _full(x, wp))
+        with pytest.raises(RuntimeError, match="step_rows"):
+            ops.bf16_head_argmax(x, wp, wq, norms, K, 2)
+    finally:
+        ops.set_bf16_kernel(chosen)

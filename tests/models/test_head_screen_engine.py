@@ -84,7 +84,8 @@ def test_a_mixed_batch_gives_the_full_heads_tokens(engines, monkeypatch):
     screen = model_runner(screened).head_screen
     seen = []
     argmax = screen.argmax
-    monkeypatch.setattr(screen, "argmax", lambda x: seen.append(x.shape[0]) or argmax(x))
+    monkeypatch.setattr(screen, "argmax",
+                        lambda x, step_rows=0: seen.append(x.shape[0]) or argmax(x, step_rows))
     params = _mixed()
     token_prompts = prompts((9, 17, 30, 5, 12, 21, 8, 40), seed=4)
     reqs = [{"prompt_token_ids": p} for p in token_prompts]
@@ -105,8 +106,8 @@ def test_the_screen_decides_what_the_full_head_would(engines):
     decided = []
     argmax = runner.head_screen.argmax
 
-    def counted(x):
-        out = argmax(x)
+    def counted(x, step_rows=0):
+        out = argmax(x, step_rows)
         decided.append(int((out >= 0).sum()) == x.shape[0])
         return out
     runner.head_screen.argmax = counted

@@ -3,13 +3,14 @@
 // bf16 logits of the few ids the bound cannot rule out.
 //
 //   bf16_head_argmax(x [M, K] float32, w: the head's bf16 x8 records, wq: its Q8_0 x8 copy,
-//                    norms [3, N] float32, k) -> [M] int64
+//                    norms [3, N] float32, k, step_rows) -> [M] int64
 //
-// Row m's token is the id linear_x8(x, w) would give its largest logit (the first of equals, as
-// the sampler's argmax takes it), or -1 where this op does not decide (the caller then computes
-// the logits): a row whose x, seen x or int8 logits are not finite, a variant whose rows' bits
-// depend on the batch at M rows (pagedllm_bf16::seen_x's `alone`), a variant with no integer
-// kernels (pagedllm_ggml::q8_int_linear).
+// Row m's token is the id linear_x8 would give its largest logit in a call of step_rows rows (0:
+// M; the step's rows, of which x holds the plain greedy ones), the first of equals, as the
+// sampler's argmax takes it; or -1 where this op does not decide (the caller then computes the
+// logits): a row whose x, seen x or int8 logits are not finite, a variant whose rows' bits depend
+// on the batch at M or step_rows rows (pagedllm_bf16::seen_x's `alone`), a variant with no
+// integer kernels (pagedllm_ggml::q8_int_linear).
 //
 // Why it is exact. Let x^ be x as the bf16 kernels multiply it (seen_x), x~ as the int8 kernels
 // quantize it (d q per 32 values), w_i row i of the head and w~_i its Q8_0 copy. Row i's logit
@@ -122,16 +123,22 @@ bool candidates(const float* a, const float* wn, const float* en, const float* t
 }
 
 at::Tensor bf16_head_argmax(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& wq,
-                            const at::Tensor& norms, int64_t k) {
+                            const at::Tensor& norms, int64_t k, int64_t step_rows) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(1) == 16 * k,
+              "w must be a bf16 x8 weight [N / 8, ", 16 * k, "] (uint8)");
   const int64_t m = x_in.size(0), n = w.size(0) * kRows;
+  TORCH_CHECK(step_rows == 0 || step_rows >= m, "step_rows (", step_rows, ") must be 0 or at least x's ", m,
+              " rows");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 2 && norms.size(0) == 3 &&
                   norms.size(1) == n,
               "norms must be a contiguous float32 [3, ", n, "]");
   TORCH_CHECK(wq.dim() == 2 && wq.size(0) == w.size(0), "the Q8_0 copy must have the head's ", w.size(0), " groups");
   at::Tensor tokens = at::full({m}, -1, x_in.options().dtype(at::kLong));
-  const pagedllm_bf16::SeenX seen = pagedllm_bf16::seen_x(x_in, k);
-  if (!seen.alone || m == 0) return tokens;
+  if (m == 0) return tokens;
+  // the rows' bits must be those the step's full head call (step_rows of them) would give
+  const pagedllm_bf16::SeenX seen = pagedllm_bf16::seen_x(x_in, k, std::max(m, step_rows));
+  if (!seen.alone) return tokens;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor a, xt;
   if (!pagedllm_ggml::q8_int_linear(x, wq, k, a, xt)) return tokens;
@@ -237,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> bf16_head_q8_copy(const at::Tensor& w, int64_
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("bf16_head_argmax(Tensor x, Tensor w, Tensor wq, Tensor norms, int k) -> Tensor");
+  m.def("bf16_head_argmax(Tensor x, Tensor w, Tensor wq, Tensor norms, int k, int step_rows=0) -> Tensor");
   m.def("bf16_head_q8_copy(Tensor w, int k) -> (Tensor, Tensor)");
 }
 

@@ -71,15 +71,15 @@ at::Tensor gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tenso
 void amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs);
 std::string amx_q8_missing();
 // x as the active variant multiplies it: float32 [M, K], rounded to bf16 for the vdpbf16ps
-// variants, x itself for the FMA ones; alone: whether linear_x8 of these M rows computes each row
-// by itself with the bits group_logits gives (all but the AMX tiles from 8 rows on and the FMA
-// variants' BLAS path from 64)
+// variants, x itself for the FMA ones; alone: whether linear_x8 of max(M, call_rows) rows computes
+// each row by itself with the bits group_logits gives (all but the AMX tiles from 8 rows on and
+// the FMA variants' BLAS path from 64)
 struct SeenX {
   at::Tensor x;
   std::string variant;  // the active variant when seen_x ran: group_logits takes the same
   bool alone;
 };
-SeenX seen_x(const at::Tensor& x, int64_t k);
+SeenX seen_x(const at::Tensor& x, int64_t k, int64_t call_rows = 0);
 // out[8 j + r] = row r of group groups[j] of w (bf16 x8, [N / 8, 16 k]) times row `row` of seen.x
 void group_logits(const SeenX& seen, int64_t row, const at::Tensor& w, int64_t k, const int64_t* groups, int64_t n,
                   float* out);  // "" when this CPU and process can run amx_q8_linear, else what is missing

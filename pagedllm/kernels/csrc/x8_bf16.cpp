@@ -1008,12 +1008,12 @@ at::Tensor pagedllm_bf16::gated_x8(const at::Tensor& x, const at::Tensor& gate, 
   return gated_with(x, gate, up, k, gelu, bf16_out, active().v);
 }
 
-pagedllm_bf16::SeenX pagedllm_bf16::seen_x(const at::Tensor& x_in, int64_t k) {
+pagedllm_bf16::SeenX pagedllm_bf16::seen_x(const at::Tensor& x_in, int64_t k, int64_t call_rows) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "x must be [M, ", k, "]");
   const Active a = active();
   const Variant& v = a.v;
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0);
+  const int64_t m = std::max(x.size(0), call_rows);
   SeenX seen{x, a.name, !(v.amx && m >= kAmxMinRows) && !(m >= kDenseRows && !v.bf16_x)};
   if (v.bf16_x) {  // what bf16_rows hands the vdpbf16ps blocks, widened back (exact)
     seen.x = at::empty_like(x);

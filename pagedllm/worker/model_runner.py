@@ -122,11 +122,15 @@ class ModelRunner:
             self._stack_lora = (self.captured_decode is not None
                                 and self.captured_decode.take_lora())
         if self.config.head_screen:
-            self.head_screen = HeadScreen.build(getattr(self.model, "greedy_head", lambda: None)())
-            logger.info("greedy rows: %s", "the head's int8 screen (a Q8_0 copy, %.0f MB: the "
-                        "bf16 logits of the ids it cannot rule out, the same tokens)"
-                        % (self.head_screen.nbytes / 1e6) if self.head_screen is not None else
-                        "the full head (it is not one packed bf16 matrix the screen can copy)")
+            screen = HeadScreen.build(getattr(self.model, "greedy_head", lambda: None)())
+            if screen is None:
+                logger.info("greedy rows: the full head (it is not one packed bf16 matrix the "
+                            "screen can copy)")
+            else:
+                logger.info("greedy rows: the head's int8 screen (a Q8_0 copy, %.0f MB; the "
+                            "bf16 logits of the ids it cannot rule out: the same tokens)",
+                            screen.nbytes / 1e6)
+            self.head_screen = screen
 
     @property
     def samples(self) -> bool:
@@ -311,7 +315,8 @@ class ModelRunner:
                 grammar: Optional[GrammarBitmask], spec: dict[str, list[int]]) -> None:
         """Sample each request that reached its last token: one row, or with k drafts one row
         per draft position and one after them (sample/rejection.py), each row's history
-        holding the drafts before it (penalties and min_tokens see what that position sees)."""
+        holding the drafts before it (penalties and min_tokens see what that position sees).
+        Plain greedy rows the head screen decides take no logits; the rest the sampler's."""
         seqs = [s for s in step.seqs if s.samples]
         if not seqs:
             return

@@ -123,7 +123,7 @@ def format_costs(arch: ModelArchConfig, values: WeightLayout) -> dict[str, Forma
         step = int(matrices * per_matrix + step_big * per_big)
         held = screen if name == "bf16x8" else 0
         if held:  # greedy steps read the head's Q8_0 copy instead of its bf16 rows
-            weights, step = weights + held, step - int(values.head or values.embedding) * 2 + held
+            weights, step = weights + held, step - int(step_big * per_big) + held
         # int8/int4/bf16x8 are made slice by slice as the float tensors are read, then
         # regrouped for the kernels (model_loader): the blocks held twice at the peak (bf16x8:
         # one matrix at a time, footprint.regrouped_bytes; bounded by the largest part)

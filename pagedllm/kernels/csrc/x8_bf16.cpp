@@ -75,6 +75,13 @@ struct XPrep {
   const float* perm = nullptr;
 };
 
+// n values of x as the FMA variants read them (XPrep::perm): each quad as x0 x2 x1 x3
+inline void fma_quads(const float* x, float* out, int64_t n) {
+  static const int kPerm[4] = {0, 2, 1, 3};
+  for (int64_t i = 0; i < n; i += 4)
+    for (int e = 0; e < 4; ++e) out[i + e] = x[i + kPerm[e]];
+}
+
 using GroupFn = void (*)(const uint8_t* rec, int64_t nq, const XPrep& x, int64_t k, int64_t c0, int64_t cols,
                          float* out, int64_t ldo);
 
@@ -872,9 +879,7 @@ std::vector<at::Tensor> linear_with(const at::Tensor& x_in, at::TensorList ws, i
   } else {
     prep.buf = at::empty({m * k}, x.options());
     float* perm = prep.buf.data_ptr<float>();
-    static const int kPerm[4] = {0, 2, 1, 3};
-    for (int64_t i = 0; i < m * k; i += 4)
-      for (int e = 0; e < 4; ++e) perm[i + e] = xp[i + kPerm[e]];
+    fma_quads(xp, perm, m * k);
     prep.perm = perm;
   }
   if (v.fn == nullptr) {
@@ -1038,9 +1043,7 @@ void pagedllm_bf16::group_logits(const SeenX& seen, int64_t row, const at::Tenso
     for (int64_t i = 0; i < k; ++i) bf[i] = bf16_rne(xr[i]);  // exact: the values are bf16 already
     prep.bf = bf.data();
   } else {
-    static const int kPerm[4] = {0, 2, 1, 3};
-    for (int64_t i = 0; i < k; i += 4)
-      for (int e = 0; e < 4; ++e) perm[i + e] = xr[i + kPerm[e]];
+    fma_quads(xr, perm.data(), k);
     prep.perm = perm.data();
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();

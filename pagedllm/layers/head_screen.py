@@ -3,7 +3,7 @@
 A greedy row wants one id: the largest of the head's V logits. The screen keeps a Q8_0 copy of
 the head (0.53 of its bytes) and, for such rows, multiplies it with the int8 kernels (twice the
 bf16 kernels' peak on AVX512-VNNI/BF16), bounds how far each int8 logit can be from the bf16 one,
-and computes the bf16 logits of the few ids that bound cannot rule out (one, most steps). The
+and computes the bf16 logits of the few ids that bound cannot rule out (one, most rows). The
 token is the id the full head and the sampler's argmax give, bit for bit: the op's comment says
 why. Rows the op does not decide (not finite, or a kernel variant whose rows depend on the batch)
 come back as -1 and take the full head.

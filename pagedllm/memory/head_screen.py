@@ -18,7 +18,7 @@ def screen_bytes(arch: ModelArchConfig) -> int:
 def screen_planned(arch: ModelArchConfig, quantization: str, on_cpu: bool, runner: str,
                    world_size: int) -> bool:
     """Whether a model with these settings gets a head screen (and its bytes are planned)."""
-    gemma = getattr(arch, "gemma", None)
+    gemma = arch.gemma
     return (os.environ.get(ENV, "1") != "0" and on_cpu and quantization == "bf16"
             and runner == "generate" and world_size == 1 and not arch.is_encoder
             and arch.hidden_size % Q8_BLOCK == 0 and arch.vocab_size % 8 == 0

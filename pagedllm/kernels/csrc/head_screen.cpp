@@ -198,45 +198,44 @@ std::tuple<at::Tensor, at::Tensor> bf16_head_q8_copy(const at::Tensor& w, int64_
   const int64_t groups = w.size(0), n = groups * kRows, nb = k / 32;
   at::Tensor wq = pagedllm_ops::empty_weights(groups, nb * kRec);
   at::Tensor norms = at::empty({3, n}, at::kFloat);
-  const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = wq.data_ptr<uint8_t>();
   float* np = norms.data_ptr<float>();
   std::atomic<bool> finite{true};
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    std::vector<float> row(k);
-    for (int64_t g = g0; g < g1; ++g)
-      for (int r = 0; r < kRows; ++r) {
-        for (int64_t j = 0; j < k; ++j) {  // byte 64 q + 8 r + 2 v = w[r][4 q + v]
-          uint16_t h;
-          std::memcpy(&h, src + g * 16 * k + 64 * (j / 4) + 8 * r + 2 * (j % 4), 2);
-          const uint32_t bits = static_cast<uint32_t>(h) << 16;
-          std::memcpy(&row[j], &bits, 4);
-        }
-        double wn = 0, en = 0, tn = 0;
-        for (int64_t b = 0; b < nb; ++b) {
-          float amax = 0.f;
-          for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(row[32 * b + i]));
-          const at::Half dh = static_cast<at::Half>(amax / 127.f);
-          const float d = static_cast<float>(dh);
-          if (!std::isfinite(d) || !std::isfinite(amax)) finite = false;
-          uint8_t* rec = dst + g * nb * kRec + b * kRec;
-          std::memcpy(rec + 2 * r, &dh, 2);
-          for (int i = 0; i < 32; ++i) {
-            const float v = row[32 * b + i];
-            const float q = d > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(v / d))) : 0.f;
-            rec[16 + 32 * (i / 4) + 4 * r + i % 4] = static_cast<uint8_t>(static_cast<int8_t>(q));
-            const double t = static_cast<double>(d) * q;
-            wn += static_cast<double>(v) * v;
-            en += (v - t) * (v - t);
-            tn += t * t;
+  constexpr int64_t kChunkGroups = 256;  // rows widened at a time (2,048 of k floats: ~7 MB at k 896)
+  for (int64_t c0 = 0; c0 < groups; c0 += kChunkGroups) {
+    const int64_t c1 = std::min(groups, c0 + kChunkGroups);
+    const at::Tensor rows = pagedllm_bf16::widen_rows(w, k, c0, c1);  // [8 (c1 - c0), k]
+    const float* rp = rows.data_ptr<float>();
+    at::parallel_for(c0, c1, 16, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int r = 0; r < kRows; ++r) {
+          const float* row = rp + ((g - c0) * kRows + r) * k;
+          double wn = 0, en = 0, tn = 0;
+          for (int64_t b = 0; b < nb; ++b) {
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(row[32 * b + i]));
+            const at::Half dh = static_cast<at::Half>(amax / 127.f);
+            const float d = static_cast<float>(dh);
+            if (!std::isfinite(d) || !std::isfinite(amax)) finite = false;
+            uint8_t* rec = dst + g * nb * kRec + b * kRec;
+            std::memcpy(rec + 2 * r, &dh, 2);
+            for (int i = 0; i < 32; ++i) {
+              const float v = row[32 * b + i];
+              const float q = d > 0.f ? std::min(127.f, std::max(-127.f, std::nearbyint(v / d))) : 0.f;
+              rec[16 + 32 * (i / 4) + 4 * r + i % 4] = static_cast<uint8_t>(static_cast<int8_t>(q));
+              const double t = static_cast<double>(d) * q;
+              wn += static_cast<double>(v) * v;
+              en += (v - t) * (v - t);
+              tn += t * t;
+            }
           }
+          const int64_t id = g * kRows + r;
+          np[id] = round_up(std::sqrt(wn));
+          np[n + id] = round_up(std::sqrt(en));
+          np[2 * n + id] = round_up(std::sqrt(tn));
         }
-        const int64_t id = g * kRows + r;
-        np[id] = round_up(std::sqrt(wn));
-        np[n + id] = round_up(std::sqrt(en));
-        np[2 * n + id] = round_up(std::sqrt(tn));
-      }
-  });
+    });
+  }
   if (!finite) return {at::empty({0}, at::kByte), at::empty({0}, at::kFloat)};
   return {wq, norms};
 }

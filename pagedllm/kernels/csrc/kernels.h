@@ -69,7 +69,7 @@ at::Tensor gated_x8(const at::Tensor& x, const at::Tensor& gate, const at::Tenso
 // Q8_0 x8 weights (ggml_x8_layout.h) on the AMX-BF16 tiles: outs[j] [M, N_j] (allocated) = bf16(x) @
 // bf16(q d)^T, each record dequantized to bf16 once per call; the avx512amx_bf16 x8 variant's gemm
 void amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs);
-std::string amx_q8_missing();
+std::string amx_q8_missing();  // "" when this CPU and process can run amx_q8_linear, else what is missing
 // x as the active variant multiplies it: float32 [M, K], rounded to bf16 for the vdpbf16ps
 // variants, x itself for the FMA ones; alone: whether linear_x8 of max(M, call_rows) rows computes
 // each row by itself with the bits group_logits gives (all but the AMX tiles from 8 rows on and
@@ -82,7 +82,9 @@ struct SeenX {
 SeenX seen_x(const at::Tensor& x, int64_t k, int64_t call_rows = 0);
 // out[8 j + r] = row r of group groups[j] of w (bf16 x8, [N / 8, 16 k]) times row `row` of seen.x
 void group_logits(const SeenX& seen, int64_t row, const at::Tensor& w, int64_t k, const int64_t* groups, int64_t n,
-                  float* out);  // "" when this CPU and process can run amx_q8_linear, else what is missing
+                  float* out);
+// rows [g0 * 8, g1 * 8) of a bf16 x8 weight in float32, [rows, k] contiguous (exact)
+at::Tensor widen_rows(const at::Tensor& wp, int64_t k, int64_t g0, int64_t g1);
 }  // namespace pagedllm_bf16
 
 namespace pagedllm_amx {  // x8_bf16.cpp: the AMX tile data permission, asked of the kernel once a

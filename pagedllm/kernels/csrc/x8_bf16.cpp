@@ -1057,6 +1057,11 @@ void pagedllm_bf16::group_logits(const SeenX& seen, int64_t row, const at::Tenso
   }
 }
 
+at::Tensor pagedllm_bf16::widen_rows(const at::Tensor& wp, int64_t k, int64_t g0, int64_t g1) {
+  check_packed(wp, k);
+  return widen_groups(wp, k, g0, g1).contiguous();
+}
+
 std::string pagedllm_bf16::amx_q8_missing() { return missing_feature("amx"); }
 
 void pagedllm_bf16::amx_q8_linear(const at::Tensor& x, at::TensorList ws, int64_t k, std::vector<at::Tensor>& outs) {
